@@ -1,0 +1,41 @@
+"""`make_tiny`: random-weight checkpoints of each supported family, built from the
+transformers config classes (no hub needed). Same family + seed + scale -> same bytes."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from easerve.models.tiny.common import scale as _scale, seed_everything
+
+BUILDERS = {
+    "llava-next": "easerve.models.tiny.llava_next",
+    "qwen2.5-vl": "easerve.models.tiny.qwen2_5_vl",
+    "qwen2-audio": "easerve.models.tiny.qwen2_audio",
+    "ultravox": "easerve.models.tiny.ultravox",
+}
+DEFAULT_FAMILY = "qwen2.5-vl"
+
+
+def make_tiny(family: str, out: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
+    """Write a complete checkpoint folder for `family` to `out` and return it.
+
+    Each family module exposes `build(out: Path, seed: int, scale: Scale) -> None`.
+    """
+    if family not in BUILDERS:
+        raise ValueError(f"unknown --family {family!r}; choose one of {sorted(BUILDERS)}")
+    sc = _scale(scale)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(seed)
+    importlib.import_module(BUILDERS[family]).build(out, seed, sc)
+    return out
+
+
+def cached_tiny(family: str, root: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
+    """make_tiny into root/<family>-<scale>-s<seed>, reusing a complete earlier build."""
+    out = Path(root) / f"{family}-{scale}-s{seed}"
+    marker = out / ".complete"
+    if not marker.exists():
+        make_tiny(family, out, seed=seed, scale=scale)
+        marker.write_text("ok\n")
+    return out
