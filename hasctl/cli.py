@@ -1,0 +1,35 @@
+"""`hasctl`: Hybrid Auto Selection and operations for EAServe deployments.
+
+Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
+default tiny model), up (launch a deployment). Each subcommand lives in its own
+module and registers itself through `add_parser(subparsers)`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hasctl import demo, tiny_cmd
+
+COMMANDS = [tiny_cmd, demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hasctl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for mod in COMMANDS:
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # config / input errors: say what to change, no traceback
+        print(f"hasctl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""OpenAI chat-completions schema <-> EAServe domain objects (pure, no I/O).
+
+Accepted content parts: text, image_url (data: URI or bare base64), video_url
+(data: URI of a video file, or {"frames": [data URIs]}), input_audio
+({"data": base64 WAV, "format": "wav"}). Remote http(s) URLs are refused: the
+gateway fetches nothing from the network.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from easerve import media
+from easerve.types import SamplingParams
+
+
+class BadRequest(ValueError):
+    """Client error: HTTP 400 / INVALID_ARGUMENT, message says what to change."""
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]            # HF-style, media decoded
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    timeout_s: float | None = None
+
+
+def _url_of(part: dict, key: str) -> str:
+    val = part.get(key)
+    url = val.get("url") if isinstance(val, dict) else val
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"content part '{key}' needs {{\"url\": \"data:...;base64,...\"}}")
+    if url.startswith(("http://", "https://")):
+        raise BadRequest(f"remote URLs are not fetched; send the {key.split('_')[0]} inline as a data: URI")
+    return url
+
+
+def _video_of(part: dict):
+    val = part.get("video_url")
+    if isinstance(val, dict) and isinstance(val.get("frames"), list):
+        return media.decode_video([media.decode_image(f) for f in val["frames"]])
+    return media.decode_video(media.data_uri_bytes(_url_of(part, "video_url")))
+
+
+def _audio_of(part: dict, sampling_rate: int | None):
+    val = part.get("input_audio")
+    if not isinstance(val, dict) or not isinstance(val.get("data"), str):
+        raise BadRequest("content part 'input_audio' needs {\"data\": <base64 WAV>, \"format\": \"wav\"}")
+    fmt = val.get("format", "wav")
+    if fmt != "wav":
+        raise BadRequest(f"input_audio format {fmt!r} is not supported; send 16-bit or 32-bit PCM 'wav'")
+    if sampling_rate is None:
+        raise BadRequest("this model does not take audio; remove the input_audio part")
+    return media.decode_audio(media.b64_bytes(val["data"]), target_rate=sampling_rate)
+
+
+def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None) -> dict:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if not isinstance(part, dict) or "type" not in part:
+        raise BadRequest("each content part must be an object with a 'type'")
+    kind = part["type"]
+    need = {"image_url": "image", "video_url": "video", "input_audio": "audio"}.get(kind)
+    if need is not None and need not in modalities:
+        raise BadRequest(f"this model takes {', '.join(modalities) or 'text only'}; "
+                         f"content part type {kind!r} is not supported")
+    try:
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise BadRequest("text part needs a string 'text'")
+            return {"type": "text", "text": part["text"]}
+        if kind == "image_url":
+            return {"type": "image", "image": media.decode_image(_url_of(part, "image_url"))}
+        if kind == "video_url":
+            return {"type": "video", "video": _video_of(part)}
+        if kind == "input_audio":
+            return {"type": "audio", "audio": _audio_of(part, sampling_rate)}
+    except media.MediaError as e:
+        raise BadRequest(str(e)) from None
+    raise BadRequest(f"unsupported content part type {kind!r}; use text, image_url, video_url or input_audio")
+
+
+def convert_messages(raw, modalities: tuple[str, ...], sampling_rate: int | None) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest("each message needs a 'role' of system, user or assistant")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            parts = [convert_part(p, modalities, sampling_rate) for p in content]
+        else:
+            raise BadRequest("message 'content' must be a string or a list of content parts")
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise BadRequest("'stop' must be a string or a list of strings")
+
+
+def _opt(body: dict, key: str, default):
+    val = body.get(key)
+    return default if val is None else val
+
+
+def sampling_from(body: dict, default_max_tokens: int) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_opt(body, "temperature", 1.0)),
+            top_p=float(_opt(body, "top_p", 1.0)),
+            top_k=int(body.get("top_k") or 0),
+            seed=body.get("seed"),
+            stop=_stop(body),
+            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"bad sampling parameter: {e}") from None
+
+
+def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
+                       sampling_rate: int | None, default_max_tokens: int = 256) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise BadRequest(f"model {model!r} is not served here; GET /v1/models lists {served_model!r}")
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported")
+    opts = body.get("stream_options") or {}
+    return ChatRequest(model=model,
+                       messages=convert_messages(body.get("messages"), modalities, sampling_rate),
+                       sampling=sampling_from(body, default_max_tokens),
+                       stream=bool(body.get("stream", False)),
+                       include_usage=bool(opts.get("include_usage", False)),
+                       timeout_s=body.get("timeout"))
+
+
+def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": req.request_id, "object": "chat.completion.chunk", "created": created,
+            "model": req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict:
+    return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": req.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason}],
+            "usage": usage_json(prompt_tokens, completion_tokens)}
+
+
+def error_json(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+def models_json(served_model: str, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0,
+                                        "owned_by": "easerve", "max_model_len": max_model_len}]}
