@@ -1,0 +1,210 @@
+"""Adaptive encode micro-batcher (paper section "Batch according to the arrival process").
+
+Pure policy: no clock reads, no I/O, no torch. The caller passes `now` (from an injected
+`Clock`) to every call and executes the `Dispatch` plans it gets back.
+
+A batch is dispatched when
+- it reaches `max_batch` (at once, from `add`)                          -> reason "size"
+- the time since the last arrival reaches the gap threshold             -> reason "gap"
+- its oldest request has waited `safety_cap_s`                          -> reason "cap"
+`request_at_a_time` dispatches every request alone ("single"); `fixed` only uses size and cap.
+
+Rate estimate: an EWMA of inter-arrival gaps, weighted per arrival with a half-life of
+`rate_halflife` arrivals; lambda = 1 / EWMA(gap) and the threshold is
+`gap_coef * EWMA(gap) = gap_coef / lambda`, clamped to [min_gap_s, max_gap_s]. A gap sample
+longer than `max_gap_s / gap_coef` is truncated to it: the threshold could not use the extra
+length, and truncation lets the estimate recover within a few arrivals after an idle period.
+So `rate` never reads below `gap_coef / max_gap_s`.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable, Literal
+
+BatchMode = Literal["adaptive", "request_at_a_time", "fixed"]
+DispatchReason = Literal["size", "gap", "cap", "single", "flush"]
+MODES: tuple[str, ...] = ("adaptive", "request_at_a_time", "fixed")
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """Knobs of one encode worker's batcher. The gap threshold is gap_coef / lambda clamped
+    to [min_gap_s, max_gap_s]; `max_gap_s=None` means `safety_cap_s`. `initial_rate` seeds
+    lambda (e.g. the deployment's target rate) until arrivals have been seen."""
+
+    max_batch: int = 8
+    safety_cap_s: float = 1.0
+    gap_coef: float = 2.0
+    mode: BatchMode = "adaptive"
+    rate_halflife: float = 16.0
+    min_gap_s: float = 0.001
+    max_gap_s: float | None = None
+    initial_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        _positive("safety_cap_s", self.safety_cap_s)
+        _positive("gap_coef", self.gap_coef)
+        _positive("rate_halflife (arrivals)", self.rate_halflife)
+        _positive("min_gap_s (a 0 threshold would split simultaneous arrivals)", self.min_gap_s)
+        if self.max_gap_s is not None:
+            _positive("max_gap_s", self.max_gap_s)
+        if self.min_gap_s > self.gap_ceiling_s:
+            raise ValueError(
+                f"min_gap_s ({self.min_gap_s}) must be <= max_gap_s ({self.gap_ceiling_s}); "
+                "lower min_gap_s or raise max_gap_s / safety_cap_s")
+        if self.initial_rate is not None:
+            _positive("initial_rate (req/s)", self.initial_rate)
+
+    @property
+    def gap_ceiling_s(self) -> float:
+        return self.safety_cap_s if self.max_gap_s is None else self.max_gap_s
+
+    @property
+    def alpha(self) -> float:
+        """EWMA weight of one new gap sample."""
+        return 1.0 - 0.5 ** (1.0 / self.rate_halflife)
+
+
+def _positive(name: str, v: float) -> None:
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A plan: encode these items now, as one batch."""
+
+    item_ids: tuple[Hashable, ...]
+    reason: DispatchReason
+    at: float            # the `now` the decision was made at
+    oldest_wait_s: float  # how long the oldest item had waited
+
+    @property
+    def size(self) -> int:
+        return len(self.item_ids)
+
+
+class AdaptiveBatcher:
+    """Per-worker batcher. Not thread-safe: call it from the worker's event loop."""
+
+    def __init__(self, config: BatcherConfig | None = None) -> None:
+        self.config = config or BatcherConfig()
+        c = self.config
+        self._alpha = c.alpha
+        self._sample_cap = c.gap_ceiling_s / c.gap_coef
+        self._ewma_gap: float | None = None if c.initial_rate is None else 1.0 / c.initial_rate
+        self._queue: deque[tuple[Hashable, float]] = deque()
+        self._last_arrival: float | None = None
+        self._last_now = -math.inf
+        self._threshold = self._compute_threshold()
+        self.dispatched = 0  # batches handed out so far
+
+    # ---- read-only state -------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def rate(self) -> float | None:
+        """Estimated arrivals per second (None before two arrivals and no initial_rate)."""
+        if self._ewma_gap is None:
+            return None
+        return math.inf if self._ewma_gap == 0 else 1.0 / self._ewma_gap
+
+    @property
+    def gap_threshold(self) -> float:
+        """Seconds of silence after the last arrival that close a partial batch."""
+        return self._threshold
+
+    def _compute_threshold(self) -> float:
+        c = self.config
+        if self._ewma_gap is None:
+            return c.gap_ceiling_s
+        return min(c.gap_ceiling_s, max(c.min_gap_s, c.gap_coef * self._ewma_gap))
+
+    # ---- decisions ---------------------------------------------------------------------
+    def add(self, item_id: Hashable, now: float) -> Dispatch | None:
+        """Enqueue one arrival. Returns a dispatch if one is due at `now`: a full batch, the
+        item alone in request_at_a_time mode, or a batch whose gap/cap timer had already
+        expired before this arrival (the caller polled late; the new item joins it)."""
+        self._tick(now)
+        due = self._due(now)
+        self._observe_arrival(now)
+        if self.config.mode == "request_at_a_time":
+            self.dispatched += 1
+            return Dispatch((item_id,), "single", now, 0.0)
+        self._queue.append((item_id, now))
+        if len(self._queue) >= self.config.max_batch:
+            return self._take("size", now)
+        return None if due is None else self._take(due, now)
+
+    def poll(self, now: float) -> Dispatch | None:
+        """The next batch due at `now`, if any. Call again until it returns None."""
+        self._tick(now)
+        reason = self._due(now)
+        return None if reason is None else self._take(reason, now)
+
+    def next_deadline(self, now: float) -> float | None:
+        """Absolute time at which `poll` next has something to do (<= now: poll at once);
+        None while nothing is pending."""
+        if not self._queue:
+            return None
+        if len(self._queue) >= self.config.max_batch:
+            return now
+        cap_at = self._queue[0][1] + self.config.safety_cap_s
+        if self.config.mode != "adaptive":
+            return cap_at
+        return min(cap_at, self._last_arrival + self._threshold)
+
+    def flush(self, now: float) -> Dispatch | None:
+        """Dispatch up to max_batch pending items regardless of timers (drain on shutdown)."""
+        self._tick(now)
+        return self._take("flush", now) if self._queue else None
+
+    def remove(self, item_id: Hashable) -> bool:
+        """Drop a pending item (client cancelled). True if it was pending."""
+        for i, (iid, _) in enumerate(self._queue):
+            if iid == item_id:
+                del self._queue[i]
+                return True
+        return False
+
+    # ---- internals ---------------------------------------------------------------------
+    def _due(self, now: float) -> DispatchReason | None:
+        q = self._queue
+        if not q:
+            return None
+        if len(q) >= self.config.max_batch:
+            return "size"
+        if now >= q[0][1] + self.config.safety_cap_s:
+            return "cap"
+        if self.config.mode == "adaptive" and now >= self._last_arrival + self._threshold:
+            return "gap"
+        return None
+
+    def _take(self, reason: DispatchReason, now: float) -> Dispatch:
+        n = min(len(self._queue), self.config.max_batch)
+        oldest = self._queue[0][1]
+        ids = tuple(self._queue.popleft()[0] for _ in range(n))
+        self.dispatched += 1
+        return Dispatch(ids, reason, now, now - oldest)
+
+    def _observe_arrival(self, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = min(now - self._last_arrival, self._sample_cap)
+            e = self._ewma_gap
+            self._ewma_gap = gap if e is None else e + self._alpha * (gap - e)
+            self._threshold = self._compute_threshold()
+        self._last_arrival = now
+
+    def _tick(self, now: float) -> None:
+        if not now >= self._last_now:  # also rejects NaN
+            raise ValueError(f"now must not go backwards: got {now} after {self._last_now}; "
+                             "pass times from one monotonic Clock")
+        self._last_now = now

@@ -1,0 +1,504 @@
+"""Mechanisms that realize an `Allocation` from `partitioner` on real hardware.
+
+One interface, `SMBackend`: `levels` (the encode shares it can realize), `apply(allocation)`
+(switch to the smallest level >= the requested encode share; returns its index) and
+`encode_context(level)` / `prefill_context(level)` (context managers to run each side's work
+under). `reason` says why this backend is the live one. Backends:
+
+- GreenContextBackend: CUDA green contexts; per level, one SM split made up front into an
+  encode group and the disjoint remainder for prefill, each with its own stream, so switching
+  is picking a pre-created stream (no driver call).
+- MPSBackend: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by the driver at CUDA init, so the share
+  is fixed per process at launch (`env_for(share)`); `apply` cannot change it.
+- CpuAffinityBackend: splits the process's allowed cores between the encode and local-prefill
+  worker threads with os.sched_setaffinity on their native thread ids.
+- TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline).
+
+torch is imported lazily, and only by the CUDA code paths.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import threading
+from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence
+
+from easerve.control.partitioner import DEFAULT_SHARES, Allocation
+
+Worker = Literal["encode", "prefill"]
+WORKERS: tuple[str, ...] = ("encode", "prefill")
+PREFERENCES: tuple[str, ...] = ("auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static")
+_ALIASES = {"dynamic": "auto", "green": "green_contexts", "cpu": "cpu_affinity"}
+
+
+def _torch() -> Any:
+    import torch
+    return torch
+
+
+def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
+    lv = tuple(float(x) for x in levels)
+    if not lv or list(lv) != sorted(set(lv)) or not all(0 < x <= 1 for x in lv):
+        raise ValueError(f"levels must be strictly increasing shares in (0, 1], got {list(levels)}")
+    return lv
+
+
+class SMBackend:
+    """Base: bookkeeping of the live level; subclasses override `_switch` and the contexts.
+    `encode_context(level, sync)`: level None = the level of the last `apply`; `sync` (CUDA
+    only) makes the block's GPU work complete on exit."""
+
+    name: ClassVar[str] = "base"
+    dynamic: ClassVar[bool] = False  # can apply() change the split at run time?
+
+    def __init__(self, levels: Sequence[float], reason: str) -> None:
+        self.levels = _check_levels(levels)
+        self.reason = reason
+        self.level = len(self.levels) - 1  # start encode-protective
+
+    def level_for(self, encode_share: float) -> int:
+        """Index of the smallest level >= encode_share (the largest level if none is)."""
+        for i, lv in enumerate(self.levels):
+            if lv >= encode_share - 1e-9:
+                return i
+        return len(self.levels) - 1
+
+    def apply(self, allocation: Allocation) -> int:
+        idx = self.level_for(allocation.encode_share)
+        if idx != self.level:
+            self._switch(idx)
+            self.level = idx
+        return idx
+
+    def _switch(self, idx: int) -> None:
+        pass
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "reason": self.reason, "levels": list(self.levels),
+                "level": self.level, "dynamic": self.dynamic}
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(levels={self.levels}, level={self.level}, reason={self.reason!r})"
+
+
+class TimeSliceBackend(SMBackend):
+    """No partition: on CUDA encode and prefill get two plain streams and the hardware
+    interleaves them; on CPU both threads keep every allowed core."""
+
+    name = "timeslice"
+
+    def __init__(self, device: str = "cpu", reason: str = "uncontrolled time-slicing") -> None:
+        super().__init__((1.0,), reason)
+        self._streams = None
+        if device.startswith("cuda"):
+            torch = _torch()
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {device!r} asked for but CUDA is not available")
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._ctx(0, sync)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._ctx(1, sync)
+
+    def _ctx(self, i: int, sync: bool) -> ContextManager[Any]:
+        if self._streams is None:
+            return contextlib.nullcontext()
+        return _stream_scope(self._streams[i], sync)
+
+
+class StaticSplitBackend(SMBackend):
+    """The fixed-split baseline: realizes `share` on `inner` once and ignores `apply`."""
+
+    name = "static"
+
+    def __init__(self, inner: SMBackend | None = None, share: float = 0.5) -> None:
+        if not 0 < share < 1:
+            raise ValueError(f"static share must be in (0, 1), got {share}")
+        self.inner = inner
+        how = f"on {inner.name} ({inner.reason})" if inner else "bookkeeping only, no mechanism"
+        super().__init__((share,), f"static {share:g}/{1 - share:g} split {how}")
+        if inner is not None:
+            inner.apply(Allocation(share, round(1 - share, 9)))
+
+    def apply(self, allocation: Allocation) -> int:
+        return 0
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self.inner.encode_context(None, sync) if self.inner else contextlib.nullcontext()
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self.inner.prefill_context(None, sync) if self.inner else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+class CpuAffinityBackend(SMBackend):
+    """Core split per level: encode gets ceil(share x n) cores (at least 1), prefill the rest;
+    when nothing is left (share 1.0, or one core) prefill shares all cores (time-slices).
+
+    Bound threads (`bind`) are moved by `apply` itself; an unbound thread can pin itself for a
+    block with `encode_context` / `prefill_context`. Only the bound threads move: helper
+    threads they already spawned (e.g. an OpenMP pool) keep the affinity they started with."""
+
+    name = "cpu_affinity"
+    dynamic = True
+
+    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES,
+                 cores: Sequence[int] | None = None) -> None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise RuntimeError("os.sched_setaffinity is not available on this platform")
+        self.cores = tuple(sorted(os.sched_getaffinity(0) if cores is None else cores))
+        if not self.cores:
+            raise ValueError("cores must not be empty")
+        lv = _check_levels(levels)
+        self._splits = tuple(self._split(s) for s in lv)
+        self._tids: dict[str, int] = {}
+        self.lost: list[tuple[str, int]] = []  # bound threads that disappeared
+        super().__init__(lv, f"cpu core split over {len(self.cores)} allowed cores {list(self.cores)}")
+
+    def _split(self, share: float) -> tuple[frozenset[int], frozenset[int]]:
+        n = len(self.cores)
+        k = min(n, max(1, math.ceil(share * n - 1e-9)))
+        enc, rest = self.cores[:k], self.cores[k:]
+        return frozenset(enc), frozenset(rest or self.cores)
+
+    def cores_for(self, worker: Worker, level: int | None = None) -> frozenset[int]:
+        lv = self.level if level is None else level
+        return self._splits[lv][WORKERS.index(worker)]
+
+    def bind(self, worker: Worker, tid: int | None = None) -> None:
+        """Register a worker thread (native id; default: the calling thread) and pin it now."""
+        if worker not in WORKERS:
+            raise ValueError(f"worker must be one of {WORKERS}, got {worker!r}")
+        self._tids[worker] = threading.get_native_id() if tid is None else tid
+        self._pin_bound(worker, self.level)
+
+    def unbind(self, worker: Worker) -> None:
+        self._tids.pop(worker, None)
+
+    def current_affinity(self, worker: Worker) -> frozenset[int]:
+        """What the kernel says the bound worker may run on now."""
+        return frozenset(os.sched_getaffinity(self._tids[worker]))
+
+    def _switch(self, idx: int) -> None:
+        for w in list(self._tids):
+            self._pin_bound(w, idx)
+
+    def _pin_bound(self, worker: str, idx: int) -> None:
+        tid = self._tids[worker]
+        try:
+            os.sched_setaffinity(tid, self._splits[idx][WORKERS.index(worker)])
+        except ProcessLookupError:
+            self._tids.pop(worker, None)
+            self.lost.append((worker, tid))
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._pin_self("encode", level)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._pin_self("prefill", level)
+
+    @contextlib.contextmanager
+    def _pin_self(self, worker: Worker, level: int | None):
+        if self._tids.get(worker) == threading.get_native_id() and level is None:
+            yield  # bound: apply() already moved this thread
+            return
+        prev = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores_for(worker, level))
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, prev)
+
+
+class MPSBackend(SMBackend):
+    """CUDA MPS: this process's share was fixed at CUDA init by its launcher."""
+
+    name = "mps"
+    ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        ok, why = self.probe(env)
+        if not ok:
+            raise RuntimeError(why)
+        share = int(env[self.ENV]) / 100
+        super().__init__((share,), f"mps: {why}; apply() cannot change it at run time")
+        self.mismatches = 0  # allocations asked for that this process cannot realize
+
+    def apply(self, allocation: Allocation) -> int:
+        self.mismatches += abs(allocation.encode_share - self.levels[0]) > 1e-9
+        return 0
+
+    @classmethod
+    def env_for(cls, share: float) -> dict[str, str]:
+        """Environment to launch a process with `share` of the SMs under MPS."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        return {cls.ENV: str(max(1, min(100, round(share * 100))))}
+
+    @classmethod
+    def probe(cls, env: Mapping[str, str]) -> tuple[bool, str]:
+        pct = env.get(cls.ENV)
+        if pct is None:
+            return False, (f"{cls.ENV} is not set for this process (MPS shares are fixed per "
+                           "process before CUDA init; launch it with MPSBackend.env_for(share))")
+        if not pct.isdigit() or not 1 <= int(pct) <= 100:
+            return False, f"{cls.ENV}={pct!r} is not an integer percentage in 1..100"
+        pipe = env.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+        if not os.path.exists(os.path.join(pipe, "control")):
+            return False, f"no MPS control daemon ({pipe}/control missing; run nvidia-cuda-mps-control -d)"
+        return True, f"{cls.ENV}={pct} under the MPS daemon at {pipe}"
+
+
+class _Supported:
+    """`GreenContextBackend.SUPPORTED`, probed on first read (never at import)."""
+
+    def __get__(self, obj: Any, owner: type) -> bool:
+        return owner.probe()[0]
+
+
+@functools.cache
+def _probe_green(device_index: int) -> tuple[bool, str]:
+    try:
+        torch = _torch()
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    if device_index >= torch.cuda.device_count():
+        return False, f"no CUDA device {device_index} ({torch.cuda.device_count()} visible)"
+    try:
+        from torch.cuda import green_contexts as gcm
+    except ImportError:
+        return False, f"torch {torch.__version__} has no torch.cuda.green_contexts"
+    try:
+        gcm._ensure_supported()  # driver >= 12.8, cuda.bindings, not ROCm / Windows
+    except AttributeError:
+        pass
+    except RuntimeError as e:
+        return False, str(e)
+    return True, f"green contexts on {torch.cuda.get_device_name(device_index)}"
+
+
+class GreenContextBackend(SMBackend):
+    """Per level, an encode stream on ceil-to-granularity(share x SMs) SMs and a prefill
+    stream on the disjoint remainder, all created up front; `apply` only picks the index.
+    Level 1.0 (or an encode group that would take every SM) uses two plain full-device
+    streams, encode's at high priority: prefill then time-slices. `encode_sms` / `prefill_sms` hold what the driver
+    actually granted (it may round down). The streams are custom CUDA streams: order work
+    across them with CUDA events."""
+
+    name = "green_contexts"
+    dynamic = True
+    SUPPORTED: ClassVar[bool] = _Supported()  # type: ignore[assignment]
+
+    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES, device_index: int = 0) -> None:
+        ok, why = self.probe(device_index)
+        if not ok:
+            raise RuntimeError(why)
+        torch = _torch()
+        self.device_index = device_index
+        props = torch.cuda.get_device_properties(device_index)
+        self._handles: list[Any] = []   # (raw stream, green ctx) to destroy on close
+        self.notes: list[str] = []
+        lv = _check_levels(levels)
+        with torch.cuda.device(device_index):
+            torch.empty(1, device=f"cuda:{device_index}")  # primary context current on this thread
+            self._dev, self._sm = self._device_sm_resource()
+            self.total_sms = self._sm.sm.smCount
+            fallback = 8 if props.major >= 9 else 2  # for drivers that leave the fields 0
+            self.granularity = int(getattr(self._sm.sm, "smCoscheduledAlignment", 0)) or fallback
+            self.min_sms = max(int(getattr(self._sm.sm, "minSmPartitionSize", 0)), self.granularity)
+            try:
+                pairs = [self._make_level(s) for s in lv]
+            except Exception:
+                self.close()
+                raise
+        self._enc = tuple(p[0] for p in pairs)
+        self._pre = tuple(p[1] for p in pairs)
+        self.encode_sms = tuple(p[2] for p in pairs)
+        self.prefill_sms = tuple(p[3] for p in pairs)
+        super().__init__(lv, f"{why}: encode SMs {list(self.encode_sms)}, prefill SMs "
+                             f"{list(self.prefill_sms)} of {self.total_sms}"
+                             + (f" ({'; '.join(self.notes)})" if self.notes else ""))
+
+    @staticmethod
+    def probe(device_index: int = 0) -> tuple[bool, str]:
+        return _probe_green(device_index)
+
+    def encode_stream(self, level: int | None = None) -> Any:
+        return self._enc[self.level if level is None else level]
+
+    def prefill_stream(self, level: int | None = None) -> Any:
+        return self._pre[self.level if level is None else level]
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return _stream_scope(self.encode_stream(level), sync)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return _stream_scope(self.prefill_stream(level), sync)
+
+    def _device_sm_resource(self) -> tuple[Any, Any]:
+        check, drv = _driver()
+        dev = check(drv.cuDeviceGet(self.device_index))
+        return dev, check(drv.cuDeviceGetDevResource(dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+
+    def _sm_count(self, share: float) -> int:
+        g = self.granularity
+        return max(self.min_sms, math.ceil(share * self.total_sms / g - 1e-9) * g)
+
+    def _make_level(self, share: float) -> tuple[Any, Any, int, int]:
+        torch = _torch()
+        n = self._sm_count(share)
+        if share >= 1.0 or n >= self.total_sms:  # encode keeps the device, at high priority
+            dev = f"cuda:{self.device_index}"
+            return (torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev),
+                    self.total_sms, self.total_sms)
+        check, drv = _driver()
+        groups, n_groups, remaining = check(drv.cuDevSmResourceSplitByCount(1, self._sm, 0, n))
+        if n_groups != 1:
+            raise RuntimeError(f"SM split of {n} SMs returned {n_groups} groups")
+        enc = self._green_stream(self._dev, groups[0])
+        try:
+            pre, pre_sms = self._green_stream(self._dev, remaining), remaining.sm.smCount
+        except RuntimeError as e:  # remainder the driver will not turn into a context
+            self.notes.append(f"share {share:g}: prefill time-slices ({e})")
+            pre, pre_sms = torch.cuda.Stream(f"cuda:{self.device_index}"), self.total_sms
+        return enc, pre, groups[0].sm.smCount, pre_sms
+
+    def _green_stream(self, dev: Any, resource: Any) -> Any:
+        check, drv = _driver()
+        desc = check(drv.cuDevResourceGenerateDesc([resource], 1))
+        ctx = check(drv.cuGreenCtxCreate(
+            desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        try:
+            raw = check(drv.cuGreenCtxStreamCreate(ctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        except RuntimeError:
+            check(drv.cuGreenCtxDestroy(ctx))
+            raise
+        self._handles.append((raw, ctx))
+        return _torch().cuda.ExternalStream(int(raw), device=self.device_index)
+
+    def close(self) -> None:
+        """Destroy the green streams and contexts (after the device drains)."""
+        if not getattr(self, "_handles", None):
+            return
+        _torch().cuda.synchronize(self.device_index)
+        check, drv = _driver()
+        for raw, ctx in reversed(self._handles):
+            with contextlib.suppress(RuntimeError):
+                check(drv.cuStreamDestroy(raw))
+            with contextlib.suppress(RuntimeError):
+                check(drv.cuGreenCtxDestroy(ctx))
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def _stream_scope(stream: Any, sync: bool):
+    """Run a block on `stream`, after the work already queued on the caller's current stream
+    (inputs it uploaded). With `sync`, the exit waits on the host for this stream alone, so
+    results are ready for any thread or stream and the other side's stream keeps running;
+    without it the caller orders the hand-off with CUDA events. (A GPU-side wait of the
+    shared default stream instead would chain encode and prefill back together.)"""
+    torch = _torch()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield stream
+    if sync:
+        stream.synchronize()
+
+
+def _driver() -> tuple[Any, Any]:
+    from torch.cuda._utils import _check_cuda_bindings, _cuda_bindings_driver
+    return _check_cuda_bindings, _cuda_bindings_driver
+
+
+class PartitionController:
+    """Glue for a worker: per micro-batch, policy `choose` -> mechanism `apply` -> run encode
+    under that level's context. `encode_scope` is what services/encode calls per batch."""
+
+    def __init__(self, partitioner: Any, backend: SMBackend) -> None:
+        self.partitioner, self.backend = partitioner, backend
+        self.last: Allocation | None = None
+
+    @contextlib.contextmanager
+    def encode_scope(self, batch_size: int):
+        self.last = self.partitioner.choose(batch_size)
+        level = self.backend.apply(self.last)
+        with self.backend.encode_context(level):
+            yield level
+
+    def prefill_scope(self) -> ContextManager[Any]:
+        """Prefill work for the current level (enqueue it in chunks: work already queued on
+        a stream keeps that stream's SMs until it finishes)."""
+        return self.backend.prefill_context()
+
+
+# ---- selection --------------------------------------------------------------------------
+def select_backend(preference: str = "auto", device: str = "cpu",
+                   levels: Sequence[float] = DEFAULT_SHARES,
+                   env: Mapping[str, str] | None = None) -> SMBackend:
+    """The best available backend for `preference` on `device` ("cpu", "cuda", "cuda:1").
+    Unavailable choices fall through to the next; `reason` of the result records why."""
+    pref = _ALIASES.get(preference, preference)
+    if pref not in PREFERENCES:
+        raise ValueError(f"preference must be one of {PREFERENCES} (or {sorted(_ALIASES)}), "
+                         f"got {preference!r}")
+    cuda = device.startswith("cuda")
+    index = int(device.split(":", 1)[1]) if cuda and ":" in device else 0
+    if pref == "timeslice":
+        return TimeSliceBackend(device, "timeslice requested: uncontrolled sharing")
+    if pref == "static":
+        inner = select_backend("auto", device, (0.5,), env)
+        if inner.name == "timeslice":
+            return StaticSplitBackend(None, 0.5)
+        return StaticSplitBackend(inner, inner.levels[0] if inner.name == "mps" else 0.5)
+    chain = ["green_contexts", "mps"] if cuda else ["cpu_affinity"]
+    if pref != "auto":
+        chain = [pref] + [c for c in chain if c != pref]
+    notes: list[str] = []
+    for name in chain:
+        try:
+            backend = _build(name, cuda, index, levels, env)
+        except Exception as e:  # any failure of a mechanism means: try the next one
+            notes.append(f"{name} unavailable: {e}" if isinstance(e, (RuntimeError, ValueError))
+                         else f"{name} unavailable: {type(e).__name__}: {e}")
+            continue
+        if notes:
+            backend.reason = f"{'; '.join(notes)} -> fell back to {name}: {backend.reason}"
+        return backend
+    return TimeSliceBackend(device, f"{'; '.join(notes)} -> fell back to timeslice (no partition)")
+
+
+def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
+           env: Mapping[str, str] | None) -> SMBackend:
+    if name == "green_contexts":
+        if not cuda:
+            raise RuntimeError("device is not CUDA")
+        return GreenContextBackend(levels, index)
+    if name == "mps":
+        if not cuda:
+            raise RuntimeError("device is not CUDA")
+        return MPSBackend(env)
+    if cuda:
+        raise RuntimeError("core affinity does not partition a GPU")
+    backend = CpuAffinityBackend(levels)
+    if len(backend.cores) < 2:
+        raise RuntimeError(f"only {len(backend.cores)} allowed core: nothing to split")
+    return backend

@@ -1,0 +1,193 @@
+"""AdaptiveBatcher: property tests driven by a ManualClock event loop."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from easerve.control import AdaptiveBatcher, BatcherConfig, Dispatch, ManualClock
+
+EPS = 1e-9
+
+
+def run(cfg: BatcherConfig, gaps: list[float]) -> tuple[list[Dispatch], dict[int, float], list[int]]:
+    """Feed arrivals separated by `gaps`, polling exactly at every deadline like an asyncio
+    loop would. Returns dispatches, arrival times and the pending count after each add."""
+    b, clock = AdaptiveBatcher(cfg), ManualClock()
+    out, arrived, pending_after_add = [], {}, []
+
+    def drain_until(t: float | None) -> None:
+        while (d := b.next_deadline(clock.now())) is not None and (t is None or d <= t):
+            clock.advance_to(max(d, clock.now()))
+            while (x := b.poll(clock.now())) is not None:
+                out.append(x)
+
+    for i, g in enumerate(gaps):
+        drain_until(clock.now() + g)
+        clock.advance(g)
+        arrived[i] = clock.now()
+        if (x := b.add(i, clock.now())) is not None:
+            out.append(x)
+        pending_after_add.append(b.pending)
+    drain_until(None)
+    assert b.pending == 0
+    return out, arrived, pending_after_add
+
+
+gaps_st = st.lists(st.one_of(st.floats(0, 0.05), st.floats(0, 3.0), st.just(0.0)), min_size=1, max_size=120)
+cfg_st = st.builds(BatcherConfig, max_batch=st.integers(1, 12), safety_cap_s=st.floats(0.01, 2.0),
+                   gap_coef=st.floats(0.1, 5.0), mode=st.sampled_from(["adaptive", "fixed", "request_at_a_time"]),
+                   rate_halflife=st.floats(1.0, 64.0),
+                   max_gap_s=st.none() | st.floats(0.002, 2.0),
+                   initial_rate=st.none() | st.floats(0.1, 1000.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=cfg_st, gaps=gaps_st)
+def test_dispatch_invariants(cfg: BatcherConfig, gaps: list[float]) -> None:
+    out, arrived, pending_after_add = run(cfg, gaps)
+    ids = [i for d in out for i in d.item_ids]
+    assert sorted(ids) == list(range(len(gaps)))  # every request exactly once, none lost
+    for d in out:
+        assert 1 <= d.size <= cfg.max_batch
+        assert all(d.at - arrived[i] <= cfg.safety_cap_s + EPS for i in d.item_ids), "held past cap"
+        assert d.oldest_wait_s == pytest.approx(d.at - arrived[d.item_ids[0]])
+        if d.reason == "size":  # dispatched the moment the B-th request arrived
+            assert d.size == cfg.max_batch and d.at == arrived[d.item_ids[-1]]
+        if cfg.mode == "request_at_a_time":
+            assert d.reason == "single" and d.size == 1 and d.at == arrived[d.item_ids[0]]
+        if cfg.mode == "fixed":
+            assert d.reason in ("size", "cap")
+    assert max(pending_after_add) < cfg.max_batch  # a full batch never waits
+
+
+@settings(max_examples=80, deadline=None)
+@given(cfg=cfg_st, gaps=gaps_st, poll_every=st.floats(0.01, 1.5))
+def test_late_polling_loses_nothing(cfg: BatcherConfig, gaps: list[float], poll_every: float) -> None:
+    """A caller that polls on its own coarse schedule still gets every item, <= B per batch,
+    and nothing waits past the cap by more than the caller's own lateness."""
+    b, t, out, arrived = AdaptiveBatcher(cfg), 0.0, [], {}
+    for i, g in enumerate(gaps):
+        t += g
+        arrived[i] = t
+        out += [x for x in (b.add(i, t),) if x]
+        if i % 3 == 0:
+            out += [x for x in (b.poll(t),) if x]
+    while b.pending:
+        t += poll_every
+        while (x := b.poll(t)) is not None:
+            out.append(x)
+    assert sorted(i for d in out for i in d.item_ids) == list(range(len(gaps)))
+    assert all(d.size <= cfg.max_batch for d in out)
+
+
+def feed(b: AdaptiveBatcher, clock: ManualClock, rate: float, n: int) -> None:
+    for _ in range(n):
+        clock.advance(1.0 / rate)
+        b.add(object(), clock.now())
+        while b.poll(clock.now()):
+            pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(r1=st.floats(2.0, 1000.0), r2=st.floats(2.0, 1000.0), coef=st.floats(0.25, 1.0))
+def test_gap_threshold_tracks_rate(r1: float, r2: float, coef: float) -> None:
+    cfg = BatcherConfig(max_batch=1_000_000, safety_cap_s=1.0, gap_coef=coef, rate_halflife=8,
+                        min_gap_s=1e-6)
+    b, clock = AdaptiveBatcher(cfg), ManualClock()
+    feed(b, clock, r1, 20)
+    assert b.gap_threshold == pytest.approx(coef / r1, rel=1e-6)
+    assert b.rate == pytest.approx(r1, rel=1e-6)
+    feed(b, clock, r2, 20 * 8)  # 20 half-lives: residual of the old rate < 1e-6 of it
+    assert b.gap_threshold == pytest.approx(coef / r2, rel=1e-3)
+    assert b.rate == pytest.approx(r2, rel=1e-3)
+
+
+def test_rate_estimate_on_poisson_arrivals() -> None:
+    rng, clock = random.Random(7), ManualClock()
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, rate_halflife=64, gap_coef=2.0))
+    for i in range(3000):
+        clock.advance(rng.expovariate(40.0))
+        b.add(i, clock.now())
+        while b.poll(clock.now()):
+            pass
+    assert b.rate == pytest.approx(40.0, rel=0.3)
+    assert b.gap_threshold == pytest.approx(2.0 / b.rate)
+
+
+def test_recovers_quickly_after_idle() -> None:
+    cfg = BatcherConfig(max_batch=8, gap_coef=2.0, rate_halflife=16)
+    b, clock = AdaptiveBatcher(cfg), ManualClock()
+    feed(b, clock, 100.0, 100)
+    clock.advance(600.0)  # ten idle minutes
+    feed(b, clock, 100.0, 80)
+    assert b.gap_threshold == pytest.approx(2.0 / 100.0, rel=0.1)
+
+
+def test_deadline_is_exact_and_gap_dispatch() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=2.0, initial_rate=10.0))
+    assert b.next_deadline(0.0) is None and b.rate == pytest.approx(10.0)
+    assert b.add("a", 0.0) is None
+    assert b.next_deadline(0.0) == pytest.approx(0.2)  # 2 / lambda
+    assert b.poll(0.1999) is None
+    d = b.poll(b.next_deadline(0.1999))
+    assert d is not None and d.item_ids == ("a",) and d.reason == "gap"
+
+
+def test_size_dispatch_is_immediate_and_cap_applies_in_fixed_mode() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=3, mode="fixed", safety_cap_s=0.5))
+    assert b.add(1, 0.0) is None and b.add(2, 0.1) is None
+    d = b.add(3, 0.2)
+    assert d == Dispatch((1, 2, 3), "size", 0.2, pytest.approx(0.2))
+    b.add(4, 1.0)
+    assert b.next_deadline(1.0) == pytest.approx(1.5) and b.poll(1.49) is None
+    assert b.poll(1.5).reason == "cap"
+
+
+def test_request_at_a_time_and_b1() -> None:
+    b = AdaptiveBatcher(BatcherConfig(mode="request_at_a_time"))
+    assert [b.add(i, 0.0).item_ids for i in range(3)] == [(0,), (1,), (2,)] and b.pending == 0
+    b1 = AdaptiveBatcher(BatcherConfig(max_batch=1))
+    assert b1.add("x", 0.0).reason == "size"
+
+
+def test_late_add_joins_expired_batch() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=1.0, initial_rate=100.0))
+    b.add("a", 0.0)
+    d = b.add("b", 5.0)  # caller never polled: the gap had expired at 0.01
+    assert d is not None and d.item_ids == ("a", "b") and d.reason in ("gap", "cap")
+
+
+def test_simultaneous_burst_stays_together() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, min_gap_s=0.001))
+    assert all(b.add(i, 0.0) is None for i in range(5))
+    assert b.poll(0.0) is None and b.gap_threshold == 0.001
+    assert b.poll(b.next_deadline(0.0)).item_ids == tuple(range(5))
+
+
+def test_flush_remove_and_clock_checks() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8))
+    for i in range(3):
+        b.add(i, 0.0)
+    assert b.remove(1) and not b.remove(99)
+    assert b.flush(0.0).item_ids == (0, 2) and b.flush(0.0) is None
+    with pytest.raises(ValueError, match="backwards"):
+        b.poll(-1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_batch": 0}, "max_batch"), ({"max_batch": 2.5}, "max_batch"),
+    ({"safety_cap_s": 0}, "safety_cap_s"), ({"gap_coef": -1}, "gap_coef"),
+    ({"mode": "greedy"}, "mode"), ({"rate_halflife": 0}, "rate_halflife"),
+    ({"min_gap_s": 2.0}, "min_gap_s"), ({"min_gap_s": 0.0}, "min_gap_s"), ({"initial_rate": 0.0}, "initial_rate"),
+    ({"max_gap_s": float("nan")}, "max_gap_s"),
+])
+def test_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BatcherConfig(**kwargs)
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        BatcherConfig().max_batch = 4  # type: ignore[misc]

@@ -1,0 +1,281 @@
+"""SM backends on CPU: the affinity split really moves threads; fallbacks say why."""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import pytest
+
+from easerve.control import (
+    Allocation, CpuAffinityBackend, GreenContextBackend, MPSBackend, PartitionController,
+    SMBackend, SMPartitioner, StaticSplitBackend, TimeSliceBackend, profile, select_backend)
+
+needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+class Worker(threading.Thread):
+    """A thread that reports the affinity it sees itself (sched_getaffinity(0)) on request."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.asks: queue.Queue = queue.Queue()
+        self.answers: queue.Queue = queue.Queue()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        self.tid = threading.get_native_id()
+        self.ready.set()
+        while self.asks.get() is not None:
+            self.answers.put(frozenset(os.sched_getaffinity(0)))
+
+    def seen(self) -> frozenset[int]:
+        self.asks.put(True)
+        return self.answers.get(timeout=5)
+
+    def stop(self) -> None:
+        self.asks.put(None)
+        self.join(timeout=5)
+
+
+def start_worker() -> Worker:
+    w = Worker()
+    w.start()
+    w.ready.wait(5)
+    return w
+
+
+def fake_latency(b: int, share: float) -> float:
+    return 0.01 * b / min(1.0, share / min(1.0, 0.15 * b))
+
+
+@needs_affinity
+def test_affinity_follows_every_batch() -> None:
+    enc, pre = start_worker(), start_worker()
+    backend = CpuAffinityBackend()
+    part = SMPartitioner(profile(fake_latency, [1, 2, 4, 8]))
+    try:
+        backend.bind("encode", enc.tid)
+        backend.bind("prefill", pre.tid)
+        for b in [1, 8, 2, 4, 1, 3, 8, 1]:
+            lv = backend.apply(part.choose(b))
+            for name, w in (("encode", enc), ("prefill", pre)):
+                want = backend.cores_for(name, lv)
+                assert backend.current_affinity(name) == want == w.seen(), (b, name)
+            e, p = backend.cores_for("encode", lv), backend.cores_for("prefill", lv)
+            if len(e) < len(ALLOWED):  # prefill has cores of its own: a true split
+                assert e.isdisjoint(p) and e | p == set(ALLOWED), (b, e, p)
+            else:  # encode needs every core: prefill time-slices on all of them
+                assert p == set(ALLOWED)
+        if len(ALLOWED) < 2:
+            pytest.skip(f"only {len(ALLOWED)} allowed core: the split itself was not exercised")
+        backend.apply(Allocation(0.4, 0.6))  # 2 cores: 1 each
+        assert len(enc.seen()) == len(backend.cores_for("encode")) < len(ALLOWED)
+        assert enc.seen().isdisjoint(pre.seen())
+        assert backend.apply(Allocation(1.0, 0.0)) == len(backend.levels) - 1
+        assert enc.seen() == pre.seen() == set(ALLOWED)  # share 1.0: prefill time-slices
+    finally:
+        enc.stop()
+        pre.stop()
+
+
+def test_core_split_arithmetic() -> None:
+    b = CpuAffinityBackend(cores=range(10)) if hasattr(os, "sched_setaffinity") else None
+    if b is None:
+        pytest.skip("Linux only")
+    assert [len(b.cores_for("encode", i)) for i in range(5)] == [2, 4, 6, 8, 10]
+    assert b.cores_for("prefill", 0) == set(range(2, 10))
+    assert b.cores_for("prefill", 4) == set(range(10))
+    two = CpuAffinityBackend(levels=(0.5,), cores=[3, 7])
+    assert two.cores_for("encode") == {3} and two.cores_for("prefill") == {7}
+
+
+@needs_affinity
+def test_unbound_thread_pins_itself_for_a_block_and_restores() -> None:
+    b = CpuAffinityBackend(levels=(0.5, 1.0))
+    before = os.sched_getaffinity(0)
+    with b.prefill_context(level=0):
+        assert os.sched_getaffinity(0) == b.cores_for("prefill", 0)
+    assert os.sched_getaffinity(0) == before
+
+
+@needs_affinity
+def test_dead_worker_is_dropped_not_fatal() -> None:
+    w = start_worker()
+    b = CpuAffinityBackend()
+    b.bind("prefill", w.tid)
+    w.stop()
+    if not _gone(w.tid):  # join() returns a moment before the OS thread is reaped
+        pytest.skip("the exited thread's id was still present")
+    b.apply(Allocation(0.2, 0.8))
+    assert b.lost == [("prefill", w.tid)]
+
+
+def _gone(tid: int, timeout: float = 2.0) -> bool:
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_timeslice_and_static_baselines() -> None:
+    t = TimeSliceBackend()
+    assert t.apply(Allocation(0.2, 0.8)) == 0 and t.levels == (1.0,)
+    with t.encode_context(), t.prefill_context():
+        pass
+    s = StaticSplitBackend()
+    assert s.apply(Allocation(1.0, 0.0)) == 0 and s.levels == (0.5,) and "bookkeeping" in s.reason
+
+
+def test_mps_probe_env_and_static_share(tmp_path) -> None:
+    ok, why = MPSBackend.probe({})
+    assert not ok and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in why
+    assert not MPSBackend.probe({MPSBackend.ENV: "250"})[0]
+    env = {**MPSBackend.env_for(0.6), "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert env[MPSBackend.ENV] == "60"
+    assert not MPSBackend.probe(env)[0]  # no daemon control pipe yet
+    (tmp_path / "control").touch()
+    m = MPSBackend(env)
+    assert m.levels == (0.6,) and not m.dynamic
+    m.apply(Allocation(0.2, 0.8))
+    m.apply(Allocation(0.6, 0.4))
+    assert m.mismatches == 1
+
+
+def test_select_backend_falls_back_with_reason(tmp_path) -> None:
+    cpu = select_backend("auto", "cpu")
+    assert cpu.name == ("cpu_affinity" if len(ALLOWED) >= 2 else "timeslice")
+    g = select_backend("green", "cpu")
+    assert "green_contexts unavailable: device is not CUDA -> fell back to" in g.reason
+    assert select_backend("timeslice", "cpu").name == "timeslice"
+    st = select_backend("static", "cpu")
+    assert st.name == "static" and st.levels == (0.5,)
+    with pytest.raises(ValueError, match="preference"):
+        select_backend("fastest", "cpu")
+    ok, why = GreenContextBackend.probe()
+    assert GreenContextBackend.SUPPORTED is ok and why
+    if not ok:  # no GPU here: green contexts are skipped in favour of a configured MPS
+        env = {**MPSBackend.env_for(0.5), "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+        (tmp_path / "control").touch()
+        m = select_backend("auto", "cuda", env=env)
+        assert m.name == "mps" and m.reason.startswith("green_contexts unavailable: ")
+        assert "-> fell back to mps" in m.reason
+        env[MPSBackend.ENV] = "60"
+        st = select_backend("static", "cuda", env=env)  # MPS share is what the launcher set
+        assert st.name == "static" and st.levels == (0.6,) and "on mps" in st.reason
+
+
+def test_partition_controller_moves_an_unbound_encode_thread() -> None:
+    if not hasattr(os, "sched_setaffinity") or len(ALLOWED) < 2:
+        pytest.skip("needs Linux and >= 2 allowed cores")
+    part = SMPartitioner(profile(fake_latency, [1, 8]))
+    ctl = PartitionController(part, CpuAffinityBackend())
+    before = os.sched_getaffinity(0)
+    with ctl.encode_scope(1) as lv:
+        assert ctl.last.encode_share == 0.2 and os.sched_getaffinity(0) == ctl.backend.cores_for("encode", lv)
+        assert len(os.sched_getaffinity(0)) < len(ALLOWED)
+    with ctl.encode_scope(8):
+        assert os.sched_getaffinity(0) == set(ALLOWED)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_levels_validated() -> None:
+    with pytest.raises(ValueError, match="levels"):
+        SMBackend((0.5, 0.2), "unsorted")
+    with pytest.raises(ValueError, match="static share"):
+        StaticSplitBackend(share=1.0)
+
+
+class _FakeStream(tuple):
+    device = "cuda:0"
+    waits: list = []
+
+    def wait_stream(self, other) -> None:
+        _FakeStream.waits.append((self, other))
+
+    def synchronize(self) -> None:
+        _FakeStream.waits.append((self, "host"))
+
+
+class _Res:
+    def __init__(self, n: int) -> None:
+        self.sm = type("Sm", (), {"smCount": n, "smCoscheduledAlignment": 8, "minSmPartitionSize": 8})()
+
+
+def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0):
+    """Stand-ins for torch.cuda and the cuda.bindings driver, recording what was created."""
+    from types import SimpleNamespace as NS
+    import contextlib
+    from easerve.control import sm_backends as m
+
+    log: dict[str, list] = {"split": [], "destroyed": []}
+    ok = NS(value=0)
+
+    def split(n_groups, res, flags, n):
+        log["split"].append(n)
+        return ok, [_Res(n)], 1, _Res(res.sm.smCount - n)
+
+    def create(desc, dev, flags):
+        if desc.sm.smCount < fail_remainder_below:
+            return NS(value=1), None
+        return ok, ("ctx", desc.sm.smCount)
+
+    drv = NS(
+        CUdevResourceType=NS(CU_DEV_RESOURCE_TYPE_SM=1), CUgreenCtxCreate_flags=NS(CU_GREEN_CTX_DEFAULT_STREAM=1),
+        CUstream_flags=NS(CU_STREAM_NON_BLOCKING=1),
+        cuDeviceGet=lambda i: (ok, "dev"), cuDeviceGetDevResource=lambda d, t: (ok, _Res(total)),
+        cuDevSmResourceSplitByCount=split, cuDevResourceGenerateDesc=lambda rs, n: (ok, rs[0]),
+        cuGreenCtxCreate=create, cuGreenCtxStreamCreate=lambda c, f, p: (ok, 1000 + c[1]),
+        cuStreamDestroy=lambda s: (log["destroyed"].append(s), ok)[1:],
+        cuGreenCtxDestroy=lambda c: (log["destroyed"].append(c), ok)[1:])
+
+    def check(result):
+        err, *out = result
+        if err.value:
+            raise RuntimeError("CUDA error: fake")
+        return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+    outer = _FakeStream(("outer",))
+    cuda = NS(get_device_properties=lambda i: NS(major=9, multi_processor_count=total),
+              device=lambda i: contextlib.nullcontext(),
+              Stream=lambda dev, priority=0: _FakeStream(("plain", dev, priority)),
+              ExternalStream=lambda ptr, device: _FakeStream(("green", ptr)), synchronize=lambda i: None,
+              stream=lambda s: contextlib.nullcontext(s), current_stream=lambda device=None: outer)
+    torch = NS(cuda=cuda, empty=lambda *a, **k: None)
+    monkeypatch.setattr(m, "_torch", lambda: torch)
+    monkeypatch.setattr(m, "_driver", lambda: (check, drv))
+    monkeypatch.setattr(m.GreenContextBackend, "probe", staticmethod(lambda i=0: (True, "green contexts on fake")))
+    return log
+
+
+def test_green_backend_levels_with_a_fake_driver(monkeypatch) -> None:
+    log = _fake_gpu(monkeypatch)
+    b = GreenContextBackend()
+    assert log["split"] == [32, 56, 80, 112]  # ceil to the 8-SM alignment; 1.0 is not split
+    assert b.encode_sms == (32, 56, 80, 112, 132) and b.prefill_sms == (100, 76, 52, 20, 132)
+    assert b.encode_stream(0) == ("green", 1032) and b.prefill_stream(0) == ("green", 1100)
+    assert b.encode_stream(4) == ("plain", "cuda:0", -1) and b.prefill_stream(4)[2] == 0
+    assert b.apply(Allocation(0.3, 0.7)) == 1
+    assert b.encode_stream() == ("green", 1056)
+    _FakeStream.waits.clear()
+    with b.encode_context() as s:
+        assert s == ("green", 1056) and _FakeStream.waits == [(s, ("outer",))]
+    assert _FakeStream.waits[-1] == (s, "host")  # sync: only this stream is waited for
+    with b.prefill_context(sync=False) as p:
+        assert p == ("green", 1100 - 24)
+    assert _FakeStream.waits[-1] == (p, ("outer",))
+    b.close()
+    assert len(log["destroyed"]) == 16  # 8 streams + 8 green contexts
+
+
+def test_green_backend_remainder_that_fails_time_slices(monkeypatch) -> None:
+    _fake_gpu(monkeypatch, fail_remainder_below=24)
+    b = GreenContextBackend()
+    assert b.prefill_sms[3] == 132 and b.prefill_stream(3)[0] == "plain"
+    assert "share 0.8: prefill time-slices" in b.reason
