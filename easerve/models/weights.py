@@ -61,8 +61,8 @@ def read_tensors(path: str | Path, key_map: KeyMap, dtype: torch.dtype | None = 
 
 
 def under(prefixes: Iterable[str], rename: Callable[[str], str] = lambda k: k) -> KeyMap:
-    """Key map keeping keys that (after `rename`) start with one of `prefixes`,
-    returned relative to that prefix as '<prefix>|<rest>'."""
+    """Key map keeping keys that (after `rename`) are or start with one of `prefixes`
+    (module paths, matched at a '.' boundary); kept keys are returned renamed, in full."""
     prefs = tuple(prefixes)
 
     def key_map(key: str) -> str | None:

@@ -1,0 +1,132 @@
+"""Shared fixtures for the per-family model tests: tiny checkpoints built once per session,
+adapters loaded once per (family, role), and the split E -> P -> D greedy loop."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_root):
+    """`tiny_checkpoint(family, seed=0)` -> folder, built once per session (cached_tiny)."""
+    from easerve.models.tiny import cached_tiny
+
+    return lambda family, seed=0: cached_tiny(family, tiny_root, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_checkpoint):
+    """`adapters(family, role)` -> adapter over the family's tiny checkpoint, loaded once."""
+    from easerve.models.registry import load_adapter
+
+    loaded: dict[tuple[str, str], object] = {}
+
+    def get(family: str, role: str):
+        if (family, role) not in loaded:
+            loaded[family, role] = load_adapter(tiny_checkpoint(family), role=role)
+        return loaded[family, role]
+
+    return get
+
+
+@pytest.fixture
+def rng():
+    return np.random.RandomState(0)
+
+
+def random_image(rng, h: int, w: int):
+    from PIL import Image
+
+    return Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def random_video(rng, frames: int, h: int, w: int) -> np.ndarray:
+    return rng.randint(0, 256, (frames, h, w, 3), dtype=np.uint8)
+
+
+def user(*parts) -> list[dict]:
+    """One user message from content parts (str -> text part, else a ready dict)."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def split_greedy(enc, pre, prompt, new_tokens: int = 8) -> list[int]:
+    """Encode -> prefill -> decode with a DynamicCache rebuilt from the prefill KV."""
+    from transformers import DynamicCache
+
+    from easerve.types import PrefillRequest
+
+    embeddings = enc.encode(prompt.items)
+    req = PrefillRequest("r0", prompt.input_ids, embeddings, [(i.modality, i.meta) for i in prompt.items])
+    res = pre.prefill([req])[0]
+    cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(res.keys, res.values)],
+                         config=pre.text_config)
+    tokens = [int(res.last_logits.argmax())]
+    for k in range(new_tokens - 1):
+        pos = pre.decode_position_ids(torch.tensor([res.prompt_len + k]), torch.tensor([res.rope_delta]))
+        logits = pre.lm_forward(pre.embed_tokens(torch.tensor([[tokens[-1]]])), pos, cache)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+def reference_greedy(full, messages, new_tokens: int = 8) -> tuple[list[int], list[int]]:
+    """(prompt ids, new tokens) of the unsplit model's `generate(do_sample=False)`
+    (fewer than `new_tokens` when it stops at an eos token)."""
+    inputs = full.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_tensors="pt", add_generation_prompt=True)
+    with torch.inference_mode():
+        out = full.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+@pytest.fixture(scope="session")
+def mm():
+    """The helpers above as one namespace, for test modules (conftest is not imported)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(image=random_image, video=random_video, user=user,
+                           split_greedy=split_greedy, reference_greedy=reference_greedy)
+
+
+@pytest.fixture(scope="session")
+def unsupported_checkpoint(tmp_path_factory):
+    """A folder holding a saved tiny GPT-2 config (an architecture EAServe does not serve)."""
+    from transformers import GPT2Config
+
+    path = tmp_path_factory.mktemp("gpt2")
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def legacy_copy(tmp_path_factory):
+    """`legacy_copy(src, renames)` -> a copy of checkpoint `src` whose tensor names are
+    rewritten by the (prefix, replacement) pairs: the pre-transformers-5 hub layout."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def make(src, renames):
+        dst = tmp_path_factory.mktemp("legacy")
+        for f in src.iterdir():
+            if f.name != "model.safetensors" and f.is_file():
+                shutil.copy(f, dst / f.name)
+        out = {}
+        with safe_open(str(src / "model.safetensors"), "pt") as sf:
+            for key in sf.keys():
+                new = next((r + key[len(p):] for p, r in renames if key.startswith(p)), key)
+                out[new] = sf.get_tensor(key)
+        save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return dst
+
+    return make
