@@ -1,0 +1,166 @@
+"""Decode throughput of DecodeEngine at batch 1, 4, 16, 64, measured in one run.
+
+Each batch size gets a fresh engine filled with prefilled random prompts (~64 tokens); after
+a few warm-up steps every request is running and `steps` timed engine steps follow (the
+whole step: scheduling, forward, sampling, detokenization). Baselines of the same run:
+batch 1 of the engine, and the model's own batched greedy decode over a DynamicCache at each
+batch size (equal-length prompts, no engine), which shows what the hardware allows.
+Last stdout line: one JSON object, "b16_over_b1" first (target >= 8), then tok/s per batch.
+
+  python bench/decode_batching.py --text-lm            # tests/models/text_lm.py at ~57 M params
+  python bench/decode_batching.py --model DIR          # any checkpoint easerve can load
+  python bench/decode_batching.py                      # easerve.models.tiny bench-scale llava-next
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint folder (loaded with role='decode')")
+    src.add_argument("--text-lm", action="store_true", help="use the tests' text LM at bench size")
+    ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny-llava-next-bench"),
+                    help="where the default bench checkpoint is built once")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per batch size")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-hf-baseline", action="store_true", help="skip the plain DynamicCache decode baseline")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if min(args.batches) < 1 or args.steps < 1 or args.prompt_len < 2:
+        ap.error("--batches must be >= 1, --steps >= 1, --prompt-len >= 2")
+    return args
+
+
+def load(args):
+    if args.text_lm:
+        sys.path.insert(0, str(ROOT))
+        from tests.models.text_lm import TextLMSpec, build_text_lm
+        return build_text_lm(TextLMSpec.bench(), device=args.device, with_tokenizer=False)
+    from easerve.models.registry import load_adapter
+    path = Path(args.model) if args.model else Path(args.cache_dir)
+    if not args.model and not (path / "config.json").is_file():
+        try:
+            from easerve.models.tiny import make_tiny
+        except ImportError as e:
+            raise SystemExit(f"easerve.models.tiny is not available ({e}); pass --text-lm or --model DIR") from None
+        make_tiny(family="llava-next", out=str(path), seed=0, scale="bench")
+    return load_adapter(path, role="decode", device=args.device)
+
+
+def plain_token_ids(adapter) -> list[int]:
+    """Token ids a random text prompt may use: no special or added (placeholder) tokens."""
+    vocab = adapter.text_config.vocab_size
+    tok = adapter.tokenizer
+    if tok is None:
+        return list(range(vocab))
+    banned = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    return [i for i in range(min(vocab, len(tok))) if i not in banned]
+
+
+def prefill_payloads(adapter, args, count: int, max_tokens: int):
+    from easerve.types import KVPayload, PrefillRequest, SamplingParams
+    rng = random.Random(args.seed)
+    ids_pool = plain_token_ids(adapter)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out = []
+    for i in range(count):
+        ids = [rng.choice(ids_pool) for _ in range(args.prompt_len + rng.randint(-8, 8))]
+        res = adapter.prefill([PrefillRequest(f"p{i}", ids, [], [], sp)])[0]
+        first = int(res.last_logits.argmax())
+        out.append(KVPayload(f"p{i}", res.keys, res.values, res.prompt_len, res.rope_delta, first, sp, ids[-8:]))
+    return out
+
+
+def measure(adapter, payloads, batch: int, args) -> float:
+    from dataclasses import replace
+    from easerve.engine.engine import DecodeEngine, EngineConfig
+    per_req = max(p.prompt_len for p in payloads) + args.warmup + args.steps + 8
+    cfg = EngineConfig(max_running=batch, max_waiting=batch, kv_capacity_tokens=batch * (per_req + 16),
+                       block_size=16, device=args.device)
+    engine = DecodeEngine(adapter, cfg)
+    for i in range(batch):
+        engine.add(replace(payloads[i % len(payloads)], request_id=f"b{batch}-{i}"))
+    for _ in range(args.warmup):
+        engine.step()
+    assert engine.stats().running == batch, "every request must be running while timed"
+    t0 = time.perf_counter()
+    tokens = sum(len(engine.step()) for _ in range(args.steps))
+    elapsed = time.perf_counter() - t0
+    assert tokens == batch * args.steps, "a request finished while timed; raise max_tokens"
+    return tokens / elapsed
+
+
+@torch.inference_mode()
+def measure_hf(adapter, payload, batch: int, args) -> float:
+    """The model's own batched greedy decode: one prompt repeated `batch` times in a
+    DynamicCache, the adapter's decode hooks, no engine (sdpa attention)."""
+    from transformers import DynamicCache
+    dev = torch.device(args.device)
+    kv = [(k[None].expand(batch, -1, -1, -1).to(dev).contiguous(), v[None].expand(batch, -1, -1, -1).to(dev).contiguous())
+          for k, v in zip(payload.keys, payload.values)]
+    cache = DynamicCache(ddp_cache_data=kv, config=adapter.text_config)
+    tok = torch.full((batch, 1), payload.first_token, device=dev)
+    delta = torch.full((batch,), payload.rope_delta, device=dev)
+    t0 = 0.0
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            t0 = time.perf_counter()
+        pos = torch.full((batch,), payload.prompt_len + i, device=dev)
+        logits = adapter.lm_forward(adapter.embed_tokens(tok), adapter.decode_position_ids(pos, delta), cache)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        tok.tolist()  # the engine also hands tokens to the host every step
+    return batch * args.steps / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    adapter = load(args)
+    params = sum(p.numel() for p in adapter.parameters())
+    print(f"model: {type(adapter).__name__} {params / 1e6:.1f} M params on {args.device}", flush=True)
+    payloads = prefill_payloads(adapter, args, min(16, max(args.batches)),
+                                max_tokens=args.warmup + args.steps + 4)
+    hf = {}
+    if not args.no_hf_baseline:  # first, while the model still runs its own sdpa attention
+        for b in args.batches:
+            hf[b] = measure_hf(adapter, payloads[0], b, args)
+            print(f"hf     batch {b:3d}: {hf[b]:9.1f} tok/s", flush=True)
+    tok_s = {}
+    for b in args.batches:
+        tok_s[b] = measure(adapter, payloads, b, args)
+        print(f"engine batch {b:3d}: {tok_s[b]:9.1f} tok/s", flush=True)
+    result = ratios(tok_s, "")
+    result.update({f"b{b}_tok_s": round(v, 1) for b, v in tok_s.items()})
+    result.update(ratios(hf, "hf_"))
+    result.update({f"hf_b{b}_tok_s": round(v, 1) for b, v in hf.items()})
+    result.update({"params_m": round(params / 1e6, 1), "device": args.device, "steps": args.steps,
+                   "prompt_len": args.prompt_len, "threads": args.threads})
+    print(json.dumps(result))
+    return result
+
+
+def ratios(tok_s: dict[int, float], prefix: str) -> dict[str, float]:
+    if 1 not in tok_s:
+        return {}
+    return {f"{prefix}b{b}_over_b1": round(tok_s[b] / tok_s[1], 2) for b in (16, 64, 4) if b in tok_s}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Torch-free KV bookkeeping: which blocks of the pool each request owns.
+
+Capacity is `num_blocks` blocks of `block_size` token positions. Two layouts use it:
+- paged (GPU): small blocks (e.g. 16 tokens), a request owns ceil(reserve / block_size) of them;
+- slots (CPU): one block per request, block_size = max_seq_len (a "slot").
+
+A request reserves prompt_len + max_tokens positions when it is admitted, so an admitted
+request can never run out of KV mid-decode; `append` then hands out the next position.
+The manager never touches physical memory (see `kv_pool.KVPool`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Seq:
+    blocks: list[int]
+    num_tokens: int   # positions already holding KV
+    reserved: int     # positions this request may ever use
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, max_seq_tokens: int | None = None) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # the most positions one request may reserve (slots: block_size; paged: the whole pool)
+        self.max_seq_tokens = min(max_seq_tokens or self.capacity_tokens, self.capacity_tokens)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._seqs: dict[str, _Seq] = {}
+
+    # ---- capacity ---------------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_tokens(self) -> int:
+        """Token positions in blocks no request owns."""
+        return len(self._free) * self.block_size
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Token positions in blocks owned by requests (capacity - free)."""
+        return self.capacity_tokens - self.free_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        """Token positions that actually hold KV now."""
+        return sum(s.num_tokens for s in self._seqs.values())
+
+    def fits_ever(self, reserve_tokens: int) -> bool:
+        """Whether a reservation this size could be admitted into an empty pool."""
+        return reserve_tokens <= self.max_seq_tokens
+
+    # ---- admission / release --------------------------------------------------------------
+    def can_allocate(self, reserve_tokens: int) -> bool:
+        return self.blocks_needed(reserve_tokens) <= len(self._free)
+
+    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int) -> list[int]:
+        """Reserve blocks for `reserve_tokens` positions, the first `num_tokens` already
+        filled (the prompt KV the caller writes next). Returns the block table."""
+        if seq_id in self._seqs:
+            raise ValueError(f"request {seq_id!r} already holds KV blocks")
+        if not 0 < num_tokens <= reserve_tokens:
+            raise ValueError(f"need 0 < num_tokens <= reserve_tokens, got {num_tokens}, {reserve_tokens}")
+        if not self.fits_ever(reserve_tokens) or not self.can_allocate(reserve_tokens):
+            raise RuntimeError(f"no room for {reserve_tokens} tokens; call can_allocate first")
+        blocks = [self._free.pop() for _ in range(self.blocks_needed(reserve_tokens))]
+        self._seqs[seq_id] = _Seq(blocks, num_tokens, reserve_tokens)
+        return list(blocks)
+
+    def free(self, seq_id: str) -> bool:
+        """Give the request's blocks back. Returns False if it held none."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        self._free.extend(reversed(seq.blocks))
+        return True
+
+    # ---- per-step growth -------------------------------------------------------------------
+    def can_append(self, seq_id: str) -> bool:
+        seq = self._seqs[seq_id]
+        return seq.num_tokens < seq.reserved
+
+    def append(self, seq_id: str) -> int:
+        """Claim the next position of the request; returns its index (0-based)."""
+        seq = self._seqs[seq_id]
+        if seq.num_tokens >= seq.reserved:
+            raise RuntimeError(f"request {seq_id!r} used its whole reservation of {seq.reserved} tokens")
+        seq.num_tokens += 1
+        return seq.num_tokens - 1
+
+    # ---- lookups -------------------------------------------------------------------------
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: str) -> tuple[int, ...]:
+        return tuple(self._seqs[seq_id].blocks)
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self._seqs[seq_id].num_tokens

@@ -1,0 +1,127 @@
+"""Torch-free decode scheduling policy: bounded waiting queue, running set, admission.
+
+`schedule()` produces a typed plan (`SchedulerOutput`) that the engine executes;
+`update_from_output()` tells the policy which requests finished. Admission is strict FCFS:
+the head of the waiting queue is admitted when `max_running` and the KV memory allow it,
+and nobody behind it jumps ahead (no head-of-line skipping), so a long request is never
+starved by a stream of short ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from easerve.engine.block_manager import BlockManager
+from easerve.engine.errors import Overloaded, RequestTooLarge
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One decode step's plan. Row i of the batch is request_ids[i]: it writes the KV of
+    its last token at position positions[i] (so it attends to positions[i] + 1 tokens),
+    through block_tables[i]. `admitted` lists the requests whose prompt KV the engine must
+    write into the pool before the step (they are in request_ids too)."""
+
+    admitted: tuple[str, ...]
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    request_id: str
+    prompt_len: int
+    reserve_tokens: int
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_running: int, max_waiting: int) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self._waiting: deque[_Waiting] = deque()
+        self._running: dict[str, None] = {}  # insertion-ordered set
+
+    # ---- intake -------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        """Queue a request whose prompt KV (prompt_len tokens) waits outside the pool.
+        Raises RequestTooLarge if it could never fit, Overloaded if the queue is full."""
+        if request_id in self:
+            raise ValueError(f"request id {request_id!r} is already in the engine; ids must be unique")
+        reserve = prompt_len + max_tokens
+        if not self.blocks.fits_ever(reserve):
+            raise RequestTooLarge(
+                f"request {request_id!r} needs {reserve} KV tokens (prompt {prompt_len} + max_tokens "
+                f"{max_tokens}) but the engine holds at most {self.blocks.max_seq_tokens} per request; "
+                "lower max_tokens or raise the engine's KV capacity / max_seq_len")
+        if len(self._waiting) >= self.max_waiting:
+            raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
+        self._waiting.append(_Waiting(request_id, prompt_len, reserve))
+
+    # ---- the plan -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        admitted = self._admit()
+        ids = tuple(self._running)
+        positions = tuple(self.blocks.append(rid) for rid in ids)
+        tables = tuple(self.blocks.block_table(rid) for rid in ids)
+        return SchedulerOutput(admitted, ids, positions, tables)
+
+    def _admit(self) -> tuple[str, ...]:
+        admitted = []
+        while self._waiting and len(self._running) < self.max_running:
+            head = self._waiting[0]
+            if not self.blocks.can_allocate(head.reserve_tokens):
+                break  # FCFS: wait for room rather than let later requests jump ahead
+            self._waiting.popleft()
+            self.blocks.allocate(head.request_id, head.prompt_len, head.reserve_tokens)
+            self._running[head.request_id] = None
+            admitted.append(head.request_id)
+        return tuple(admitted)
+
+    def update_from_output(self, finished: Iterable[str]) -> None:
+        """Release the KV of requests that finished in the step just executed."""
+        for rid in finished:
+            self._release(rid)
+
+    def _release(self, request_id: str) -> bool:
+        if request_id not in self._running:
+            return False
+        del self._running[request_id]
+        self.blocks.free(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request at once (its KV is freed). False if unknown."""
+        if self._release(request_id):
+            return True
+        for item in self._waiting:
+            if item.request_id == request_id:
+                self._waiting.remove(item)
+                return True
+        return False
+
+    # ---- state -----------------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._running or any(w.request_id == request_id for w in self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
