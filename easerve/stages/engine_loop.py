@@ -81,15 +81,13 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not stream.done:
                 await asyncio.shield(self._call(self.engine.abort, rid))
+                self._wake.set()
 
     async def abort(self, request_id: str) -> bool:
-        if request_id not in self._streams:
-            return False
-        await self._call(self.engine.abort, request_id)
-        s = self._streams.get(request_id)
-        if s is not None and not s.done:
-            s.done = True
-        return True
+        """Stop a request now (KV freed); its stream ends with finish_reason "abort"."""
+        found = await self._call(self.engine.abort, request_id)
+        self._wake.set()
+        return found
 
     async def stats(self):
         return await self._call(self.engine.stats)

@@ -12,10 +12,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from easerve import media
+from easerve.rpc.errors import InvalidRequest
 from easerve.types import SamplingParams
 
 
-class BadRequest(ValueError):
+class BadRequest(InvalidRequest):
     """Client error: HTTP 400 / INVALID_ARGUMENT, message says what to change."""
 
 
@@ -44,7 +45,7 @@ def _video_of(part: dict):
     val = part.get("video_url")
     if isinstance(val, dict) and isinstance(val.get("frames"), list):
         return media.decode_video([media.decode_image(f) for f in val["frames"]])
-    return media.decode_video(media.data_uri_bytes(_url_of(part, "video_url")))
+    return media.decode_video(media.to_bytes(_url_of(part, "video_url"), "video"))
 
 
 def _audio_of(part: dict, sampling_rate: int | None):
@@ -56,7 +57,7 @@ def _audio_of(part: dict, sampling_rate: int | None):
         raise BadRequest(f"input_audio format {fmt!r} is not supported; send 16-bit or 32-bit PCM 'wav'")
     if sampling_rate is None:
         raise BadRequest("this model does not take audio; remove the input_audio part")
-    return media.decode_audio(media.b64_bytes(val["data"]), target_rate=sampling_rate)
+    return media.decode_audio(media.to_bytes(val["data"], "audio"), target_rate=sampling_rate)
 
 
 def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None) -> dict:

@@ -1,21 +1,18 @@
 """DecodeEngine on real tiny HF decoders: continuous batching equals per-request generate."""
 import copy
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for  # noqa: E402
+from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
 
-from easerve.engine.attention import ATTN_IMPL  # noqa: E402
-from easerve.engine.engine import DecodeEngine, EngineConfig  # noqa: E402
-from easerve.engine.errors import Overloaded, RequestTooLarge  # noqa: E402
-from easerve.types import SamplingParams  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+from easerve.engine.attention import ATTN_IMPL
+from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.errors import Overloaded, RequestTooLarge
+from easerve.types import SamplingParams
+from transformers import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams
