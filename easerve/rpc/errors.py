@@ -1,0 +1,124 @@
+"""Domain errors and their gRPC / HTTP status codes, in one table.
+
+Servicer methods wrap themselves with `@grpc_errors`; clients turn an `AioRpcError` back
+into a domain error with `from_rpc_error`; the HTTP front end uses `http_status`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from typing import Any, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class EAServeError(Exception):
+    """Base of the domain errors; `code` / `http` say how each surfaces on the wire."""
+
+    code = grpc.StatusCode.INTERNAL
+    http = 500
+
+
+class InvalidRequest(EAServeError, ValueError):
+    code, http = grpc.StatusCode.INVALID_ARGUMENT, 400
+
+
+class NotFound(EAServeError):
+    code, http = grpc.StatusCode.NOT_FOUND, 404
+
+
+class Overloaded(EAServeError):
+    code, http = grpc.StatusCode.RESOURCE_EXHAUSTED, 429
+
+
+class Unavailable(EAServeError):
+    code, http = grpc.StatusCode.UNAVAILABLE, 503
+
+
+class DeadlineExceeded(EAServeError, TimeoutError):
+    code, http = grpc.StatusCode.DEADLINE_EXCEEDED, 504
+
+
+class Cancelled(EAServeError):
+    code, http = grpc.StatusCode.CANCELLED, 499  # nginx's "client closed request"
+
+
+class Internal(EAServeError):
+    pass
+
+
+# Builtin exceptions that stand for a domain error. ValueError covers easerve.codec.CodecError
+# and SamplingParams validation; TimeoutError covers asyncio.TimeoutError (3.11+).
+_BUILTIN: tuple[tuple[type[BaseException], type[EAServeError]], ...] = (
+    (ValueError, InvalidRequest),
+    (TimeoutError, DeadlineExceeded),
+)
+_BY_CODE: dict[grpc.StatusCode, type[EAServeError]] = {
+    c.code: c for c in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded,
+                        Cancelled, Internal)
+}
+
+
+def domain_error(exc: BaseException) -> EAServeError:
+    """The domain error an exception stands for (anything unknown becomes Internal)."""
+    if isinstance(exc, EAServeError):
+        return exc
+    if isinstance(exc, grpc.RpcError):
+        return from_rpc_error(exc)
+    for base, cls in _BUILTIN:
+        if isinstance(exc, base):
+            return cls(str(exc) or type(exc).__name__)
+    return Internal(f"internal error ({type(exc).__name__})")
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    err = domain_error(exc)
+    return err.code, str(err)
+
+
+def http_status(exc: BaseException) -> int:
+    return domain_error(exc).http
+
+
+def from_rpc_error(err: grpc.RpcError) -> EAServeError:
+    """Client side: a downstream status becomes the matching domain error."""
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    return _BY_CODE.get(code, Internal)(details or code.name)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code, msg = grpc_status(exc)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, EAServeError):
+        log.exception("unhandled error in servicer", exc_info=exc)
+    await context.abort(code, msg)
+
+
+def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a servicer method (`async def` or async generator) taking (self, request, context):
+    domain errors, ValueError and the like abort the call with their status code."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped in one place
+                await abort_with(context, exc)
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            await abort_with(context, exc)
+    return unary

@@ -1,0 +1,152 @@
+"""serve(): a grpc.aio server with standard health, warm-up gating and a graceful drain.
+
+Life of a server:
+  bind + start, health NOT_SERVING  ->  await warmup()  ->  SERVING
+  SIGTERM / SIGINT (or `stop` set)  ->  NOT_SERVING  ->  server.stop(grace_s): new calls are
+  refused, in-flight calls get grace_s to finish  ->  return (the process exits 0).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar, Union
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A callable that registers servicers on the server, or an (add_XServicer_to_server, servicer) pair.
+Adder = Union[Callable[[grpc.aio.Server], None], tuple[Callable[[Any, grpc.aio.Server], None], Any]]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_message_bytes: int = 256 << 20
+    grace_s: float = 10.0
+    keepalive_time_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 4 << 20:
+            raise ValueError(f"max_message_bytes must be >= 4 MiB, got {self.max_message_bytes}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        if self.keepalive_time_ms <= 0:
+            raise ValueError(f"keepalive_time_ms must be > 0, got {self.keepalive_time_ms}")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """Options for servers and for the channels that talk to them."""
+        return [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", self.keepalive_time_ms)]
+
+
+async def serve(
+    adders: Sequence[Adder],
+    addr: str,
+    *,
+    health_services: Sequence[str] = (),
+    warmup: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float | None = None,
+    options: ServerOptions = ServerOptions(),
+    stop: asyncio.Event | None = None,
+    on_bound: Callable[[int], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT or `stop` is set, then drain. `addr` like "0.0.0.0:50051"
+    (port 0 picks a free one, reported through `on_bound`). Health of "" and each name in
+    `health_services` is NOT_SERVING until `warmup()` returns; if warmup raises, the server
+    stops and the error propagates."""
+    grace = options.grace_s if grace_s is None else grace_s
+    server = grpc.aio.server(options=options.channel_options())
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for adder in adders:
+        _register(adder, server)
+    names = ["", *health_services]
+    for name in names:
+        await health_servicer.set(name, NOT_SERVING)
+    port = server.add_insecure_port(addr)
+    if port == 0:
+        raise OSError(f"could not bind {addr}")
+    await server.start()
+    log.info("listening on %s (port %d)", addr, port)
+    if on_bound is not None:
+        on_bound(port)
+    stop = stop or asyncio.Event()
+    restore = _install_signals(stop)
+    try:
+        await _warm(warmup, stop)
+        for name in names:
+            await health_servicer.set(name, SERVING)
+        log.info("serving %s", ", ".join(health_services) or "(no named services)")
+        await stop.wait()
+    finally:
+        restore()
+        await _drain(server, health_servicer, grace)
+
+
+def _register(adder: Adder, server: grpc.aio.Server) -> None:
+    if isinstance(adder, tuple):
+        add, servicer = adder
+        add(servicer, server)
+    else:
+        adder(server)
+
+
+async def _warm(warmup: Callable[[], Awaitable[None]] | None, stop: asyncio.Event) -> None:
+    if warmup is None:
+        return
+    task = asyncio.ensure_future(warmup())
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():  # asked to stop while warming up
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return
+    task.result()
+
+
+async def _drain(server: grpc.aio.Server, health_servicer, grace_s: float) -> None:
+    log.info("draining: NOT_SERVING, up to %.1fs for in-flight calls", grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    log.info("stopped")
+
+
+def _install_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT set `stop` (main thread only; elsewhere this is a no-op)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+    def restore() -> None:
+        for s in installed:
+            loop.remove_signal_handler(s)
+    return restore
+
+
+def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool | None = None) -> T:
+    """asyncio.run with uvloop when it is installed (or when use_uvloop=True)."""
+    factory = None
+    if use_uvloop is not False:
+        try:
+            import uvloop
+            factory = uvloop.new_event_loop
+        except ImportError:
+            if use_uvloop:
+                raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

@@ -1,0 +1,177 @@
+"""Anywhere transport: the codec frame pushed in chunks over the KVStream service.
+
+Receiver: a `KVStreamServicer` (register it on the receiver's gRPC server) parks each pushed
+payload under its key until `recv(handle)` takes it, or until it expires. Sender: pushes to
+the receiver's address and returns a handle once the receiver has acknowledged the payload.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from easerve import codec
+from easerve.rpc.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, grpc_errors
+from easerve.transport.base import KVTransport
+from easerve.transport.handles import GrpcHandle, Handle
+from easerve.v1 import kv_pb2, kv_pb2_grpc
+
+
+@dataclass(frozen=True)
+class GrpcStreamConfig:
+    chunk_bytes: int = 1 << 20
+    park_ttl_s: float = 60.0  # receiver drops payloads nobody took within this time
+    max_parked_bytes: int = 8 << 30
+    recv_timeout_s: float = 30.0  # how long recv() waits for a payload still in flight
+
+    def __post_init__(self) -> None:
+        if not 4 << 10 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError(f"chunk_bytes must be in [4 KiB, 64 MiB], got {self.chunk_bytes}")
+        if self.park_ttl_s <= 0 or self.recv_timeout_s <= 0:
+            raise ValueError("park_ttl_s and recv_timeout_s must be > 0 seconds")
+        if self.max_parked_bytes <= 0:
+            raise ValueError(f"max_parked_bytes must be > 0, got {self.max_parked_bytes}")
+
+
+class KVStreamServicer(kv_pb2_grpc.KVStreamServicer):
+    """Receiver side: assembles pushed payloads and parks them by key."""
+
+    def __init__(self, config: GrpcStreamConfig = GrpcStreamConfig()) -> None:
+        self.config = config
+        self._parked: dict[str, tuple[float, np.ndarray]] = {}
+        self._arrived = asyncio.Condition()
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(len(b) for _, b in self._parked.values())
+
+    @grpc_errors
+    async def Push(self, request_iterator: AsyncIterator[kv_pb2.KVChunk], context) -> kv_pb2.KVPushAck:
+        self._sweep()
+        key, buf, pos, ttl = "", np.empty(0, np.uint8), 0, 0.0
+        async for chunk in request_iterator:
+            if not key:
+                key, buf, ttl = self._start(chunk)
+            data = chunk.data
+            if pos + len(data) > len(buf):
+                raise InvalidRequest(f"payload {key!r} overflows its declared {len(buf)} bytes")
+            buf[pos: pos + len(data)] = np.frombuffer(data, np.uint8)
+            pos += len(data)
+        if not key or pos != len(buf):
+            raise InvalidRequest(f"payload {key!r} ended at {pos} of {len(buf)} bytes")
+        async with self._arrived:
+            self._parked[key] = (time.monotonic() + ttl, buf)
+            self._arrived.notify_all()
+        return kv_pb2.KVPushAck(key=key, received_bytes=pos)
+
+    def _start(self, chunk: kv_pb2.KVChunk) -> tuple[str, np.ndarray, float]:
+        if not chunk.key:
+            raise InvalidRequest("the first KVChunk must carry the payload key")
+        if self.parked_bytes + chunk.total_bytes > self.config.max_parked_bytes:
+            raise Overloaded(f"{self.parked_bytes} bytes parked; no room for {chunk.total_bytes} more")
+        ttl = min(self.config.park_ttl_s, chunk.deadline_ms / 1000 or self.config.park_ttl_s)
+        return chunk.key, np.empty(chunk.total_bytes, np.uint8), ttl  # not zeroed: one pass
+
+    async def take(self, key: str, timeout: float) -> np.ndarray:
+        """The payload parked under `key` (waiting up to `timeout` for it to arrive)."""
+        self._sweep()
+        async def wait() -> np.ndarray:
+            async with self._arrived:
+                await self._arrived.wait_for(lambda: key in self._parked)
+                return self._parked.pop(key)[1]
+        try:
+            return await asyncio.wait_for(wait(), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no KV payload {key!r} arrived within {timeout:.1f}s") from None
+
+    def drop(self, key: str) -> bool:
+        return self._parked.pop(key, None) is not None
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for key, (expiry, _) in list(self._parked.items()):
+            if expiry <= now:
+                del self._parked[key]
+
+
+class GrpcStreamTransport(KVTransport):
+    """`peer`: the receiver's address (sender side). `servicer`: this process's parking lot
+    (receiver side). A process may be both."""
+
+    name = "grpc"
+
+    def __init__(self, *, peer: str | None = None, servicer: KVStreamServicer | None = None,
+                 config: GrpcStreamConfig = GrpcStreamConfig(), channel_options: Sequence = ()) -> None:
+        super().__init__()
+        if peer is None and servicer is None:
+            raise ValueError("give peer= (to send), servicer= (to receive), or both")
+        self.peer, self.servicer, self.config = peer, servicer, config
+        self._options = list(channel_options)
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> kv_pb2_grpc.KVStreamStub:
+        if self.peer is None:
+            raise ValueError("this grpc transport has no peer= to send to")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.peer, options=self._options)
+        return kv_pb2_grpc.KVStreamStub(self._channel)
+
+    async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
+                   *, timeout: float | None = None) -> GrpcHandle:
+        stub, t0 = self._stub(), time.perf_counter()
+        total, key = codec.frame_size(header), f"{request_id}/{uuid.uuid4().hex[:12]}"
+        deadline_ms = int(timeout * 1000) if timeout else 0
+        chunks = _chunks(key, total, deadline_ms, codec.iter_frame(header, tensors), self.config.chunk_bytes)
+        ack = await stub.Push(chunks, timeout=timeout)
+        if ack.received_bytes != total:
+            raise InvalidRequest(f"receiver took {ack.received_bytes} of {total} bytes of {key!r}")
+        self._measured(total, t0)
+        return GrpcHandle(request_id, self.peer, key, total)
+
+    async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
+        self._expect(handle, GrpcHandle)
+        if self.servicer is None:
+            raise NotFound("this grpc transport has no KVStream servicer to receive into")
+        t0 = time.perf_counter()
+        buf = await self.servicer.take(handle.key, timeout or self.config.recv_timeout_s)
+        out = codec.split_parts(buf, copy=False)  # the buffer is ours alone: views are safe
+        self._measured(len(buf), t0)
+        return out
+
+    def release(self, handle: Handle) -> None:
+        if isinstance(handle, GrpcHandle) and self.servicer is not None:
+            self.servicer.drop(handle.key)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+async def _chunks(key, total, deadline_ms, pieces, chunk_bytes) -> AsyncIterator[kv_pb2.KVChunk]:
+    """KVChunk messages of at most chunk_bytes, the first one naming the payload."""
+    first, pending, size = True, [], 0
+    for piece in pieces:
+        while len(piece):
+            take = piece[: chunk_bytes - size]
+            pending.append(take)
+            size += len(take)
+            piece = piece[len(take):]
+            if size == chunk_bytes:
+                yield _chunk(first, key, total, deadline_ms, pending)
+                first, pending, size = False, [], 0
+    if pending or first:
+        yield _chunk(first, key, total, deadline_ms, pending)
+
+
+def _chunk(first, key, total, deadline_ms, pieces) -> kv_pb2.KVChunk:
+    data = b"".join(pieces)
+    if first:
+        return kv_pb2.KVChunk(key=key, total_bytes=total, deadline_ms=deadline_ms, data=data)
+    return kv_pb2.KVChunk(data=data)

@@ -1,0 +1,218 @@
+"""Same-host transport through POSIX shared memory.
+
+Default path: a slab the sender creates once and reuses (`shm_slab`), so a warm transfer is
+one copy into already-mapped memory and the receiver gets views of it, no copy (or copies,
+`copy_out=True`); the region is recycled when the receiver's last view dies.
+Fallback (slab full, payload too large, or `slab_bytes=0`): a one-off segment of exactly the
+frame's size; the receiver maps it and unlinks it at once (the memory lives while mapped).
+Nothing leaks: the receiver unlinks one-off segments on recv; the sender unlinks the ones
+not taken on `release(handle)`, on `close()` and after `ttl_s`; the slab is unlinked on
+close() and, should the process die, by Python's resource tracker. Segments are made with
+`_posixshmem` (what multiprocessing.shared_memory uses) to keep the tracker out of one-offs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import _posixshmem
+import torch
+
+from easerve import codec
+from easerve.rpc.errors import NotFound, Overloaded
+from easerve.transport.base import KVTransport
+from easerve.transport.handles import Handle, ShmHandle
+from easerve.transport.shm_slab import SlabReader, SlabWriter
+
+log = logging.getLogger(__name__)
+_THREAD_BYTES = 1 << 20  # copies above this size run off the event loop
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    prefix: str = "easerve"
+    slab_bytes: int = 256 << 20  # sender's reusable slab (0: one-off segments only)
+    ttl_s: float = 120.0  # sender reclaims payloads nobody took within this time
+    copy_out: bool = False  # receiver copies into private memory instead of viewing the segment
+
+    def __post_init__(self) -> None:
+        if not self.prefix or "/" in self.prefix or len(self.prefix) > 64:
+            raise ValueError(f"prefix must be 1-64 chars without '/', got {self.prefix!r}")
+        if self.slab_bytes < 0:
+            raise ValueError(f"slab_bytes must be >= 0 (0 disables the slab), got {self.slab_bytes}")
+        if self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 seconds, got {self.ttl_s}")
+
+
+class ShmTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, config: ShmConfig = ShmConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self._pending: dict[str, float] = {}  # one-off segment name -> expiry, sender side
+        self._slab: SlabWriter | None = None
+        self._slab_off = False
+        self._reader = SlabReader()
+
+    @property
+    def pending(self) -> list[str]:
+        """Segments this sender created that it has not released yet."""
+        return list(self._pending)
+
+    async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
+                   *, timeout: float | None = None) -> ShmHandle:
+        self._sweep()
+        t0 = time.perf_counter()
+        size = codec.frame_size(header)
+        slot = self._slab_alloc(size)
+        if slot is not None:
+            offset, gen = slot
+            try:
+                await _maybe_thread(size, codec.write_parts, header, tensors, self._slab.buffer(offset, size))
+            except BaseException:
+                self._slab.free(offset, gen)
+                raise
+            handle = ShmHandle(request_id, self._slab.name, offset, size, slab=True, generation=gen)
+        else:
+            handle = ShmHandle(request_id, await self._send_segment(header, tensors, size), 0, size)
+        self._measured(size, t0)
+        return handle
+
+    def _slab_alloc(self, size: int) -> tuple[int, int] | None:
+        if self.config.slab_bytes == 0 or size > self.config.slab_bytes:
+            return None
+        if self._slab is None:
+            free = _shm_free_bytes()
+            if free is not None and free < 2 * self.config.slab_bytes:  # a full tmpfs means SIGBUS
+                log.warning("/dev/shm has %d bytes free, too little for a %d-byte slab: using one-off "
+                            "segments (raise the container's shm_size)", free, self.config.slab_bytes)
+                self._slab_off = True
+            if self._slab_off:
+                return None
+            self._slab = SlabWriter(f"{self.config.prefix}-slab-{uuid.uuid4().hex}", self.config.slab_bytes)
+        return self._slab.alloc(size, self.config.ttl_s)
+
+    async def _send_segment(self, header: bytes, tensors: Sequence[torch.Tensor], size: int) -> str:
+        free = _shm_free_bytes()
+        if free is not None and size > free:
+            raise Overloaded(f"/dev/shm has {free} bytes free, the payload needs {size} "
+                             "(raise the container's shm_size)")
+        name = f"{self.config.prefix}-{uuid.uuid4().hex}"
+        mm = _create(name, size)
+        self._pending[name] = time.monotonic() + self.config.ttl_s
+        try:
+            await _maybe_thread(size, _write, header, tensors, mm)
+        except BaseException:
+            self._unlink(name)
+            raise
+        finally:
+            _close(mm)
+        return name
+
+    async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
+        self._expect(handle, ShmHandle)
+        t0 = time.perf_counter()
+        copy = self.config.copy_out
+        if handle.slab:
+            buf = self._reader.take(handle.name, handle.offset, handle.size, handle.generation)
+            out = await _maybe_thread(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
+        else:
+            mm = _open_and_unlink(handle.name, handle.offset + handle.size)
+            self._pending.pop(handle.name, None)
+            buf = memoryview(mm)[handle.offset: handle.offset + handle.size]
+            out = await _maybe_thread(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
+            if copy:
+                del buf
+                _close(mm)
+        self._measured(handle.size, t0)
+        return out
+
+    def release(self, handle: Handle) -> None:
+        if not isinstance(handle, ShmHandle):
+            return
+        if not handle.slab:
+            self._unlink(handle.name)
+        elif self._slab is not None and handle.name == self._slab.name:
+            self._slab.free(handle.offset, handle.generation)
+
+    async def close(self) -> None:
+        for name in list(self._pending):
+            self._unlink(name)
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        self._reader.close()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for name, expiry in list(self._pending.items()):
+            if expiry <= now:
+                self._unlink(name)
+
+    def _unlink(self, name: str) -> None:
+        self._pending.pop(name, None)
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except FileNotFoundError:
+            pass  # the receiver took it
+
+
+def _shm_free_bytes() -> int | None:
+    """Free bytes of the tmpfs behind POSIX shm (None where there is no /dev/shm)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _create(name: str, size: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        _posixshmem.shm_unlink("/" + name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _open_and_unlink(name: str, size: int) -> mmap.mmap:
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise NotFound(f"shared memory segment {name!r} is gone (already received, released or expired)") from None
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        if os.fstat(fd).st_size < size:
+            raise NotFound(f"segment {name!r} holds {os.fstat(fd).st_size} bytes, handle says {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
+
+
+def _write(header: bytes, tensors: Sequence[torch.Tensor], mm: mmap.mmap) -> None:
+    with memoryview(mm) as view:
+        codec.write_parts(header, tensors, view)
+
+
+async def _maybe_thread(nbytes: int, fn, *args, **kw):
+    """Run fn off the event loop when it copies more than _THREAD_BYTES (torch copies drop the GIL)."""
+    if nbytes < _THREAD_BYTES:
+        return fn(*args, **kw)
+    return await asyncio.to_thread(fn, *args, **kw)

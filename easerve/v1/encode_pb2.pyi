@@ -1,0 +1,35 @@
+from easerve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MediaItem(_message.Message):
+    __slots__ = ("info", "inputs")
+    class InputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.TensorProto
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TensorProto, _Mapping]] = ...) -> None: ...
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.ItemMeta
+    inputs: _containers.MessageMap[str, _common_pb2.TensorProto]
+    def __init__(self, info: _Optional[_Union[_common_pb2.ItemMeta, _Mapping]] = ..., inputs: _Optional[_Mapping[str, _common_pb2.TensorProto]] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("meta", "input_ids", "items", "sampling")
+    META_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.RequestMeta
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    items: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,207 @@
+import asyncio
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from easerve.codec import CodecError
+from easerve.rpc import errors
+from easerve.rpc.deadline import Deadline, downstream_timeout
+from easerve.rpc.server import ServerOptions, serve
+from easerve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    """Stats raises whatever `self.raise_` says; Decode streams, then maybe fails."""
+
+    def __init__(self):
+        self.raise_ = None
+        self.seen_timeout = "unset"
+
+    @errors.grpc_errors
+    async def Stats(self, request, context):
+        self.seen_timeout = downstream_timeout(context)
+        if self.raise_ is not None:
+            raise self.raise_
+        return decode_pb2.StatsResponse(running=1)
+
+    @errors.grpc_errors
+    async def Decode(self, request, context):
+        yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[1])
+        raise errors.Overloaded("KV pool full and queue full")
+
+
+async def _with_server(fn, *, warmup=None):
+    servicer, stop, ports = FakeDecode(), asyncio.Event(), []
+    task = asyncio.create_task(serve(
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], "127.0.0.1:0",
+        health_services=["easerve.v1.Decode"], warmup=warmup, stop=stop,
+        grace_s=1.0, on_bound=ports.append))
+    while not ports:
+        await asyncio.sleep(0.01)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as ch:
+            return await fn(ch, servicer)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def _health(ch, service=""):
+    stub = health_pb2_grpc.HealthStub(ch)
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+
+def test_health_not_serving_until_warmup_done():
+    async def main():
+        release = asyncio.Event()
+
+        async def warmup():
+            await release.wait()
+
+        async def check(ch, _):
+            NS, S = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+            assert await _health(ch) == NS
+            assert await _health(ch, "easerve.v1.Decode") == NS
+            release.set()
+            for _ in range(200):
+                if await _health(ch, "easerve.v1.Decode") == S:
+                    break
+                await asyncio.sleep(0.01)
+            assert await _health(ch) == S and await _health(ch, "easerve.v1.Decode") == S
+        await _with_server(check, warmup=warmup)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("exc, code", [
+    (ValueError("max_tokens must be >= 1"), grpc.StatusCode.INVALID_ARGUMENT),
+    (CodecError("truncated: 3 bytes"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidRequest("bad image"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable("no prefill"), grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (asyncio.TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.NotFound("no such request"), grpc.StatusCode.NOT_FOUND),
+    (errors.Cancelled("client went away"), grpc.StatusCode.CANCELLED),
+    (RuntimeError("secret detail"), grpc.StatusCode.INTERNAL),
+])
+def test_error_mapping_over_grpc(exc, code):
+    async def call(ch, servicer):
+        servicer.raise_ = exc
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=5)
+        assert ei.value.code() == code
+        if code == grpc.StatusCode.INTERNAL:
+            assert "secret" not in ei.value.details()
+        back = errors.from_rpc_error(ei.value)
+        assert back.code == code and errors.http_status(back) == back.http
+    asyncio.run(_with_server(call))
+
+
+def test_streaming_error_after_first_chunk_and_deadline_passed_on():
+    async def call(ch, servicer):
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        req = decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="r1"))
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for chunk in stub.Decode(req, timeout=5):
+                got.append(list(chunk.token_ids))
+        assert got == [[1]] and ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await stub.Stats(decode_pb2.StatsRequest(), timeout=3)
+        assert 2 < servicer.seen_timeout <= 3.1
+        await stub.Stats(decode_pb2.StatsRequest())
+        assert servicer.seen_timeout is None
+    asyncio.run(_with_server(call))
+
+
+def test_http_status_table():
+    assert [errors.http_status(e) for e in (
+        ValueError("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
+        errors.NotFound(), KeyError("k"))] == [400, 429, 503, 504, 404, 500]
+
+
+def test_deadline_value_type():
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    d = Deadline.after(2.0, clock)
+    assert d.remaining(clock) == 2.0 and d.to_ms(clock) == 2000 and d.timeout(clock=clock) == 2.0
+    assert Deadline.from_ms(500, clock).earliest(d) == Deadline(100.5)
+    assert Deadline.from_ms(0, clock) == Deadline.none() and Deadline.none().timeout() is None
+    assert Deadline.none().to_ms() == 0 and Deadline.none().remaining() == math.inf
+    now[0] = 101.999
+    assert d.timeout(floor_s=0.05, clock=clock) == 0.05
+    now[0] = 102.5
+    assert d.expired(clock)
+    with pytest.raises(errors.DeadlineExceeded, match="500.0 ms ago"):
+        d.timeout(clock=clock)
+    with pytest.raises(ValueError):
+        Deadline(float("nan"))
+
+
+def test_server_options_validate():
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        ServerOptions(max_message_bytes=10)
+    with pytest.raises(ValueError, match="grace_s"):
+        ServerOptions(grace_s=-1)
+
+
+SERVER_APP = textwrap.dedent("""
+    import asyncio, sys
+    from easerve.rpc.server import run, serve
+    from easerve.v1 import common_pb2, decode_pb2_grpc
+
+    class Slow(decode_pb2_grpc.DecodeServicer):
+        async def Decode(self, request, context):
+            for i in range(6):
+                yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[i])
+                await asyncio.sleep(0.15)
+
+    def bound(port):
+        print(port, flush=True)
+
+    run(serve([(decode_pb2_grpc.add_DecodeServicer_to_server, Slow())], "127.0.0.1:0",
+              health_services=["easerve.v1.Decode"], grace_s=5.0, on_bound=bound))
+    print("exited cleanly", flush=True)
+""")
+
+
+def test_sigterm_drains_inflight_stream_then_exits_zero(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(SERVER_APP)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        port = int(proc.stdout.readline())
+
+        async def client():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = decode_pb2_grpc.DecodeStub(ch)
+                req = decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="r"))
+                got = []
+                async for chunk in stub.Decode(req, timeout=10):
+                    got.extend(chunk.token_ids)
+                    if len(got) == 1:
+                        proc.send_signal(signal.SIGTERM)
+                        await asyncio.sleep(0.1)
+                        with pytest.raises(grpc.aio.AioRpcError):  # new calls are refused
+                            await stub.Decode(req, timeout=2).read()
+                return got
+        t0 = time.monotonic()
+        assert asyncio.run(client()) == list(range(6))
+        assert proc.wait(timeout=10) == 0, proc.stderr.read()
+        assert proc.stdout.read().strip() == "exited cleanly"
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
