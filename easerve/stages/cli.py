@@ -1,0 +1,44 @@
+"""Flags every stage process shares, and the process bootstrap."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def base_parser(stage: str, default_listen: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m services.{stage}", description=f"EAServe {stage} stage")
+    p.add_argument("--model", required=True, help="checkpoint folder (a supported family)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--listen", default=default_listen, help="gRPC address to bind, host:port (port 0 = any)")
+    p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    p.add_argument("--log-level", default=os.environ.get("EASERVE_LOG_LEVEL", "INFO"))
+    return p
+
+
+def addrs(value: str) -> tuple[str, ...]:
+    """Comma-separated host:port list."""
+    out = tuple(a.strip() for a in (value or "").split(",") if a.strip())
+    for a in out:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address {a!r} must be host:port")
+    return out
+
+
+def setup_process(args) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """Let a launcher learn the port bound for `--listen host:0`."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)

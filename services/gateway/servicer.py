@@ -1,0 +1,99 @@
+"""gRPC front of the gateway: easerve.v1.Gateway <-> GatewayCore (thin)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+
+from easerve import media
+from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.stages.convert import FINISH_TO_PROTO, sampling_from_proto
+from easerve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.core import GatewayCore, Job
+
+_STARTED = int(time.time())
+
+
+def _image(m) -> object:
+    return media.decode_image(m.data if m.WhichOneof("source") == "data" else m.url)
+
+
+def _video(m) -> object:
+    src = m.WhichOneof("source")
+    if src == "frames":
+        return media.decode_video([media.decode_image(f) for f in m.frames.frames])
+    return media.decode_video(m.file if src == "file" else media.to_bytes(m.url, "video"))
+
+
+def _audio(m, rate: int | None) -> np.ndarray:
+    if rate is None:
+        raise InvalidRequest("this model does not take audio; remove the audio part")
+    src = m.WhichOneof("source")
+    if src == "samples":
+        raw = np.frombuffer(m.samples.f32le, dtype="<f4")
+        return media.decode_audio(raw, sample_rate=m.samples.sample_rate, target_rate=rate)
+    data = m.wav if src == "wav" else media.to_bytes(m.url, "audio")
+    return media.decode_audio(data, target_rate=rate)
+
+
+def part_to_hf(p, modalities: tuple[str, ...], rate: int | None) -> dict:
+    kind = p.WhichOneof("part")
+    if kind is None:
+        raise InvalidRequest("empty content part; set text, image, video or audio")
+    if kind == "text":
+        return {"type": "text", "text": p.text}
+    if kind not in modalities:
+        raise InvalidRequest(f"this model takes {', '.join(modalities)}; {kind} parts are not supported")
+    value = {"image": _image, "video": _video}.get(kind, lambda m: _audio(m, rate))(getattr(p, kind))
+    return {"type": kind, kind: value}
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, core: GatewayCore):
+        self.core = core
+
+    def _job(self, req: gateway_pb2.GenerateRequest, timeout: float | None) -> Job:
+        a, cfg = self.core.adapter, self.core.cfg
+        if req.model and req.model != cfg.served_model:
+            raise InvalidRequest(f"model {req.model!r} is not served here; ListModels lists {cfg.served_model!r}")
+        if bool(req.messages) == bool(req.prompt):
+            raise InvalidRequest("set exactly one of 'messages' and 'prompt'")
+        sampling_msg = req.sampling if req.HasField("sampling") else None
+        if sampling_msg is not None and sampling_msg.max_tokens == 0:
+            raise InvalidRequest("sampling.max_tokens must be >= 1")
+        sampling = (sampling_from_proto(sampling_msg) if sampling_msg is not None
+                    else sampling_from_proto(type(req.sampling)(max_tokens=cfg.default_max_tokens)))
+        rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
+        job = Job(sampling, rid, timeout_s=timeout)
+        if req.messages:
+            job.messages = [{"role": m.role or "user",
+                             "content": [part_to_hf(p, a.modalities, a.sampling_rate) for p in m.content]}
+                            for m in req.messages]
+        else:
+            job.prompt = req.prompt
+            job.media = [part_to_hf(p, a.modalities, a.sampling_rate) for p in req.media]
+        return job
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        try:
+            job = self._job(request, context.time_remaining())
+        except media.MediaError as e:
+            raise InvalidRequest(str(e)) from None
+        async for d in self.core.generate(job):
+            msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
+                                               finish_reason=FINISH_TO_PROTO[d.finish_reason])
+            for k, v in d.timings.items():
+                setattr(msg.timings, k, v)
+            if d.finish_reason is not None:
+                msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
+            yield msg
+        self.core.m.requests.inc(api="grpc", code="OK")
+
+    @grpc_errors
+    async def ListModels(self, request, context):
+        a = self.core.adapter
+        info = gateway_pb2.ModelInfo(id=self.core.cfg.served_model, family=a.family, modalities=list(a.modalities),
+                                     max_model_len=self.core.max_model_len, created=_STARTED)
+        return gateway_pb2.ListModelsResponse(models=[info])
