@@ -1,4 +1,4 @@
-"""python -m services.gateway --model DIR --encode H:P --prefill H:P [--grpc-listen 0.0.0.0:50051 --http-listen 0.0.0.0:8000]"""
+"""python -m services.gateway --model DIR --encode H:P --prefill H:P [--listen 0.0.0.0:50051 --http-listen 0.0.0.0:8000]"""
 from __future__ import annotations
 
 import asyncio

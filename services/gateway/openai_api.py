@@ -44,7 +44,7 @@ def _url_of(part: dict, key: str) -> str:
 def _video_of(part: dict):
     val = part.get("video_url")
     if isinstance(val, dict) and isinstance(val.get("frames"), list):
-        return media.decode_video([media.decode_image(f) for f in val["frames"]])
+        return media.decode_video(list(val["frames"]))
     return media.decode_video(media.to_bytes(_url_of(part, "video_url"), "video"))
 
 

@@ -22,7 +22,7 @@ def _image(m) -> object:
 def _video(m) -> object:
     src = m.WhichOneof("source")
     if src == "frames":
-        return media.decode_video([media.decode_image(f) for f in m.frames.frames])
+        return media.decode_video(list(m.frames.frames))
     return media.decode_video(m.file if src == "file" else media.to_bytes(m.url, "video"))
 
 

@@ -1,0 +1,297 @@
+"""The EAServe Python SDK: `Client` (blocking) and `AsyncClient` (asyncio) over the gateway's gRPC API.
+
+    with Client("127.0.0.1:50051") as c:
+        out = c.generate("What is in the picture?", images=["cat.png"], max_tokens=32)
+        for chunk in c.generate("Tell a story", stream=True):
+            print(chunk.text, end="")
+
+Errors are the domain errors of `easerve.rpc.errors` (one table maps them to status codes),
+under the names below. Leaving a stream early (break, `close()`, garbage collection) cancels
+the RPC, and with it every stage's work for the request.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import grpc
+
+from easerve.client_request import build_request
+from easerve.rpc import errors as _errors
+from easerve.v1 import common_pb2 as cpb
+from easerve.v1 import gateway_pb2 as gpb
+from easerve.v1 import gateway_pb2_grpc
+
+EAServeError = _errors.EAServeError
+InvalidRequestError = _errors.InvalidRequest
+NotFoundError = _errors.NotFound
+OverloadedError = _errors.Overloaded
+UnavailableError = _errors.Unavailable
+DeadlineExceededError = _errors.DeadlineExceeded
+RequestCancelled = _errors.Cancelled
+InternalError = _errors.Internal
+from_rpc_error = _errors.from_rpc_error
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20))
+FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
+                  cpb.FINISH_REASON_CANCELLED: "cancelled", cpb.FINISH_REASON_ERROR: "error"}
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds measured along the chain; 0 = not measured (see common.proto)."""
+    ttft_ms: float = 0.0
+    queue_ms: float = 0.0
+    encode_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    embed_transfer_ms: float = 0.0
+    tpot_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, t: cpb.Timings) -> Timings:
+        return cls(**{f.name: getattr(t, f.name) for f in fields(cls)})
+
+    def merge(self, other: Timings | None) -> Timings:
+        """Fields measured in `other` win."""
+        if other is None:
+            return self
+        return Timings(**{f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed delta. `finish_reason`, `usage` are set on the last chunk only."""
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    family: str
+    modalities: tuple[str, ...]
+    max_model_len: int
+    created: int
+
+
+def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
+    finish = FINISH_REASONS.get(m.finish_reason)
+    usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if finish else None
+    timings = Timings.from_proto(m.timings) if m.HasField("timings") else None
+    return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id)
+
+
+def collect(chunks: Iterable[Chunk]) -> Completion:
+    text, ids, last, timings = [], [], None, Timings()
+    for c in chunks:
+        text.append(c.text)
+        ids.extend(c.token_ids)
+        timings, last = timings.merge(c.timings), c
+    if last is None:
+        raise UnavailableError("the gateway closed the stream without a result")
+    return Completion("".join(text), tuple(ids), last.finish_reason, last.usage or Usage(), timings,
+                      last.request_id)
+
+
+
+
+def _model_info(m: gpb.ModelInfo) -> ModelInfo:
+    return ModelInfo(m.id, m.family, tuple(m.modalities), m.max_model_len, m.created)
+
+
+# ---- streams ---------------------------------------------------------------------------------
+class Stream:
+    """Iterator of `Chunk`s of one Generate call; `close()` (or leaving early) cancels the RPC."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            return chunk_from_proto(next(self._call))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        call = getattr(self, "_call", None)
+        if call is not None:
+            call.cancel()
+
+
+class AsyncStream:
+    """Async iterator of `Chunk`s; `close()`, `async with` exit or garbage collection cancels the RPC."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        try:
+            msg = await self._call.read()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        if msg is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return chunk_from_proto(msg)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        call = getattr(self, "_call", None)
+        if call is not None and not call.done():
+            call.cancel()
+
+
+async def _acollect(stream: AsyncStream) -> Completion:
+    return collect([c async for c in stream])
+
+
+# ---- clients ---------------------------------------------------------------------------------
+class _Base:
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (or None for no deadline), got {timeout}")
+        self.target, self.timeout, self.model = target, timeout, model
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _request(self, prompt, model, kw) -> gpb.GenerateRequest:
+        return build_request(prompt, model=model if model is not None else self.model, **kw)
+
+
+class Client(_Base):
+    """Blocking client of the gateway's gRPC API.
+
+    `generate(...)`: `prompt` (chat template applied; media go first in the user message),
+    or `messages` (OpenAI-style dicts with content parts), or `raw_prompt` (used as is, its
+    placeholders matching `images` / `video` / `audio` in order). Images: bytes, PIL images,
+    file paths or data: URIs; video: list of frames or a file; audio: WAV bytes, a path or
+    (float32 samples, sample_rate). Returns a `Completion`, or with stream=True a `Stream` of `Chunk`s.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
+        super().__init__(target, timeout=timeout, model=model)
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
+                 video=None, audio=None, video_fps: float = 0.0, model: str | None = None, max_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
+                 stop_token_ids=(), stream: bool = False, timeout: float | None = None,
+                 request_id: str | None = None) -> Completion | Stream:
+        req = self._request(prompt, model, dict(
+            messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, request_id=request_id))
+        out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout)))
+        if stream:
+            return out
+        with out:
+            return collect(out)
+
+    def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
+        try:
+            resp = self._stub.ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return [_model_info(m) for m in resp.models]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio twin of `Client` (grpc.aio); `await generate(...)` returns a Completion or an AsyncStream."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
+        super().__init__(target, timeout=timeout, model=model)
+        self._channel = None  # made on first use, inside the caller's event loop
+
+    def _stub(self) -> gateway_pb2_grpc.GatewayStub:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
+                       video=None, audio=None, video_fps: float = 0.0, model: str | None = None,
+                       max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                       seed: int | None = None, stop=(), stop_token_ids=(), stream: bool = False,
+                       timeout: float | None = None, request_id: str | None = None) -> Completion | AsyncStream:
+        req = self._request(prompt, model, dict(
+            messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, request_id=request_id))
+        out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout)))
+        if stream:
+            return out
+        async with out:
+            return await _acollect(out)
+
+    async def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
+        try:
+            resp = await self._stub().ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return [_model_info(m) for m in resp.models]
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

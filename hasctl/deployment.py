@@ -1,0 +1,310 @@
+"""A deployment: which stage processes run, on which devices and ports, with which knobs.
+
+The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compose consume):
+
+    name: default
+    model: ""                 # checkpoint folder or hub id; "" = the default tiny checkpoint
+    gateway: {grpc_port: 50051, http_port: 8000, flags: {}}
+    encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
+    prefill: [{device: cpu}]
+    decode:  [{device: cpu, flags: {max-running: 64}}]
+
+A port of 0 is assigned at launch (from --base-port, else a free one). `flags` are the stage's
+own command-line flags without the dashes' prefix; a flag set to true is passed bare, false is left out.
+Addresses of peers (--prefill, --decode, --encode) are wired by `to_commands`, never set by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+STAGES = ("decode", "prefill", "encode")  # launch order; the gateway starts last
+_COMMON = ("grace-s", "threads", "log-level")
+FLAGS = {  # what each stage's parser accepts besides the flags the launcher wires itself
+    "decode": _COMMON + ("max-running", "max-waiting", "num-slots", "max-seq-len", "kv-capacity-tokens",
+                         "block-size"),
+    "prefill": _COMMON + ("kv-transport",),
+    "encode": _COMMON + ("colocate-prefill", "remote-fraction", "max-batch", "batch-mode", "safety-cap-s",
+                         "gap-coef", "kv-transport"),
+    "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb"),
+}
+BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+Flags = tuple[tuple[str, Any], ...]
+
+
+def _norm_flags(flags: Any, where: str, stage: str) -> Flags:
+    items = flags.items() if isinstance(flags, Mapping) else flags
+    try:
+        pairs = tuple(sorted((str(k).removeprefix("--").replace("_", "-"), v) for k, v in items))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.flags must be a mapping of flag name to value, got {flags!r}") from None
+    for k, v in pairs:
+        if k not in FLAGS[stage]:
+            raise ValueError(f"{where}.flags: unknown flag {k!r} for the {stage} stage; "
+                             f"allowed: {', '.join(FLAGS[stage])} (peer addresses are wired by hasctl)")
+        if not isinstance(v, (str, int, float, bool)):
+            raise ValueError(f"{where}.flags.{k} must be a string, number or boolean, got {v!r}")
+    return pairs
+
+
+def _check_port(port: Any, where: str) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{where} must be an int in 0..65535 (0 = assign at launch), got {port!r}")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One stage process."""
+    device: str = "cpu"
+    port: int = 0
+    flags: Flags | Mapping[str, Any] = ()
+
+    def check(self, stage: str, where: str) -> Worker:
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise ValueError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check_port(self.port, f"{where}.port")
+        return dataclasses.replace(self, flags=_norm_flags(self.flags, where, stage))
+
+    def flag(self, name: str, default: Any = None) -> Any:
+        return dict(self.flags).get(name, default)
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    grpc_port: int = 50051
+    http_port: int = 8000
+    flags: Flags | Mapping[str, Any] = ()
+
+
+def _check_encode(w: Worker, where: str) -> None:
+    b, s, mode = w.flag("max-batch", 8), w.flag("remote-fraction", 1.0), w.flag("batch-mode", "adaptive")
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"{where}.flags.max-batch (B) must be an int >= 1, got {b!r}")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
+        raise ValueError(f"{where}.flags.remote-fraction (s) must be a number in [0, 1], got {s!r}")
+    if mode not in BATCH_MODES:
+        raise ValueError(f"{where}.flags.batch-mode must be one of {BATCH_MODES}, got {mode!r}")
+    if mode == "request_at_a_time" and b != 1:
+        raise ValueError(f"{where}: batch-mode request_at_a_time takes max-batch 1, got {b}; set max-batch: 1")
+    if s < 1.0 and not w.flag("colocate-prefill", False):
+        raise ValueError(f"{where}: remote-fraction {s} < 1 sends requests to a local prefill; "
+                         "set colocate-prefill: true or remote-fraction: 1.0")
+
+
+def _worker(w: Any, stage: str, i: int) -> Worker:
+    if not isinstance(w, Worker):
+        raise ValueError(f"{stage}[{i}] must be a Worker(device, port, flags), got {type(w).__name__}")
+    return w.check(stage, f"{stage}[{i}]")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str = ""
+    encode: tuple[Worker, ...] = ()
+    prefill: tuple[Worker, ...] = (Worker(),)
+    decode: tuple[Worker, ...] = (Worker(),)
+    gateway: GatewaySpec = GatewaySpec()
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ValueError(f"model must be a checkpoint path or '' (the default tiny one), got {self.model!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        for stage in STAGES:  # normalized once, while constructing
+            object.__setattr__(self, stage, tuple(_worker(w, stage, i) for i, w in enumerate(getattr(self, stage))))
+        gw = self.gateway
+        _check_port(gw.grpc_port, "gateway.grpc_port")
+        _check_port(gw.http_port, "gateway.http_port")
+        object.__setattr__(self, "gateway", dataclasses.replace(gw, flags=_norm_flags(gw.flags, "gateway", "gateway")))
+        if not self.decode or not self.prefill:
+            raise ValueError("a deployment needs at least one decode and one prefill worker "
+                             "(the gateway sends text-only requests to prefill)")
+        for i, w in enumerate(self.encode):
+            _check_encode(w, f"encode[{i}]")
+        ports = [w.port for w in self.workers()] + [gw.grpc_port, gw.http_port]
+        dup = sorted({p for p in ports if p and ports.count(p) > 1})
+        if dup:
+            raise ValueError(f"ports {dup} are used by more than one process; give each its own or 0")
+
+    def workers(self) -> list[Worker]:
+        return [w for stage in STAGES for w in getattr(self, stage)]
+
+    # ---- derived copies -----------------------------------------------------------------------
+    def with_model(self, model: str) -> Deployment:
+        return dataclasses.replace(self, model=str(model))
+
+    def with_device(self, device: str) -> Deployment:
+        """Every stage worker on `device` (e.g. cpu for a machine without GPUs)."""
+        return dataclasses.replace(self, **{s: tuple(dataclasses.replace(w, device=device)
+                                                     for w in getattr(self, s)) for s in STAGES})
+
+    def with_flags(self, stage: str, **flags: Any) -> Deployment:
+        """Set flags (python names: max_batch=4) on every worker of `stage` ("gateway" too)."""
+        if stage == "gateway":
+            g = self.gateway
+            return dataclasses.replace(self, gateway=dataclasses.replace(g, flags={**dict(g.flags), **_dashed(flags)}))
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES + ('gateway',)}, got {stage!r}")
+        new = tuple(dataclasses.replace(w, flags={**dict(w.flags), **_dashed(flags)}) for w in getattr(self, stage))
+        return dataclasses.replace(self, **{stage: new})
+
+    def with_gateway_ports(self, grpc_port: int, http_port: int) -> Deployment:
+        return dataclasses.replace(self, gateway=dataclasses.replace(self.gateway, grpc_port=grpc_port,
+                                                                     http_port=http_port))
+
+    # ---- files ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        def worker(w: Worker) -> dict:
+            return {"device": w.device, "port": w.port, "flags": dict(w.flags)}
+        g = self.gateway
+        return {"name": self.name, "model": self.model,
+                "gateway": {"grpc_port": g.grpc_port, "http_port": g.http_port, "flags": dict(g.flags)},
+                **{s: [worker(w) for w in getattr(self, s)] for s in ("encode", "prefill", "decode")}}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "deployment") -> Deployment:
+        data = _mapping(data, where, {"name", "model", "gateway", "encode", "prefill", "decode"})
+        kw: dict[str, Any] = {k: data[k] for k in ("name", "model") if k in data}
+        if "gateway" in data:
+            kw["gateway"] = GatewaySpec(**_mapping(data["gateway"], "gateway", {"grpc_port", "http_port", "flags"}))
+        for stage in STAGES:
+            if stage in data:
+                items = data[stage] or []
+                if not isinstance(items, list):
+                    raise ValueError(f"{stage} must be a list of workers ({{device, port, flags}}), got {items!r}")
+                kw[stage] = tuple(Worker(**_mapping(w, f"{stage}[{i}]", {"device", "port", "flags"}))
+                                  for i, w in enumerate(items))
+        return cls(**kw)
+
+    def dumps(self, fmt: str = "json") -> str:
+        if fmt == "json":
+            return json.dumps(self.to_dict(), indent=2) + "\n"
+        if fmt == "yaml":
+            import yaml
+            return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        raise ValueError(f"format must be 'json' or 'yaml', got {fmt!r}")
+
+    def dump(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.dumps(_fmt(path)))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Deployment:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read the deployment file {str(path)!r}: {e.strerror}") from None
+        return cls.from_dict(_parse(text, _fmt(path), path), where=str(path))
+
+
+def _dashed(flags: Mapping[str, Any]) -> dict:
+    return {k.replace("_", "-"): v for k, v in flags.items()}
+
+
+def _fmt(path: Path) -> str:
+    return "yaml" if path.suffix.lower() in (".yaml", ".yml") else "json"
+
+
+def _parse(text: str, fmt: str, path: Path) -> Any:
+    try:
+        if fmt == "json":
+            return json.loads(text)
+        import yaml
+        return yaml.safe_load(text)
+    except ValueError as e:  # json.JSONDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}); fix it or use a .yaml file") from None
+    except Exception as e:  # yaml.YAMLError
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+
+
+def _mapping(data: Any, where: str, allowed: set[str]) -> dict:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping with keys {sorted(allowed)}, got {type(data).__name__}")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return dict(data)
+
+
+# ---- processes -------------------------------------------------------------------------------
+HEALTH_SERVICES = {"decode": "easerve.v1.Decode", "prefill": "easerve.v1.Prefill", "encode": "easerve.v1.Encode",
+                   "gateway": "easerve.v1.Gateway"}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One process of a deployment: `argv` to run, the gRPC port its health is served on."""
+    name: str        # "decode-0", ..., "gateway"
+    stage: str
+    argv: tuple[str, ...]
+    port: int
+    health_service: str
+
+
+def process_names(d: Deployment) -> list[str]:
+    """Keys of the `ports` mapping `to_commands` takes, in launch order (+ "gateway-http")."""
+    return [f"{s}-{i}" for s in STAGES for i in range(len(getattr(d, s)))] + ["gateway", "gateway-http"]
+
+
+def _flag_args(flags: Flags) -> list[str]:
+    out: list[str] = []
+    for k, v in flags:
+        if v is True:
+            out.append(f"--{k}")
+        elif v is not False:
+            out += [f"--{k}", str(v)]
+    return out
+
+
+def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str = "python") -> list[Command]:
+    """argv of each process, ordered decode -> prefill -> encode -> gateway. Processes bind `host`;
+    peers are reached at `host` (127.0.0.1 when binding all interfaces)."""
+    if not d.model:
+        raise ValueError("the deployment has no model; set model (a checkpoint folder) or use hasctl up")
+    missing = [n for n in process_names(d) if n not in ports]
+    if missing:
+        raise ValueError(f"no port given for {missing}")
+    peer = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    addr = {s: ",".join(f"{peer}:{ports[f'{s}-{i}']}" for i in range(len(getattr(d, s)))) for s in STAGES}
+    wiring = {"decode": [], "prefill": ["--decode", addr["decode"]], "encode": ["--prefill", addr["prefill"]]}
+    out = []
+    for stage in STAGES:
+        for i, w in enumerate(getattr(d, stage)):
+            extra = wiring[stage] + (["--decode", addr["decode"]] if w.flag("colocate-prefill") else [])
+            argv = [python, "-m", f"services.{stage}", "--model", d.model, "--device", w.device,
+                    "--listen", f"{host}:{ports[f'{stage}-{i}']}", *extra, *_flag_args(w.flags)]
+            out.append(Command(f"{stage}-{i}", stage, tuple(argv), ports[f"{stage}-{i}"], HEALTH_SERVICES[stage]))
+    gw = [python, "-m", "services.gateway", "--model", d.model, "--listen", f"{host}:{ports['gateway']}",
+          "--http-listen", f"{host}:{ports['gateway-http']}", "--prefill", addr["prefill"],
+          *(["--encode", addr["encode"]] if d.encode else []), *_flag_args(d.gateway.flags)]
+    out.append(Command("gateway", "gateway", tuple(gw), ports["gateway"], HEALTH_SERVICES["gateway"]))
+    return out
+
+
+# ---- presets (the design's section 6 baselines) -----------------------------------------------
+def _encode(**flags: Any) -> Worker:
+    return Worker(flags=_dashed(flags))
+
+
+PRESETS: dict[str, Deployment] = {
+    "default": Deployment(name="default", encode=(_encode(max_batch=8, remote_fraction=1.0, batch_mode="adaptive"),)),
+    "colocated": Deployment(name="colocated", encode=(_encode(max_batch=8, remote_fraction=0.5, batch_mode="adaptive",
+                                                              colocate_prefill=True),)),
+    "passthrough": Deployment(name="passthrough", encode=(_encode(max_batch=1, remote_fraction=1.0,
+                                                                  batch_mode="request_at_a_time"),)),
+    "fixed8": Deployment(name="fixed8", encode=(_encode(max_batch=8, remote_fraction=1.0, batch_mode="fixed"),)),
+}
+
+
+def preset(name: str) -> Deployment:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or pass --deployment FILE")
+    return PRESETS[name]

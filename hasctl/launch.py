@@ -1,0 +1,238 @@
+"""Run a deployment's processes on this host and keep them alive: `Stack`.
+
+    with Stack(preset("default").with_model(path).with_gateway_ports(0, 0)) as stack:
+        Client(stack.endpoints.grpc).generate("hi")
+
+Each stage is a `python -m services.<stage>` child in its own process group, its stdout and
+stderr appended to <run_dir>/<name>.log. `start()` waits until every process reports
+grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
+supervisor thread restarts a process that dies (same argv and port, exponential backoff) and
+counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from easerve.healthcheck import check
+from hasctl.deployment import Command, Deployment, process_names, to_commands
+
+log = logging.getLogger("hasctl.launch")
+_REPO = Path(__file__).resolve().parents[1]
+
+
+class StageExited(RuntimeError):
+    """A stage process exited while the stack was starting; the message holds its log's tail."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    grpc: str                     # host:port of the gateway's gRPC API (easerve.Client)
+    http: str                     # http://host:port, the OpenAI-compatible API
+    stages: dict[str, str] = field(default_factory=dict)  # process name -> host:port
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.http}/v1"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
+        return s.getsockname()[1]
+
+
+def assign_ports(d: Deployment, host: str = "127.0.0.1", base_port: int | None = None) -> dict[str, int]:
+    """Ports for every process: fixed ones from the deployment, zeros from base_port upwards or free ones."""
+    fixed = {f"{s}-{i}": w.port for s in ("decode", "prefill", "encode") for i, w in enumerate(getattr(d, s))}
+    fixed.update({"gateway": d.gateway.grpc_port, "gateway-http": d.gateway.http_port})
+    taken, out, nxt = set(fixed.values()), {}, base_port
+    for name in process_names(d):
+        port = fixed[name]
+        while not port:
+            if nxt is None:
+                port = free_port(host)
+            else:
+                port, nxt = nxt, nxt + 1
+            port = 0 if port in taken else port
+        taken.add(port)
+        out[name] = port
+    return out
+
+
+def health_ok(addr: str, service: str = "", timeout: float = 1.0) -> bool:
+    """True iff `addr` answers grpc.health.v1 Check(service) with SERVING."""
+    return check(addr, service, timeout) == "SERVING"
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class _Proc:
+    cmd: Command
+    log: Path
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = 0.0
+    failures: int = 0             # consecutive short-lived runs, for the backoff
+    restart_at: float | None = None
+
+
+class Stack:
+    def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
+                 run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
+                 backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None):
+        if not deployment.model:
+            raise ValueError("the deployment has no model; call deployment.with_model(path) first")
+        self.deployment, self.host, self.restart = deployment, host, restart
+        self.backoff_s, self._env = backoff_s, dict(env or {})
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ports = assign_ports(deployment, host, base_port)
+        cmds = to_commands(deployment, host, self.ports, python or sys.executable)
+        self._procs = {c.name: _Proc(c, self.run_dir / f"{c.name}.log") for c in cmds}
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervising = False
+        self._thread: threading.Thread | None = None
+
+    # ---- views ------------------------------------------------------------------------------------
+    @property
+    def endpoints(self) -> Endpoints:
+        peer = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return Endpoints(grpc=f"{peer}:{self.ports['gateway']}", http=f"http://{peer}:{self.ports['gateway-http']}",
+                         stages={n: f"{peer}:{p.cmd.port}" for n, p in self._procs.items()})
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return {n: p.restarts for n, p in self._procs.items()}
+
+    @property
+    def pids(self) -> dict[str, int | None]:
+        return {n: (p.popen.pid if p.popen else None) for n, p in self._procs.items()}
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        return log_tail(self._procs[name].log, lines)
+
+    def healthy(self, name: str) -> bool:
+        p = self._procs[name]
+        return health_ok(self.endpoints.stages[name], p.cmd.health_service)
+
+    # ---- life cycle -----------------------------------------------------------------------------
+    def start(self, timeout: float = 300.0) -> Stack:
+        """Spawn every process (decode first, gateway last) and wait until all are SERVING."""
+        if self._thread is not None:
+            raise RuntimeError("this Stack was started already; make a new one")
+        with self._lock:
+            for p in self._procs.values():
+                self._spawn(p)
+        self._thread = threading.Thread(target=self._supervise, name="stack-supervisor", daemon=True)
+        self._thread.start()
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self._supervising = True
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Block until every process is SERVING; TimeoutError past `timeout`, StageExited if one
+        exits while the stack is starting."""
+        deadline, pending = time.monotonic() + timeout, list(self._procs)
+        while pending:
+            if not self._supervising:
+                self._fail_if_exited()
+            pending = [n for n in pending if not self.healthy(n)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not SERVING after {timeout:.0f} s: {pending}; logs in {self.run_dir}\n"
+                                   + "\n".join(f"--- {n}\n{self.log_tail(n, 10)}" for n in pending))
+            if pending:
+                time.sleep(0.3)
+
+    def _fail_if_exited(self) -> None:
+        for n, p in self._procs.items():
+            rc = p.popen.poll() if p.popen else None
+            if rc is not None:
+                raise StageExited(f"{n} exited with code {rc} while starting; {p.log}:\n{self.log_tail(n)}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process group (gateway first), wait up to grace_s, then SIGKILL what is left."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            procs = [p for p in reversed(self._procs.values()) if p.popen is not None]
+            for p in procs:
+                _signal_group(p.popen, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in procs:
+                try:
+                    p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", p.cmd.name, grace_s)
+            for p in procs:
+                _signal_group(p.popen, signal.SIGKILL)  # the leader's leftovers too
+                p.popen.wait()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- processes ------------------------------------------------------------------------------
+    def _spawn(self, p: _Proc) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO), env.get("PYTHONPATH", "")) if x)
+        with open(p.log, "ab") as out:
+            out.write(f"=== {time.strftime('%H:%M:%S')} start #{p.restarts}: {' '.join(p.cmd.argv)}\n".encode())
+            out.flush()
+            p.popen = subprocess.Popen(p.cmd.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, cwd=str(_REPO), start_new_session=True)
+        p.started, p.restart_at = time.monotonic(), None
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            if not (self._supervising and self.restart):
+                continue
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for p in self._procs.values():
+                    self._tend(p, time.monotonic())
+
+    def _tend(self, p: _Proc, now: float) -> None:
+        rc = p.popen.poll() if p.popen else None
+        if rc is None:
+            return
+        if p.restart_at is None:
+            p.failures = 0 if now - p.started > 60.0 else p.failures + 1
+            delay = min(self.backoff_s[1], self.backoff_s[0] * 2 ** max(0, p.failures - 1))
+            p.restart_at = now + delay
+            _signal_group(p.popen, signal.SIGKILL)
+            log.warning("%s exited with code %s; restarting in %.1f s", p.cmd.name, rc, delay)
+        elif now >= p.restart_at:
+            p.restarts += 1
+            self._spawn(p)
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,93 @@
+"""`hasctl up`: launch a deployment (a preset or a deployment file) on this host and keep it up.
+
+With no --model and no model in the deployment, the default tiny checkpoint is built (once,
+offline) under ~/.cache/easerve/tiny and served. Ctrl-C or SIGTERM stops every process.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hasctl.deployment import PRESETS, Deployment, preset
+
+DEFAULT_TINY_ROOT = "~/.cache/easerve/tiny"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="launch a deployment on this host (default: the tiny model, preset 'default')")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a named deployment (default: default)")
+    src.add_argument("--deployment", default=None, help="a deployment file (.json / .yaml), e.g. from hasctl tune")
+    p.add_argument("--model", default=None, help="checkpoint folder; default: the deployment's, else the tiny model")
+    p.add_argument("--device", default=None, help="put every stage on this device (cpu, cuda:0, ...)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (default: deployment's, 8000)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (default: deployment's, 50051)")
+    p.add_argument("--base-port", type=int, default=None, help="first port of the stage processes (default: free ports)")
+    p.add_argument("--run-dir", default=None, help="folder for the per-stage logs (default: a new temp folder)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every stage to serve")
+    p.set_defaults(func=run)
+
+
+def resolve(args) -> Deployment:
+    """The deployment the flags describe, with a model."""
+    d = Deployment.load(args.deployment) if args.deployment else preset(args.preset or "default")
+    if args.device:
+        d = d.with_device(args.device)
+    g = d.gateway
+    d = d.with_gateway_ports(g.grpc_port if args.grpc_port is None else args.grpc_port,
+                             g.http_port if args.http_port is None else args.http_port)
+    model = args.model or d.model
+    if not model:
+        from easerve.models.tiny import DEFAULT_FAMILY, cached_tiny
+        print(f"no --model: using the tiny {DEFAULT_FAMILY} checkpoint (built once under {DEFAULT_TINY_ROOT})",
+              flush=True)
+        model = str(cached_tiny(DEFAULT_FAMILY, Path(DEFAULT_TINY_ROOT).expanduser()))
+    return d.with_model(model)
+
+
+def run(args) -> int:
+    from hasctl.launch import Stack, StageExited
+
+    stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir)
+    print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
+    done = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        stack.start(timeout=args.startup_timeout)
+        _print_endpoints(stack)
+        _wait(done, stack)
+    except (StageExited, TimeoutError) as e:
+        print(f"hasctl up: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        print("stopping...", flush=True)
+        stack.stop()
+    print(f"stopped; restarts: {stack.restarts}", flush=True)
+    return 0
+
+
+def _print_endpoints(stack) -> None:
+    e = stack.endpoints
+    print(f"EAServe is up ({stack.deployment.model})\n"
+          f"  OpenAI HTTP : {e.openai_base_url}   (/v1/chat/completions, /v1/models, /health, /metrics)\n"
+          f"  gRPC        : {e.grpc}   (easerve.Client)", flush=True)
+    for name, addr in e.stages.items():
+        print(f"  {name:<12}: {addr}", flush=True)
+
+
+def _wait(done: threading.Event, stack) -> None:
+    seen = dict(stack.restarts)
+    while not done.wait(1.0):
+        now = stack.restarts
+        for name, n in now.items():
+            if n != seen.get(name):
+                print(f"{time.strftime('%H:%M:%S')} restarted {name} (restart #{n}); log: "
+                      f"{stack.run_dir / (name + '.log')}", flush=True)
+        seen = now

@@ -1,0 +1,139 @@
+"""Deployment files and presets: validation, round trips, the processes they describe."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hasctl.deployment import (FLAGS, PRESETS, Deployment, GatewaySpec, Worker, preset, process_names,
+                               to_commands)
+
+MODEL = "/models/tiny"
+
+
+def _ports(d: Deployment) -> dict[str, int]:
+    return {n: 41000 + i for i, n in enumerate(process_names(d))}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid_and_round_trip(name, tmp_path):
+    d = preset(name)
+    assert d.name == name and len(d.encode) == len(d.prefill) == len(d.decode) == 1
+    for suffix in (".json", ".yaml", ".yml"):
+        assert Deployment.load(d.dump(tmp_path / f"d{suffix}")) == d
+
+
+def test_presets_hold_the_baselines():
+    knobs = {n: (d.encode[0].flag("batch-mode"), d.encode[0].flag("max-batch"), d.encode[0].flag("remote-fraction"),
+                 bool(d.encode[0].flag("colocate-prefill"))) for n, d in PRESETS.items()}
+    assert knobs == {"default": ("adaptive", 8, 1.0, False), "colocated": ("adaptive", 8, 0.5, True),
+                     "passthrough": ("request_at_a_time", 1, 1.0, False), "fixed8": ("fixed", 8, 1.0, False)}
+
+
+def test_unknown_preset_lists_the_names():
+    with pytest.raises(ValueError, match="default"):
+        preset("nope")
+
+
+def test_custom_round_trip_keeps_everything(tmp_path):
+    d = Deployment(model="m", name="tuned", gateway=GatewaySpec(1234, 1235, {"request-timeout-s": 30.0}),
+                   encode=(Worker("cuda:0", 7000, {"max-batch": 4, "remote-fraction": 0.25,
+                                                   "colocate-prefill": True}),) * 1,
+                   prefill=(Worker("cuda:1", 7001), Worker("cuda:2", 7002)),
+                   decode=(Worker("cuda:3", 7003, {"max_running": 32}),))
+    assert d.decode[0].flag("max-running") == 32  # python names are accepted
+    assert Deployment.load(d.dump(tmp_path / "t.yaml")) == d
+    assert Deployment.from_dict(json.loads(d.dumps())) == d
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"decode": [{"device": "tpu"}]}', r"decode\[0\]\.device"),
+    ('{"encode": [{"flags": {"max-batch": 0}}]}', "max-batch"),
+    ('{"encode": [{"flags": {"remote-fraction": 1.5}}]}', "remote-fraction"),
+    ('{"encode": [{"flags": {"remote-fraction": 0.5}}]}', "colocate-prefill"),
+    ('{"encode": [{"flags": {"batch-mode": "greedy"}}]}', "batch-mode"),
+    ('{"encode": [{"flags": {"batch-mode": "request_at_a_time"}}]}', "max-batch 1"),
+    ('{"encode": [{"flags": {"prefill": "h:1"}}]}', "unknown flag 'prefill'"),
+    ('{"decode": [{"flags": {"max-running": [1]}}]}', "string, number or boolean"),
+    ('{"decode": []}', "at least one decode"),
+    ('{"prefill": [{"port": 70000}]}', r"prefill\[0\]\.port"),
+    ('{"prefill": [{"port": 9000}], "decode": [{"port": 9000}]}', r"\[9000\]"),
+    ('{"gateway": {"grpc_port": 9000, "http_port": 9000}}', r"\[9000\]"),
+    ('{"decoder": []}', "unknown key"),
+    ('{"decode": [{"gpu": 1}]}', "unknown key"),
+    ('{"decode": {"device": "cpu"}}', "must be a list"),
+    ('[1, 2]', "must be a mapping"),
+    ('{"decode": [', "not valid JSON"),
+])
+def test_bad_files_say_what_to_change(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        Deployment.load(path)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode: [device: cpu\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        Deployment.load(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        Deployment.load(tmp_path / "missing.yaml")
+
+
+def test_frozen_and_derived_copies():
+    d = preset("default")
+    with pytest.raises(AttributeError):
+        d.model = "x"  # type: ignore[misc]
+    e = d.with_model(MODEL).with_device("cuda:0").with_flags("decode", max_running=8).with_gateway_ports(0, 0)
+    assert d.model == "" and d.decode[0].device == "cpu"
+    assert e.model == MODEL and {w.device for w in e.workers()} == {"cuda:0"}
+    assert e.decode[0].flag("max-running") == 8 and e.gateway.grpc_port == 0
+
+
+def test_commands_are_ordered_and_wired():
+    d = preset("colocated").with_model(MODEL).with_flags("decode", num_slots=4)
+    ports = _ports(d)
+    cmds = to_commands(d, "0.0.0.0", ports, python="py")
+    assert [c.name for c in cmds] == ["decode-0", "prefill-0", "encode-0", "gateway"]
+    assert [c.argv[:3] for c in cmds][0] == ("py", "-m", "services.decode")
+    argv = {c.name: " ".join(c.argv) for c in cmds}
+    dec, pre, enc = (f"127.0.0.1:{ports[n]}" for n in ("decode-0", "prefill-0", "encode-0"))
+    assert f"--listen 0.0.0.0:{ports['decode-0']}" in argv["decode-0"] and "--num-slots 4" in argv["decode-0"]
+    assert f"--decode {dec}" in argv["prefill-0"]
+    assert f"--prefill {pre}" in argv["encode-0"] and f"--decode {dec}" in argv["encode-0"]
+    assert "--colocate-prefill" in argv["encode-0"] and "--remote-fraction 0.5" in argv["encode-0"]
+    assert f"--prefill {pre} --encode {enc}" in argv["gateway"]
+    assert f"--http-listen 0.0.0.0:{ports['gateway-http']}" in argv["gateway"]
+
+
+def test_commands_need_a_model_and_every_port():
+    with pytest.raises(ValueError, match="no model"):
+        to_commands(preset("default"), "127.0.0.1", _ports(preset("default")))
+    d = preset("default").with_model(MODEL)
+    with pytest.raises(ValueError, match="no port"):
+        to_commands(d, "127.0.0.1", {})
+
+
+SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "max-running": 4, "max-waiting": 8, "num-slots": 4,
+          "max-seq-len": 256, "kv-capacity-tokens": 1024, "block-size": 16, "kv-transport": "auto",
+          "colocate-prefill": True, "remote-fraction": 0.5, "max-batch": 4, "batch-mode": "fixed",
+          "safety-cap-s": 0.5, "gap-coef": 2.0, "served-model-name": "m", "request-timeout-s": 30.0,
+          "default-max-tokens": 16, "max-body-mb": 8.0}
+
+
+def _parsers():
+    """Each stage's argparse entry point (skips, naming the import error, while a stage cannot import)."""
+    return {s: pytest.importorskip(f"services.{s}.__main__").parse for s in ("decode", "prefill", "encode", "gateway")}
+
+
+def test_commands_are_accepted_by_the_stage_parsers():
+    parse = _parsers()
+    everything = Deployment(model=MODEL, encode=(Worker(flags={f: SAMPLE[f] for f in FLAGS["encode"]}),),
+                            prefill=(Worker(flags={f: SAMPLE[f] for f in FLAGS["prefill"]}),),
+                            decode=(Worker(flags={f: SAMPLE[f] for f in FLAGS["decode"]}),),
+                            gateway=GatewaySpec(flags={f: SAMPLE[f] for f in FLAGS["gateway"]}))
+    for d in [everything, *(p.with_model(MODEL) for p in PRESETS.values())]:
+        for c in to_commands(d, "127.0.0.1", _ports(d), python="py"):
+            args = parse[c.stage](list(c.argv[3:]))  # argparse exits (SystemExit) on an unknown flag
+            assert args.model == MODEL and args.listen == f"127.0.0.1:{c.port}"
