@@ -62,7 +62,8 @@ async def serve(
     `health_services` is NOT_SERVING until `warmup()` returns; if warmup raises, the server
     stops and the error propagates."""
     grace = options.grace_s if grace_s is None else grace_s
-    server = grpc.aio.server(options=options.channel_options())
+    # no SO_REUSEPORT: a second server on a taken port must fail, not share its traffic
+    server = grpc.aio.server(options=[*options.channel_options(), ("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for adder in adders:

@@ -21,7 +21,7 @@ def tiny_root(tmp_path_factory):
 
 
 def _stack(model: str, preset_name: str, **stage_flags) -> Stack:
-    d = preset(preset_name).with_model(model)
+    d = preset(preset_name).with_model(model).with_gateway_ports(0, 0)  # 0: free ports
     for stage, flags in stage_flags.items():
         d = d.with_flags(stage, **flags)
     return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
