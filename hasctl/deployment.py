@@ -29,7 +29,8 @@ FLAGS = {  # what each stage's parser accepts besides the flags the launcher wir
                          "block-size"),
     "prefill": _COMMON + ("kv-transport",),
     "encode": _COMMON + ("colocate-prefill", "remote-fraction", "max-batch", "batch-mode", "safety-cap-s",
-                         "gap-coef", "kv-transport"),
+                         "gap-coef", "max-gap-s", "kv-transport", "sm-backend", "partition-policy",
+                         "partition-profile", "profile-batch-sizes", "partition-tolerance", "metrics-listen"),
     "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb"),
 }
 BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")

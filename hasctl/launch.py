@@ -11,6 +11,8 @@ counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then S
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import signal
@@ -81,6 +83,15 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def _keep_profile(cmd: Command, run_dir: Path) -> Command:
+    """An encode worker with co-located prefill saves its SM-partition profile in the run
+    dir (unless the deployment names a file), so a restarted worker reuses it."""
+    if cmd.stage != "encode" or "--colocate-prefill" not in cmd.argv or "--partition-profile" in cmd.argv:
+        return cmd
+    path = run_dir / f"{cmd.name}.sm-profile.json"
+    return dataclasses.replace(cmd, argv=(*cmd.argv, "--partition-profile", str(path)))
+
+
 @dataclass
 class _Proc:
     cmd: Command
@@ -103,7 +114,8 @@ class Stack:
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ports = assign_ports(deployment, host, base_port)
-        cmds = to_commands(deployment, host, self.ports, python or sys.executable)
+        cmds = [_keep_profile(c, self.run_dir) for c in to_commands(deployment, host, self.ports,
+                                                                    python or sys.executable)]
         self._procs = {c.name: _Proc(c, self.run_dir / f"{c.name}.log") for c in cmds}
         self._lock = threading.RLock()
         self._stopping = threading.Event()

@@ -11,7 +11,7 @@ from PIL import Image
 
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import preset
-from hasctl.launch import Stack
+from hasctl.launch import Stack, free_port
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def vl_stack(tiny_root):
     """Qwen2.5-VL (image + video), co-located prefill with s = 0.5: both prefill paths live."""
     model = str(cached_tiny("qwen2.5-vl", tiny_root))
     stack = _stack(model, "colocated", decode={"max_seq_len": 4096, "num_slots": 8, "threads": 1},
-                   encode={"threads": 1}, prefill={"threads": 1})
+                   encode={"threads": 1, "metrics_listen": f"127.0.0.1:{free_port()}"}, prefill={"threads": 1})
     stack.start(timeout=420)
     yield stack
     stack.stop()

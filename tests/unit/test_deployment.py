@@ -119,7 +119,9 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "max-running": 4, "
           "max-seq-len": 256, "kv-capacity-tokens": 1024, "block-size": 16, "kv-transport": "auto",
           "colocate-prefill": True, "remote-fraction": 0.5, "max-batch": 4, "batch-mode": "fixed",
           "safety-cap-s": 0.5, "gap-coef": 2.0, "served-model-name": "m", "request-timeout-s": 30.0,
-          "default-max-tokens": 16, "max-body-mb": 8.0}
+          "default-max-tokens": 16, "max-body-mb": 8.0, "max-gap-s": 0.05, "sm-backend": "auto",
+          "partition-policy": "dynamic", "partition-profile": "/tmp/p.json", "profile-batch-sizes": "1,2",
+          "partition-tolerance": 0.1, "metrics-listen": "127.0.0.1:9100"}
 
 
 def _parsers():
@@ -137,3 +139,29 @@ def test_commands_are_accepted_by_the_stage_parsers():
         for c in to_commands(d, "127.0.0.1", _ports(d), python="py"):
             args = parse[c.stage](list(c.argv[3:]))  # argparse exits (SystemExit) on an unknown flag
             assert args.model == MODEL and args.listen == f"127.0.0.1:{c.port}"
+
+
+
+WIRED = {"model", "device", "listen", "port-file", "prefill", "decode", "encode", "http-listen",
+         "http-port-file", "help"}
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill", "encode", "gateway"])
+def test_deployment_flags_match_each_stage_parser(stage, monkeypatch):
+    """A flag a stage grows must be settable from a deployment file, and nothing else is."""
+    import argparse
+    import importlib
+
+    from hasctl.deployment import FLAGS
+
+    seen = {}
+
+    def grab(self, *a, **k):
+        seen["parser"] = self
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"services.{stage}.__main__").parse([])
+    options = {o[2:] for a in seen["parser"]._actions for o in a.option_strings if o.startswith("--")}
+    assert set(FLAGS[stage]) == options - WIRED
