@@ -64,9 +64,14 @@ class Scheduler:
                 f"request {request_id!r} needs {reserve} KV tokens (prompt {prompt_len} + max_tokens "
                 f"{max_tokens}) but the engine holds at most {self.blocks.max_seq_tokens} per request; "
                 "lower max_tokens or raise the engine's KV capacity / max_seq_len")
-        if len(self._waiting) >= self.max_waiting:
+        if len(self._waiting) >= self.max_waiting and not self._admissible_now(reserve):
             raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
         self._waiting.append(_Waiting(request_id, prompt_len, reserve))
+
+    def _admissible_now(self, reserve: int) -> bool:
+        """The next schedule() would admit it at once: it never really waits."""
+        return (not self._waiting and len(self._running) < self.max_running
+                and self.blocks.can_allocate(reserve))
 
     # ---- the plan -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

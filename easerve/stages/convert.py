@@ -1,8 +1,8 @@
 """Proto messages <-> domain objects, in one place (servicers stay thin)."""
 from __future__ import annotations
 
-from easerve.codec import tensor_from_proto, tensor_to_proto
-from easerve.types import MMItem, SamplingParams
+from easerve.codec import sampling_from_proto, sampling_to_proto, tensor_from_proto, tensor_to_proto  # noqa: F401
+from easerve.types import MMItem
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2 as epb
 
@@ -21,24 +21,6 @@ FINISH_FROM_PROTO = {
     cpb.FINISH_REASON_CANCELLED: "cancelled",
     cpb.FINISH_REASON_ERROR: "error",
 }
-
-
-def sampling_to_proto(p: SamplingParams) -> cpb.SamplingParams:
-    msg = cpb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                             top_k=p.top_k, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                             ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        msg.seed = p.seed
-    return msg
-
-
-def sampling_from_proto(m: cpb.SamplingParams) -> SamplingParams:
-    """Raises ValueError (-> INVALID_ARGUMENT) on out-of-range values."""
-    return SamplingParams(max_tokens=m.max_tokens, temperature=m.temperature,
-                          top_p=m.top_p if m.top_p > 0 else 1.0, top_k=m.top_k,
-                          seed=m.seed if m.HasField("seed") else None,
-                          stop_token_ids=tuple(m.stop_token_ids), stop=tuple(m.stop),
-                          ignore_eos=m.ignore_eos)
 
 
 def _tensors_to_proto(d: dict) -> dict:

@@ -67,6 +67,7 @@ class Job:
 class GatewayCore:
     def __init__(self, cfg: GatewayConfig, adapter, metrics):
         self.cfg, self.adapter, self.m = cfg, adapter, metrics
+        self.started = int(time.time())
         self.max_model_len = int(getattr(adapter.text_config, "max_position_embeddings", 4096))
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
         opts = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]

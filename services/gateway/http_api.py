@@ -35,7 +35,7 @@ class HttpApi:
         return web.Response(text=self.core.m.render(), content_type="text/plain", charset="utf-8")
 
     async def models(self, _req: web.Request) -> web.Response:
-        return web.json_response(oa.models_json(self.core.cfg.served_model, self.core.max_model_len))
+        return web.json_response(oa.models_json(self.core.cfg.served_model, self.core.max_model_len, self.core.started))
 
     async def _body(self, req: web.Request) -> dict:
         try:

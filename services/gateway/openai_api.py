@@ -180,6 +180,6 @@ def error_json(message: str, kind: str = "invalid_request_error", code: int = 40
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
-def models_json(served_model: str, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0,
+def models_json(served_model: str, max_model_len: int, created: int = 0) -> dict:
+    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
                                         "owned_by": "easerve", "max_model_len": max_model_len}]}

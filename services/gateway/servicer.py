@@ -1,19 +1,16 @@
 """gRPC front of the gateway: easerve.v1.Gateway <-> GatewayCore (thin)."""
 from __future__ import annotations
 
-import time
 import uuid
 
 import numpy as np
 
 from easerve import media
+from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import InvalidRequest, grpc_errors
 from easerve.stages.convert import FINISH_TO_PROTO, sampling_from_proto
 from easerve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, Job
-
-_STARTED = int(time.time())
-
 
 def _image(m) -> object:
     return media.decode_image(m.data if m.WhichOneof("source") == "data" else m.url)
@@ -62,8 +59,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling_msg = req.sampling if req.HasField("sampling") else None
         if sampling_msg is not None and sampling_msg.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
-        sampling = (sampling_from_proto(sampling_msg) if sampling_msg is not None
-                    else sampling_from_proto(type(req.sampling)(max_tokens=cfg.default_max_tokens)))
+        sampling = sampling_from_proto(req.sampling, default_max_tokens=cfg.default_max_tokens)
         rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
         job = Job(sampling, rid, timeout_s=timeout)
         if req.messages:
@@ -78,7 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @grpc_errors
     async def Generate(self, request, context):
         try:
-            job = self._job(request, context.time_remaining())
+            job = self._job(request, remaining_from_context(context))
         except media.MediaError as e:
             raise InvalidRequest(str(e)) from None
         async for d in self.core.generate(job):
@@ -95,5 +91,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def ListModels(self, request, context):
         a = self.core.adapter
         info = gateway_pb2.ModelInfo(id=self.core.cfg.served_model, family=a.family, modalities=list(a.modalities),
-                                     max_model_len=self.core.max_model_len, created=_STARTED)
+                                     max_model_len=self.core.max_model_len, created=self.core.started)
         return gateway_pb2.ListModelsResponse(models=[info])

@@ -127,3 +127,16 @@ def test_abort_waiting_and_running():
     free_before = s.blocks.free_tokens
     assert s.abort("run") and s.blocks.free_tokens > free_before
     assert s.abort("wait") and not s.abort("wait") and not s.has_work
+
+
+def test_no_waiting_room_still_admits_what_fits_now():
+    """max_waiting=0 means: nothing may wait. A request that fits at once is taken; the
+    next one, with the pool full, is refused."""
+    s = Scheduler(BlockManager(num_blocks=1, block_size=32, max_seq_tokens=32), max_running=4, max_waiting=0)
+    s.add("a", 4, 4)
+    assert s.schedule().admitted == ("a",)
+    with pytest.raises(Overloaded):
+        s.add("b", 4, 4)
+    s.update_from_output(["a"])
+    s.add("b", 4, 4)
+    assert s.schedule().admitted == ("b",)
