@@ -37,6 +37,22 @@ def adapters(tiny_checkpoint):
     return get
 
 
+@pytest.fixture(scope="module")
+def full(adapters, request):
+    """The unsplit model of the test module's FAMILY."""
+    return adapters(request.module.FAMILY, "full")
+
+
+@pytest.fixture(scope="module")
+def enc(adapters, request):
+    return adapters(request.module.FAMILY, "encode")
+
+
+@pytest.fixture(scope="module")
+def pre(adapters, request):
+    return adapters(request.module.FAMILY, "prefill")
+
+
 @pytest.fixture
 def rng():
     return np.random.RandomState(0)

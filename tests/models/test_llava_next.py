@@ -13,21 +13,6 @@ FAMILY = "llava-next"
 CASES = [[(60, 90)], [(90, 30)], [(20, 20)], [(64, 64), (33, 70)]]
 
 
-@pytest.fixture(scope="module")
-def full(adapters):
-    return adapters(FAMILY, "full")
-
-
-@pytest.fixture(scope="module")
-def enc(adapters):
-    return adapters(FAMILY, "encode")
-
-
-@pytest.fixture(scope="module")
-def pre(adapters):
-    return adapters(FAMILY, "prefill")
-
-
 def prompt_of(mm, rng, sizes):
     parts = [{"type": "image", "image": mm.image(rng, h, w)} for h, w in sizes]
     return mm.user(*parts, "Describe the image.")

@@ -19,21 +19,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def full(adapters):
-    return adapters(FAMILY, "full")
-
-
-@pytest.fixture(scope="module")
-def enc(adapters):
-    return adapters(FAMILY, "encode")
-
-
-@pytest.fixture(scope="module")
-def pre(adapters):
-    return adapters(FAMILY, "prefill")
-
-
 def part(mm, rng, spec):
     if spec[0] == "image":
         return {"type": "image", "image": mm.image(rng, *spec[1:])}

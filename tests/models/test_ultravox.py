@@ -18,21 +18,6 @@ CASES = {"0.2s": [0.2], "0.77s": [0.77], "1.9s": [1.9], "2.8s-2chunks": [2.8], "
 PROMPT = "<|im_start|>user\n<|audio|>What is this?<|im_end|>\n"
 
 
-@pytest.fixture(scope="module")
-def full(adapters):
-    return adapters(FAMILY, "full")
-
-
-@pytest.fixture(scope="module")
-def enc(adapters):
-    return adapters(FAMILY, "encode")
-
-
-@pytest.fixture(scope="module")
-def pre(adapters):
-    return adapters(FAMILY, "prefill")
-
-
 def clip(rng, seconds: float) -> np.ndarray:
     return (0.1 * rng.standard_normal(int(seconds * SR))).astype(np.float32)
 
