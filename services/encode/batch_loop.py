@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, field
 
 from easerve.control.batcher import AdaptiveBatcher, Dispatch
 from easerve.types import MMItem
+
+log = logging.getLogger("easerve.encode")
 
 
 @dataclass
@@ -30,6 +33,12 @@ class EncodeResult:
     queue_ms: float
     encode_ms: float
     batch_size: int
+
+
+def _fail(batch: dict[str, _Pending], e: BaseException) -> None:
+    for p in batch.values():
+        if not p.future.done():
+            p.future.set_exception(e)
 
 
 class EncodeLoop:
@@ -52,6 +61,9 @@ class EncodeLoop:
 
     async def encode(self, request_id: str, items: list[MMItem]) -> EncodeResult:
         """Queue one request's items; resolves when its batch has been encoded."""
+        dead = [t for t in self._tasks if t.done()]
+        if not self._tasks or dead:
+            raise RuntimeError("the encode loop is not running; restart this encode worker")
         fut = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(items, fut)
         d = self.batcher.add(request_id, time.monotonic())
@@ -83,8 +95,13 @@ class EncodeLoop:
         while True:
             d = await self._dispatches.get()
             batch = {rid: self._pending.pop(rid) for rid in d.item_ids if rid in self._pending}
-            if batch:
+            if not batch:
+                continue
+            try:
                 await self._run(d, batch)
+            except Exception as e:  # noqa: BLE001 - never let one batch stop the worker
+                log.exception("encode batch failed")
+                _fail(batch, e)
 
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]
@@ -92,23 +109,28 @@ class EncodeLoop:
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
-            for p in batch.values():
-                if not p.future.done():
-                    p.future.set_exception(e)
+            _fail(batch, e)
             return
         t1 = time.monotonic()
-        encode_ms = (t1 - t0) * 1000
-        if self.m is not None:
-            share = self.controller.last.encode_share if self.controller and self.controller.last else 1.0
-            self.m.on_batch(d, len(batch), t0, t1, share)
         i = 0
         for p in batch.values():
             n = len(p.items)
-            if self.m is not None:
-                self.m.on_queue_wait(t0 - p.arrived)
             if not p.future.done():
-                p.future.set_result(EncodeResult(embeds[i:i + n], (t0 - p.arrived) * 1000, encode_ms, len(batch)))
+                p.future.set_result(EncodeResult(embeds[i:i + n], (t0 - p.arrived) * 1000, (t1 - t0) * 1000,
+                                                 len(batch)))
             i += n
+        self._observe(d, batch, t0, t1)
+
+    def _observe(self, d: Dispatch, batch: dict[str, _Pending], t0: float, t1: float) -> None:
+        if self.m is None:
+            return
+        try:
+            share = self.controller.last.encode_share if self.controller and self.controller.last else 1.0
+            self.m.on_batch(d, len(batch), t0, t1, share)
+            for p in batch.values():
+                self.m.on_queue_wait(t0 - p.arrived)
+        except Exception:  # noqa: BLE001 - metrics must never stall encoding
+            log.exception("encode metrics hook failed")
 
     def _encode_sync(self, items: list[MMItem], batch_size: int):
         if self.controller is None:
