@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -35,10 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=16, help="timed steps per batch size")
+    ap.add_argument("--steps", type=int, default=32, help="timed steps per batch size")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-hf-baseline", action="store_true", help="skip the plain DynamicCache decode baseline")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="torch CPU threads (default: every core this process may use, as a deployment would)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
