@@ -107,3 +107,23 @@ def test_bad_grpc_input_gets_invalid_argument(vl_stack):
     with pytest.raises(InvalidRequestError, match="not served"):
         client.generate("hi", model="other-model", max_tokens=4)
     assert client.generate("hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_http_client_disconnect_frees_decode_work_and_kv(vl_stack):
+    import http.client
+    from urllib.parse import urlparse
+
+    idle = decode_stats(vl_stack)
+    u = urlparse(vl_stack.endpoints.http)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=chat(vl_stack, "Count forever", max_tokens=3000, stream=True),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(6):
+        resp.readline()  # a few SSE lines: tokens are flowing
+    assert wait_for(lambda: decode_stats(vl_stack).running == 1)
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    freed = wait_for(lambda: (s := decode_stats(vl_stack)).running == 0 and s.kv_free_tokens == idle.kv_free_tokens)
+    assert freed, f"decode still holds the abandoned request: {decode_stats(vl_stack)}"
