@@ -1,7 +1,7 @@
 """Proto messages <-> domain objects, in one place (servicers stay thin)."""
 from __future__ import annotations
 
-from easerve.codec import sampling_from_proto, sampling_to_proto, tensor_from_proto, tensor_to_proto  # noqa: F401
+from easerve.codec import tensor_from_proto, tensor_to_proto
 from easerve.types import MMItem
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2 as epb

@@ -5,10 +5,10 @@ import itertools
 
 import grpc
 
-from easerve.codec import tensor_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, from_rpc_error, grpc_errors
-from easerve.stages.convert import item_meta_to_proto, media_item_from_proto, sampling_from_proto
+from easerve.codec import sampling_from_proto, tensor_to_proto
+from easerve.stages.convert import item_meta_to_proto, media_item_from_proto
 from easerve.types import PrefillRequest
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

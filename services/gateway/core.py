@@ -18,7 +18,8 @@ import grpc
 
 from easerve.engine.detok import Detokenizer
 from easerve.rpc.errors import from_rpc_error
-from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
+from easerve.codec import sampling_to_proto
+from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

@@ -1,10 +1,10 @@
 """easerve.v1.Prefill <-> PrefillStage (thin)."""
 from __future__ import annotations
 
-from easerve.codec import tensor_from_proto
+from easerve.codec import sampling_from_proto, tensor_from_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, grpc_errors
-from easerve.stages.convert import item_meta_from_proto, sampling_from_proto
+from easerve.stages.convert import item_meta_from_proto
 from easerve.types import PrefillRequest
 from easerve.v1 import prefill_pb2_grpc
 

@@ -68,6 +68,25 @@ def random_video(rng, frames: int, h: int, w: int) -> np.ndarray:
     return rng.randint(0, 256, (frames, h, w, 3), dtype=np.uint8)
 
 
+def audio_clip(rng, seconds: float, rate: int = 16000) -> np.ndarray:
+    return (0.1 * rng.standard_normal(int(seconds * rate))).astype(np.float32)
+
+
+def audio_messages(rng, seconds) -> list[dict]:
+    """One user message with a clip per entry of `seconds`, then a text part."""
+    return user(*[{"type": "audio", "audio": audio_clip(rng, s)} for s in seconds], "Transcribe the audio.")
+
+
+def assert_batched_matches_alone(enc, items, atol: float = 1e-5) -> None:
+    """Encoding items together gives each item what encoding it alone gives."""
+    import torch
+
+    for item, got in zip(items, enc.encode(items)):
+        alone = enc.encode([item])[0]
+        assert got.shape == (item.num_tokens, enc.text_config.hidden_size) == alone.shape
+        torch.testing.assert_close(got, alone, atol=atol, rtol=atol)
+
+
 def user(*parts) -> list[dict]:
     """One user message from content parts (str -> text part, else a ready dict)."""
     content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
@@ -109,8 +128,9 @@ def mm():
     """The helpers above as one namespace, for test modules (conftest is not imported)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(image=random_image, video=random_video, user=user,
-                           split_greedy=split_greedy, reference_greedy=reference_greedy)
+    return SimpleNamespace(image=random_image, video=random_video, user=user, audio=audio_clip,
+                           audio_messages=audio_messages, split_greedy=split_greedy,
+                           reference_greedy=reference_greedy, assert_batched_matches_alone=assert_batched_matches_alone)
 
 
 @pytest.fixture(scope="session")

@@ -33,11 +33,7 @@ def test_batch_encode_equals_one_by_one(mm, rng, full, enc):
     sizes = [(60, 90), (90, 30), (20, 20), (64, 64), (33, 70)]
     items = [it for h, w in sizes for it in full.preprocess(prompt_of(mm, rng, [(h, w)])).items]
     assert len({tuple(i.pixels["pixel_values"].shape) for i in items}) > 1  # crops differ
-    batched = enc.encode(items)
-    for item, got in zip(items, batched):
-        alone = enc.encode([item])[0]
-        assert got.shape == (item.num_tokens, enc.text_config.hidden_size) == alone.shape
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    mm.assert_batched_matches_alone(enc, items)
 
 
 def test_partial_loading_holds_only_the_role_weights(full, enc, pre):

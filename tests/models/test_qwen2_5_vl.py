@@ -66,11 +66,7 @@ def test_batch_encode_equals_one_by_one(mm, rng, full, enc):
     specs = [("image", 60, 90), ("video", 2, 56, 56), ("image", 20, 20),
              ("video", 6, 40, 60), ("image", 112, 40)]
     items = [it for s in specs for it in full.preprocess(messages_of(mm, rng, [s])).items]
-    batched = enc.encode(items)
-    for item, got in zip(items, batched):
-        alone = enc.encode([item])[0]
-        assert got.shape == (item.num_tokens, enc.text_config.hidden_size) == alone.shape
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    mm.assert_batched_matches_alone(enc, items)
 
 
 def test_partial_loading_holds_only_the_role_weights(full, enc, pre):

@@ -18,17 +18,10 @@ CASES = {"0.2s": [0.2], "0.77s": [0.77], "1.9s": [1.9], "2.8s-2chunks": [2.8], "
 PROMPT = "<|im_start|>user\n<|audio|>What is this?<|im_end|>\n"
 
 
-def clip(rng, seconds: float) -> np.ndarray:
-    return (0.1 * rng.standard_normal(int(seconds * SR))).astype(np.float32)
-
-
-def messages_of(mm, rng, seconds):
-    return mm.user(*[{"type": "audio", "audio": clip(rng, s)} for s in seconds], "Transcribe the audio.")
-
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_split_greedy_equals_generate(mm, rng, full, enc, pre, name):
-    messages = messages_of(mm, rng, CASES[name])
+    messages = mm.audio_messages(rng, CASES[name])
     prompt = full.preprocess(messages)
     ref_ids, ref = mm.reference_greedy(full, messages)
     assert prompt.input_ids == ref_ids
@@ -38,7 +31,7 @@ def test_split_greedy_equals_generate(mm, rng, full, enc, pre, name):
 
 
 def test_upstream_token_rule_and_chunking(mm, rng, full):
-    items = full.preprocess(messages_of(mm, rng, [0.2, 0.77, 2.8])).items
+    items = full.preprocess(mm.audio_messages(rng, [0.2, 0.77, 2.8])).items
     # ceil(mel frames / (2 * stack_factor)) per chunk; 2.8 s = 200 + 80 frames in 2 chunks
     assert [i.num_tokens for i in items] == [2, 5, 13 + 5]
     assert items[2].pixels["audio_values"].shape == (2, 80, 200)
@@ -47,13 +40,9 @@ def test_upstream_token_rule_and_chunking(mm, rng, full):
 
 def test_batch_encode_equals_one_by_one(mm, rng, full, enc):
     seconds = (0.3, 2.7, 0.05, 1.1, 1.9)
-    items = [it for s in seconds for it in full.preprocess(messages_of(mm, rng, [s])).items]
-    batched = enc.encode(items)
+    items = [it for s in seconds for it in full.preprocess(mm.audio_messages(rng, [s])).items]
     assert len({i.num_tokens for i in items}) == len(items)
-    for item, got in zip(items, batched):
-        alone = enc.encode([item])[0]
-        assert got.shape == (item.num_tokens, enc.text_config.hidden_size) == alone.shape
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    mm.assert_batched_matches_alone(enc, items)
 
 
 def test_partial_loading_holds_only_the_role_weights(full, enc, pre):
@@ -65,8 +54,8 @@ def test_partial_loading_holds_only_the_role_weights(full, enc, pre):
 
 
 @pytest.mark.parametrize("n_clips", [0, 2])
-def test_clip_placeholder_mismatch_is_rejected(rng, full, n_clips):
-    clips = [clip(rng, 0.5) for _ in range(n_clips)]
+def test_clip_placeholder_mismatch_is_rejected(mm, rng, full, n_clips):
+    clips = [mm.audio(rng, 0.5) for _ in range(n_clips)]
     with pytest.raises(ValueError, match=rf"1 audio placeholder.*{n_clips} audio"):
         full.preprocess_prompt(PROMPT, audios=clips)
 
@@ -79,7 +68,7 @@ def test_bad_audio_is_rejected(mm, full):
 
 
 def test_prefill_rejects_embeddings_that_do_not_fit(mm, rng, full, enc, pre):
-    prompt = full.preprocess(messages_of(mm, rng, [0.5]))
+    prompt = full.preprocess(mm.audio_messages(rng, [0.5]))
     emb = enc.encode(prompt.items)
     meta = [(i.modality, i.meta) for i in prompt.items]
     with pytest.raises(ValueError, match="placeholder"):
@@ -89,7 +78,7 @@ def test_prefill_rejects_embeddings_that_do_not_fit(mm, rng, full, enc, pre):
 
 
 def test_raw_prompt_matches_chat(rng, mm, full):
-    a = clip(rng, 0.6)
+    a = mm.audio(rng, 0.6)
     chat = full.preprocess(mm.user({"type": "audio", "audio": a}, "What is this?"),
                            add_generation_prompt=False)
     raw = full.preprocess_prompt(PROMPT, audios=[a])
@@ -191,7 +180,7 @@ def test_upstream_layout_split_equals_generate(mm, rng, upstream_dir):
 
     full, enc, pre = (load_adapter(upstream_dir, role=r) for r in ("full", "encode", "prefill"))
     assert enc.num_parameters() + pre.num_parameters() == full.num_parameters()
-    messages = messages_of(mm, rng, [3.1, 0.4])
+    messages = mm.audio_messages(rng, [3.1, 0.4])
     prompt = full.preprocess(messages)
     ref_ids, ref = mm.reference_greedy(full, messages)
     assert prompt.input_ids == ref_ids and ref
