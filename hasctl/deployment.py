@@ -27,11 +27,12 @@ _COMMON = ("grace-s", "threads", "log-level")
 FLAGS = {  # what each stage's parser accepts besides the flags the launcher wires itself
     "decode": _COMMON + ("max-running", "max-waiting", "num-slots", "max-seq-len", "kv-capacity-tokens",
                          "block-size"),
-    "prefill": _COMMON + ("kv-transport",),
+    "prefill": _COMMON + ("kv-transport", "max-inflight"),
     "encode": _COMMON + ("colocate-prefill", "remote-fraction", "max-batch", "batch-mode", "safety-cap-s",
                          "gap-coef", "max-gap-s", "kv-transport", "sm-backend", "partition-policy",
-                         "partition-profile", "profile-batch-sizes", "partition-tolerance", "metrics-listen"),
-    "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb"),
+                         "partition-profile", "profile-batch-sizes", "partition-tolerance", "metrics-listen", "max-inflight"),
+    "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb",
+                          "max-inflight"),
 }
 BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")

@@ -19,6 +19,7 @@ from easerve.engine.sampler import sample
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
 from easerve.stages.convert import token_chunk
+from easerve.stages.limits import InflightLimit
 from easerve.types import KVPayload, PrefillRequest
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc
@@ -26,7 +27,8 @@ from easerve.v1 import decode_pb2, decode_pb2_grpc
 
 class PrefillStage:
     def __init__(self, adapter, decode_addrs: tuple[str, ...], kv_sender, channel_options=(),
-                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None):
+                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None,
+                 max_inflight: int = 512):
         """`scope()`: context the forward runs in (the co-located share of the device);
         `on_busy(start, end)`: told of each prefill's busy span (utilization trace)."""
         if not decode_addrs:
@@ -38,6 +40,7 @@ class PrefillStage:
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._eos = frozenset(adapter.eos_token_ids)
         self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
+        self.limit = InflightLimit(max_inflight, "prefill")
 
     def _prefill_sync(self, req: PrefillRequest):
         t0 = time.monotonic()
@@ -56,6 +59,11 @@ class PrefillStage:
 
     async def run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
         """Yield the first-token chunk, then decode's chunks until the request finishes."""
+        with self.limit.admit():
+            async for chunk in self._run(req, deadline, **timings):
+                yield chunk
+
+    async def _run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
         t0 = time.monotonic()
         res, first = await asyncio.get_running_loop().run_in_executor(self._pool, self._prefill_sync, req)
         deadline.check("prefill")

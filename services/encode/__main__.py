@@ -39,6 +39,7 @@ def parse(argv):
     p.add_argument("--profile-batch-sizes", default="1,2,4,8")
     p.add_argument("--partition-tolerance", type=float, default=0.1)
     p.add_argument("--kv-transport", default="auto", choices=["auto", "inline", "shm", "grpc", "cuda_ipc"])
+    p.add_argument("--max-inflight", type=int, default=512, help="past this many requests: RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-listen", default=None, help="host:port for GET /metrics, /trace, /partition")
     p.add_argument("--port-file", default=None)
     return p.parse_args(argv)
@@ -60,7 +61,8 @@ class Encoder:
             gap_coef=args.gap_coef, max_gap_s=min(args.max_gap_s, args.safety_cap_s)))
         self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
         self.servicer = EncodeServicer(self.loop, DeficitRouter(args.remote_fraction), self._local_stage(),
-                                       addrs(args.prefill), self.opts.channel_options(), self.metrics)
+                                       addrs(args.prefill), self.opts.channel_options(), self.metrics,
+                                       args.max_inflight)
 
     def _controller(self):
         if not self.args.colocate_prefill:
@@ -82,7 +84,8 @@ class Encoder:
         share = lambda: self.controller.last.prefill_share if self.controller.last else 1.0  # noqa: E731
         return PrefillStage(lm, decode, sender, self.opts.channel_options(), self.prefill_pool,
                             scope=self.controller.prefill_scope,
-                            on_busy=lambda t0, t1: self.metrics.on_prefill(t0, t1, share()))
+                            on_busy=lambda t0, t1: self.metrics.on_prefill(t0, t1, share()),
+                            max_inflight=a.max_inflight)
 
     def partition_info(self, _req=None) -> dict:
         if self.controller is None:

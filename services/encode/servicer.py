@@ -8,6 +8,7 @@ import grpc
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, from_rpc_error, grpc_errors
 from easerve.codec import sampling_from_proto, tensor_to_proto
+from easerve.stages.limits import InflightLimit
 from easerve.stages.convert import item_meta_to_proto, media_item_from_proto
 from easerve.types import PrefillRequest
 from easerve.v1 import common_pb2 as cpb
@@ -16,13 +17,14 @@ from easerve.v1 import encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):
     def __init__(self, loop, router, local_stage=None, prefill_addrs: tuple[str, ...] = (),
-                 channel_options=(), metrics=None):
+                 channel_options=(), metrics=None, max_inflight: int = 512):
         if local_stage is None and not prefill_addrs:
             raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
         self.loop, self.router, self.local, self.m = loop, router, local_stage, metrics
         self._remote = [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a, options=list(channel_options)))
                         for a in prefill_addrs]
         self._rr = itertools.count()
+        self.limit = InflightLimit(max_inflight, "encode")
 
     def _route(self) -> str:
         if self.local is None:
@@ -33,6 +35,11 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
 
     @grpc_errors
     async def Encode(self, request, context):
+        with self.limit.admit():
+            async for chunk in self._encode(request, context):
+                yield chunk
+
+    async def _encode(self, request, context):
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
         rid = request.meta.request_id
         if not rid:

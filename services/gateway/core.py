@@ -19,6 +19,7 @@ import grpc
 from easerve.engine.detok import Detokenizer
 from easerve.rpc.errors import from_rpc_error
 from easerve.codec import sampling_to_proto
+from easerve.stages.limits import InflightLimit
 from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
@@ -34,6 +35,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     default_max_tokens: int = 256
     preprocess_threads: int = 2
+    max_inflight: int = 1024
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs:
@@ -69,6 +71,7 @@ class GatewayCore:
     def __init__(self, cfg: GatewayConfig, adapter, metrics):
         self.cfg, self.adapter, self.m = cfg, adapter, metrics
         self.started = int(time.time())
+        self.limit = InflightLimit(cfg.max_inflight, "the gateway")
         self.max_model_len = int(getattr(adapter.text_config, "max_position_embeddings", 4096))
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
         opts = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
@@ -119,6 +122,11 @@ class GatewayCore:
 
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Yield text deltas; the last one carries finish_reason and usage."""
+        with self.limit.admit():
+            async for d in self._generate(job):
+                yield d
+
+    async def _generate(self, job: Job) -> AsyncIterator[Delta]:
         self.m.requests_running.inc()
         self.m.requests_waiting.inc()
         waiting = True

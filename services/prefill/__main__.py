@@ -17,6 +17,7 @@ def parse(argv):
     p = base_parser("prefill", "0.0.0.0:50053")
     p.add_argument("--decode", required=True, help="decode workers, comma-separated host:port")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "inline", "shm", "grpc", "cuda_ipc", "nccl"])
+    p.add_argument("--max-inflight", type=int, default=512, help="past this many requests: RESOURCE_EXHAUSTED")
     p.add_argument("--port-file", default=None)
     return p.parse_args(argv)
 
@@ -26,7 +27,7 @@ async def main(args) -> None:
     opts = ServerOptions(grace_s=args.grace_s)
     decode = addrs(args.decode)
     sender = KVSender(sender_for(args.kv_transport, args.device, decode[0], opts))
-    stage = PrefillStage(adapter, decode, sender, opts.channel_options())
+    stage = PrefillStage(adapter, decode, sender, opts.channel_options(), max_inflight=args.max_inflight)
     await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage))], args.listen,
                 health_services=["easerve.v1.Prefill"], options=opts,
                 on_bound=lambda p: write_port_file(args.port_file, p))
