@@ -51,6 +51,6 @@ class UtilizationTrace:
         kinds = sorted({s.kind for s in self._spans})
         while t < end:
             hi = min(end, t + width)
-            out.append({"t": t, **{k: round(self.utilization(k, t, hi), 4) for k in kinds}})
+            out.append({"t": t, **{k: round(self.utilization(k, t, hi), 6) for k in kinds}})
             t = hi
         return out

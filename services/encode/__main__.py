@@ -45,6 +45,12 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def _prefill_share(alloc) -> float:
+    """What the co-located prefill runs with: its share, or the whole device when encode's
+    allocation leaves it none (it then time-slices with encode, uncontrolled)."""
+    return alloc.prefill_share if alloc is not None and alloc.prefill_share > 0 else 1.0
+
+
 class Encoder:
     """The encode process's parts, built from flags."""
 
@@ -81,7 +87,7 @@ class Encoder:
             raise ValueError("--colocate-prefill needs --decode addresses for its KV")
         lm = load_adapter(a.model, role="prefill", device=a.device)
         sender = KVSender(sender_for(a.kv_transport, a.device, decode[0], self.opts))
-        share = lambda: self.controller.last.prefill_share if self.controller.last else 1.0  # noqa: E731
+        share = lambda: _prefill_share(self.controller.last)  # noqa: E731
         return PrefillStage(lm, decode, sender, self.opts.channel_options(), self.prefill_pool,
                             scope=self.controller.prefill_scope,
                             on_busy=lambda t0, t1: self.metrics.on_prefill(t0, t1, share()),
