@@ -5,9 +5,10 @@ from easerve.control.clock import Clock, ManualClock, MonotonicClock
 from easerve.control.partitioner import (
     DEFAULT_SHARES, TIMESLICE, Allocation, PartitionerConfig, ProfileTable, SMPartitioner, profile)
 from easerve.control.router import DeficitRouter, RandomRouter, Route, Router, max_prefix_error
+from easerve.control.green_contexts import GreenContextBackend
 from easerve.control.sm_backends import (
-    CpuAffinityBackend, GreenContextBackend, MPSBackend, PartitionController, SMBackend,
-    StaticSplitBackend, TimeSliceBackend, select_backend)
+    CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend,
+    select_backend)
 
 __all__ = [
     "AdaptiveBatcher", "BatcherConfig", "Dispatch",

@@ -212,7 +212,8 @@ def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0):
     """Stand-ins for torch.cuda and the cuda.bindings driver, recording what was created."""
     from types import SimpleNamespace as NS
     import contextlib
-    from easerve.control import sm_backends as m
+    from easerve.control import green_contexts as m
+    from easerve.control import sm_backends
 
     log: dict[str, list] = {"split": [], "destroyed": []}
     ok = NS(value=0)
@@ -249,6 +250,7 @@ def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0):
               stream=lambda s: contextlib.nullcontext(s), current_stream=lambda device=None: outer)
     torch = NS(cuda=cuda, empty=lambda *a, **k: None)
     monkeypatch.setattr(m, "_torch", lambda: torch)
+    monkeypatch.setattr(sm_backends, "_torch", lambda: torch)  # the shared stream scope
     monkeypatch.setattr(m, "_driver", lambda: (check, drv))
     monkeypatch.setattr(m.GreenContextBackend, "probe", staticmethod(lambda i=0: (True, "green contexts on fake")))
     return log
