@@ -139,6 +139,19 @@ def sampling_from(body: dict, default_max_tokens: int) -> SamplingParams:
         raise BadRequest(f"bad sampling parameter: {e}") from None
 
 
+# Options that would change the answer: refused unless absent or at their neutral value.
+_NEUTRAL = {"tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "logit_bias": ({},),
+            "response_format": ({"type": "text"},), "logprobs": (False,), "top_logprobs": (0,),
+            "presence_penalty": (0,), "frequency_penalty": (0,)}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and value not in neutral:
+            raise BadRequest(f"'{key}' is not supported by this server; remove it")
+
+
 def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
                        sampling_rate: int | None, default_max_tokens: int = 256) -> ChatRequest:
     if not isinstance(body, dict):
@@ -148,6 +161,7 @@ def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
         raise BadRequest(f"model {model!r} is not served here; GET /v1/models lists {served_model!r}")
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported")
+    _refuse_unsupported(body)
     opts = body.get("stream_options") or {}
     return ChatRequest(model=model,
                        messages=convert_messages(body.get("messages"), modalities, sampling_rate),
