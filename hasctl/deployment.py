@@ -32,7 +32,7 @@ FLAGS = {  # what each stage's parser accepts besides the flags the launcher wir
                          "gap-coef", "max-gap-s", "kv-transport", "sm-backend", "partition-policy",
                          "partition-profile", "profile-batch-sizes", "partition-tolerance", "metrics-listen", "max-inflight"),
     "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb",
-                          "max-inflight"),
+                          "max-inflight", "max-model-len"),
 }
 BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")

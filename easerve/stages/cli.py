@@ -6,6 +6,14 @@ import logging
 import os
 
 
+DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
+
+
+def default_max_len(text_config) -> int:
+    """The model's context length, capped at DEFAULT_MAX_MODEL_LEN (gateway and decode agree)."""
+    return min(int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN)
+
+
 def base_parser(stage: str, default_listen: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m services.{stage}", description=f"EAServe {stage} stage")
     p.add_argument("--model", required=True, help="checkpoint folder (a supported family)")

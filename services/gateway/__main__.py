@@ -29,6 +29,8 @@ def parse(argv):
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-body-mb", type=float, default=64.0)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit (default: the model's, capped at 4096 like decode's --max-seq-len)")
     p.add_argument("--max-inflight", type=int, default=1024, help="past this many requests: 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--port-file", default=None, help="write the bound gRPC port here")
     p.add_argument("--http-port-file", default=None, help="write the bound HTTP port here")
@@ -40,7 +42,7 @@ async def main(args) -> None:
     cfg = GatewayConfig(served_model=args.served_model_name or Path(args.model).resolve().name,
                         encode_addrs=addrs(args.encode), prefill_addrs=addrs(args.prefill),
                         request_timeout_s=args.request_timeout_s, default_max_tokens=args.default_max_tokens,
-                        max_inflight=args.max_inflight)
+                        max_inflight=args.max_inflight, max_model_len=args.max_model_len)
     core = GatewayCore(cfg, adapter, GatewayMetrics())
     ready = asyncio.Event()
     http = HttpApi(core, int(args.max_body_mb * (1 << 20)), ready.is_set)

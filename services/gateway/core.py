@@ -18,7 +18,9 @@ import grpc
 
 from easerve.engine.detok import Detokenizer
 from easerve.rpc.errors import from_rpc_error
+from easerve.rpc.server import ServerOptions
 from easerve.codec import sampling_to_proto
+from easerve.stages.cli import default_max_len
 from easerve.stages.limits import InflightLimit
 from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
 from easerve.types import ProcessedPrompt, SamplingParams
@@ -36,6 +38,7 @@ class GatewayConfig:
     default_max_tokens: int = 256
     preprocess_threads: int = 2
     max_inflight: int = 1024
+    max_model_len: int | None = None  # None: easerve.stages.cli.default_max_len, as decode
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs:
@@ -72,9 +75,9 @@ class GatewayCore:
         self.cfg, self.adapter, self.m = cfg, adapter, metrics
         self.started = int(time.time())
         self.limit = InflightLimit(cfg.max_inflight, "the gateway")
-        self.max_model_len = int(getattr(adapter.text_config, "max_position_embeddings", 4096))
+        self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
-        opts = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+        opts = ServerOptions().channel_options()
         self._enc = [encode_pb2_grpc.EncodeStub(grpc.aio.insecure_channel(a, options=opts)) for a in cfg.encode_addrs]
         self._pre = [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a, options=opts)) for a in cfg.prefill_addrs]
         self._rr = itertools.count()

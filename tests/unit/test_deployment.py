@@ -121,7 +121,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "max-running": 4, "
           "safety-cap-s": 0.5, "gap-coef": 2.0, "served-model-name": "m", "request-timeout-s": 30.0,
           "default-max-tokens": 16, "max-body-mb": 8.0, "max-gap-s": 0.05, "sm-backend": "auto",
           "partition-policy": "dynamic", "partition-profile": "/tmp/p.json", "profile-batch-sizes": "1,2",
-          "partition-tolerance": 0.1, "metrics-listen": "127.0.0.1:9100", "max-inflight": 64}
+          "partition-tolerance": 0.1, "metrics-listen": "127.0.0.1:9100", "max-inflight": 64,
+          "max-model-len": 2048}
 
 
 def _parsers():
