@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || { python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'; PY=.venv/bin/python; }
 "$PY" -c "import torch; print('gpu:', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-"$PY" -m pytest -q -rA tests/gpu tests/models/test_engine.py -k "cuda or gpu or green or ipc or nccl" -s
+"$PY" -m pytest -q -rA -s tests/gpu
+"$PY" -m pytest -q -rA tests/models/test_engine.py -k cuda
 "$PY" bench/decode_batching.py --device cuda --batches 1,16,64 | tail -1
