@@ -12,6 +12,7 @@ already forwarded that token id from prefill can skip index 0's id (not its text
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -138,6 +139,13 @@ class DecodeEngine:
             self._reqs[rid] = req
         self._pending.append(first)
 
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float = 60.0) -> None:
+        """Hold a place before prefill runs (see Scheduler.reserve); `add` of the same id takes
+        it. Raises Overloaded / RequestTooLarge exactly as `add` would, before any compute."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.scheduler.reserve(request_id, prompt_len, max_tokens, time.monotonic(), ttl_s)
+
     def _make_detok(self, payload: KVPayload) -> Detokenizer | None:
         if self._tokenizer is None:
             return None
@@ -148,7 +156,7 @@ class DecodeEngine:
         it with finish_reason "abort". False if the engine does not hold it."""
         req = self._reqs.pop(request_id, None)
         if req is None:
-            return False
+            return self.scheduler.abort(request_id)  # a reservation, if any
         self.scheduler.abort(request_id)
         self._pending.append(StepOutput(request_id, None, "", True, "abort", len(req.tokens)))
         return True

@@ -51,26 +51,53 @@ class Scheduler:
         self.max_waiting = max_waiting
         self._waiting: deque[_Waiting] = deque()
         self._running: dict[str, None] = {}  # insertion-ordered set
+        self._held: dict[str, float] = {}    # reservations: request id -> expiry time
 
     # ---- intake -------------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, now: float, ttl_s: float) -> None:
+        """Hold a place for a request whose prefill has not run yet, so a full engine is
+        known before any compute is spent. The place lapses at `now + ttl_s` unless `add`
+        takes it. Raises like `add`."""
+        self._expire(now)
+        if request_id in self._held or request_id in self:
+            raise ValueError(f"request id {request_id!r} is already in the engine; ids must be unique")
+        reserve = self._check_size(request_id, prompt_len, max_tokens)
+        if self._full(reserve):
+            raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
+        self._held[request_id] = now + ttl_s
+
     def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
         """Queue a request whose prompt KV (prompt_len tokens) waits outside the pool.
-        Raises RequestTooLarge if it could never fit, Overloaded if the queue is full."""
+        A reserved request always gets in; others raise Overloaded if the queue is full
+        (RequestTooLarge if it could never fit)."""
         if request_id in self:
             raise ValueError(f"request id {request_id!r} is already in the engine; ids must be unique")
+        reserve = self._check_size(request_id, prompt_len, max_tokens)
+        held = self._held.pop(request_id, None) is not None
+        if not held and self._full(reserve):
+            raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
+        self._waiting.append(_Waiting(request_id, prompt_len, reserve))
+
+    def _check_size(self, request_id: str, prompt_len: int, max_tokens: int) -> int:
         reserve = prompt_len + max_tokens
         if not self.blocks.fits_ever(reserve):
             raise RequestTooLarge(
                 f"request {request_id!r} needs {reserve} KV tokens (prompt {prompt_len} + max_tokens "
                 f"{max_tokens}) but the engine holds at most {self.blocks.max_seq_tokens} per request; "
                 "lower max_tokens or raise the engine's KV capacity / max_seq_len")
-        if len(self._waiting) >= self.max_waiting and not self._admissible_now(reserve):
-            raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
-        self._waiting.append(_Waiting(request_id, prompt_len, reserve))
+        return reserve
+
+    def _full(self, reserve: int) -> bool:
+        """No room to wait (reservations count as waiting) and not admissible at once."""
+        return len(self._waiting) + len(self._held) >= self.max_waiting and not self._admissible_now(reserve)
+
+    def _expire(self, now: float) -> None:
+        for rid in [r for r, until in self._held.items() if until <= now]:
+            del self._held[rid]
 
     def _admissible_now(self, reserve: int) -> bool:
         """The next schedule() would admit it at once: it never really waits."""
-        return (not self._waiting and len(self._running) < self.max_running
+        return (not self._waiting and not self._held and len(self._running) < self.max_running
                 and self.blocks.can_allocate(reserve))
 
     # ---- the plan -------------------------------------------------------------------------
@@ -106,7 +133,9 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Drop a waiting or running request at once (its KV is freed). False if unknown."""
+        """Drop a reserved, waiting or running request at once (its KV is freed). False if unknown."""
+        if self._held.pop(request_id, None) is not None:
+            return True
         if self._release(request_id):
             return True
         for item in self._waiting:

@@ -83,6 +83,11 @@ class AsyncEngine:
                 await asyncio.shield(self._call(self.engine.abort, rid))
                 self._wake.set()
 
+    async def reserve(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float) -> None:
+        """Hold a place before the request's prefill runs (raises the engine's Overloaded /
+        RequestTooLarge at once when it could not be admitted)."""
+        await self._call(self.engine.reserve, request_id, prompt_len, max_tokens, ttl_s)
+
     async def abort(self, request_id: str) -> bool:
         """Stop a request now (KV freed); its stream ends with finish_reason "abort"."""
         found = await self._call(self.engine.abort, request_id)

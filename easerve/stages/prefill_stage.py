@@ -64,26 +64,48 @@ class PrefillStage:
                 yield chunk
 
     async def _run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        t0 = time.monotonic()
-        res, first = await asyncio.get_running_loop().run_in_executor(self._pool, self._prefill_sync, req)
-        deadline.check("prefill")
-        prefill_ms = (time.monotonic() - t0) * 1000
-        done = self._finished_at_first(req, first)
-        usage = (res.prompt_len, 1) if done else None
-        yield token_chunk(req.request_id, [first], done, usage=usage, prefill_ms=prefill_ms, **timings)
-        if done:
-            return
-        payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
-                            req.sampling, prompt_ids_tail=list(req.input_ids[-8:]))
-        async for chunk in self._decode_call(payload, deadline):
-            yield chunk
+        decode = self._decode[next(self._rr) % len(self._decode)]
+        await self._reserve(decode, req, deadline)  # a full decode refuses before any compute
+        handed_over = False
+        try:
+            t0 = time.monotonic()
+            res, first = await asyncio.get_running_loop().run_in_executor(self._pool, self._prefill_sync, req)
+            deadline.check("prefill")
+            prefill_ms = (time.monotonic() - t0) * 1000
+            done = self._finished_at_first(req, first)
+            usage = (res.prompt_len, 1) if done else None
+            yield token_chunk(req.request_id, [first], done, usage=usage, prefill_ms=prefill_ms, **timings)
+            if done:
+                return
+            payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
+                                req.sampling, prompt_ids_tail=list(req.input_ids[-8:]))
+            handed_over = True
+            async for chunk in self._decode_call(decode, payload, deadline):
+                yield chunk
+        finally:
+            if not handed_over:
+                await self._release(decode, req.request_id)
 
-    async def _decode_call(self, payload: KVPayload, deadline: Deadline) -> AsyncIterator[cpb.TokenChunk]:
+    async def _reserve(self, decode, req: PrefillRequest, deadline: Deadline) -> None:
+        msg = decode_pb2.ReserveRequest(meta=cpb.RequestMeta(request_id=req.request_id, deadline_ms=deadline.to_ms()),
+                                        num_tokens=len(req.input_ids), max_new_tokens=req.sampling.max_tokens)
+        try:
+            await decode.Reserve(msg, timeout=deadline.timeout())
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    @staticmethod
+    async def _release(decode, request_id: str) -> None:
+        """Give an unused reservation back (best effort: it lapses at the deadline anyway)."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.shield(decode.Cancel(decode_pb2.CancelRequest(request_id=request_id), timeout=5))
+
+    async def _decode_call(self, decode, payload: KVPayload, deadline: Deadline) -> AsyncIterator[cpb.TokenChunk]:
         handle = await self.kv.send(payload)
         meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
         msg = decode_pb2.DecodeRequest(meta=meta, kv=handle, num_tokens=payload.prompt_len,
                                        max_new_tokens=payload.sampling.max_tokens)
-        call = self._decode[next(self._rr) % len(self._decode)].Decode(msg, timeout=deadline.timeout())
+        call = decode.Decode(msg, timeout=deadline.timeout())
         try:
             async for chunk in call:
                 yield chunk

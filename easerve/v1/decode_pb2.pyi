@@ -19,6 +19,20 @@ class DecodeRequest(_message.Message):
     max_new_tokens: int
     def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KVTransfer, _Mapping]] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("meta", "num_tokens", "max_new_tokens")
+    META_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.RequestMeta
+    num_tokens: int
+    max_new_tokens: int
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

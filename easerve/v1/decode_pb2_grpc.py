@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/easerve.v1.Decode/Reserve',
+                request_serializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=easerve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/easerve.v1.Decode/Stats',
                 request_serializer=easerve_dot_v1_dot_decode__pb2.StatsRequest.SerializeToString,
@@ -56,6 +61,12 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +91,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=easerve_dot_v1_dot_common__pb2.TokenChunk.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=easerve_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -119,6 +135,33 @@ class Decode:
             '/easerve.v1.Decode/Decode',
             easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/easerve.v1.Decode/Reserve',
+            easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+            easerve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

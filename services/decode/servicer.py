@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from easerve.engine.errors import Overloaded as EngineFull
+from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import Overloaded, grpc_errors
 from easerve.stages.convert import token_chunk
 from easerve.v1 import decode_pb2, decode_pb2_grpc
+
+
+MAX_HOLD_S = 120.0  # a reservation lapses at the request's deadline, at the latest after this
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -26,6 +30,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                   text=o.text_delta, usage=usage)
         except EngineFull as e:
             raise Overloaded(str(e)) from None
+
+    @grpc_errors
+    async def Reserve(self, request, context):
+        deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        ttl = min(deadline.remaining(), MAX_HOLD_S)
+        try:
+            await self.engine.reserve(request.meta.request_id, request.num_tokens, request.max_new_tokens, ttl)
+        except EngineFull as e:
+            raise Overloaded(str(e)) from None
+        return decode_pb2.ReserveResponse()
 
     @grpc_errors
     async def Stats(self, request, context):

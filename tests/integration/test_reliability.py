@@ -45,6 +45,13 @@ def test_overload_is_resource_exhausted_then_recovers(small_stack):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 429
+    stream_body = json.dumps({"messages": [{"role": "user", "content": "me too"}], "max_tokens": 4,
+                              "stream": True}).encode()
+    req = urllib.request.Request(small_stack.endpoints.http + "/v1/chat/completions", data=stream_body,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # refused before prefill: a real 429, not an in-band error
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 429
     long.close()
     deadline = time.monotonic() + 20
     while True:  # the slot frees once the cancel has reached decode

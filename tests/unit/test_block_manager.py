@@ -140,3 +140,22 @@ def test_no_waiting_room_still_admits_what_fits_now():
     s.update_from_output(["a"])
     s.add("b", 4, 4)
     assert s.schedule().admitted == ("b",)
+
+
+def test_reservations_hold_a_place_until_added_aborted_or_expired():
+    s = Scheduler(BlockManager(num_blocks=1, block_size=32, max_seq_tokens=32), max_running=4, max_waiting=1)
+    s.add("run", 4, 4)
+    assert s.schedule().admitted == ("run",)     # the pool is now full
+    s.reserve("r1", 4, 4, now=0.0, ttl_s=10.0)   # takes the one waiting place
+    with pytest.raises(Overloaded):
+        s.reserve("r2", 4, 4, now=1.0, ttl_s=10.0)
+    with pytest.raises(Overloaded):
+        s.add("r3", 4, 4)                        # unreserved: no room
+    s.add("r1", 4, 4)                            # reserved: always gets in
+    assert s.num_waiting == 1
+    assert s.abort("r1")
+    s.reserve("r4", 4, 4, now=2.0, ttl_s=1.0)
+    s.reserve("r5", 4, 4, now=3.5, ttl_s=1.0)    # r4 lapsed at 3.0
+    assert s.abort("r5") and not s.abort("r4")
+    with pytest.raises(RequestTooLarge):
+        s.reserve("big", 30, 10, now=4.0, ttl_s=1.0)

@@ -22,7 +22,7 @@ def test_stubs_import_as_package_and_declare_services():
     assert common_pb2.DESCRIPTOR.package == "easerve.v1"
     methods = {
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]: {"Generate", "ListModels"},
-        decode_pb2.DESCRIPTOR.services_by_name["Decode"]: {"Decode", "Stats", "Cancel"},
+        decode_pb2.DESCRIPTOR.services_by_name["Decode"]: {"Decode", "Reserve", "Stats", "Cancel"},
         kv_pb2.DESCRIPTOR.services_by_name["KVStream"]: {"Push"},
     }
     for service, want in methods.items():
