@@ -108,6 +108,21 @@ def token_id(tokenizer, token: str) -> int:
     return int(tid)
 
 
+def special_ids(tok) -> dict:
+    """bos/eos/pad ids for a config, set explicitly (families' defaults point outside a tiny vocab)."""
+    return {"bos_token_id": token_id(tok, "<s>"), "eos_token_id": token_id(tok, "<|im_end|>"),
+            "pad_token_id": token_id(tok, "<pad>")}
+
+
+def text_kwargs(sc: Scale, tok) -> dict:
+    """The language model's config fields every family shares: sizes from the scale, the
+    special ids, a large init range (rare greedy ties)."""
+    return dict(vocab_size=len(tok), hidden_size=sc.hidden, intermediate_size=sc.intermediate,
+                num_hidden_layers=sc.layers, num_attention_heads=sc.heads, num_key_value_heads=sc.kv_heads,
+                max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+                **special_ids(tok))
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from easerve.models.tiny.common import (Scale, build_tokenizer, chat_template, save_model,
-                                        seed_everything, token_id)
+                                        seed_everything, special_ids, text_kwargs, token_id)
 
 SPECIALS = ["<image>"]
 # (crop size, CLIP patch size) per preset; pinpoints are 1x2, 2x1 and 2x2 crops
@@ -18,12 +18,7 @@ def pinpoints(crop: int) -> list[list[int]]:
 def config(sc: Scale, tok, crop: int, patch: int):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig
 
-    ids = {k: token_id(tok, t) for k, t in (("bos", "<s>"), ("eos", "<|im_end|>"), ("pad", "<pad>"))}
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=sc.hidden, intermediate_size=sc.intermediate,
-                       num_hidden_layers=sc.layers, num_attention_heads=sc.heads,
-                       num_key_value_heads=sc.kv_heads, max_position_embeddings=4096,
-                       initializer_range=0.2, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-                       pad_token_id=ids["pad"], tie_word_embeddings=False)
+    text = LlamaConfig(**text_kwargs(sc, tok))
     vision = CLIPVisionConfig(hidden_size=sc.enc_hidden, intermediate_size=sc.enc_intermediate,
                               num_hidden_layers=sc.enc_layers, num_attention_heads=sc.enc_heads,
                               image_size=crop, patch_size=patch, projection_dim=sc.enc_hidden)
@@ -31,8 +26,7 @@ def config(sc: Scale, tok, crop: int, patch: int):
         vision_config=vision, text_config=text, image_token_index=token_id(tok, "<image>"),
         image_grid_pinpoints=pinpoints(crop), vision_feature_layer=-2,
         vision_feature_select_strategy="default", image_seq_length=(crop // patch) ** 2,
-        tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"], architectures=["LlavaNextForConditionalGeneration"])
+        tie_word_embeddings=False, **special_ids(tok), architectures=["LlavaNextForConditionalGeneration"])
 
 
 def processor(tok, crop: int, patch: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from easerve.models.tiny.common import (Scale, build_tokenizer, chat_template, save_model,
-                                        seed_everything, token_id)
+                                        seed_everything, special_ids, text_kwargs, token_id)
 
 SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -25,13 +25,8 @@ def mrope_section(head_dim: int) -> list[int]:
 def config(sc: Scale, tok, bench: bool):
     from transformers import Qwen2_5_VLConfig
 
-    ids = {k: token_id(tok, t) for k, t in (("bos", "<s>"), ("eos", "<|im_end|>"), ("pad", "<pad>"))}
     head_dim = sc.hidden // sc.heads
-    text = dict(vocab_size=len(tok), hidden_size=sc.hidden, intermediate_size=sc.intermediate,
-                num_hidden_layers=sc.layers, num_attention_heads=sc.heads,
-                num_key_value_heads=sc.kv_heads, max_position_embeddings=4096,
-                initializer_range=0.2, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-                pad_token_id=ids["pad"], tie_word_embeddings=False,
+    text = dict(text_kwargs(sc, tok),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": mrope_section(head_dim)})
     every = max(1, sc.enc_layers // 2)
@@ -44,7 +39,7 @@ def config(sc: Scale, tok, bench: bool):
         video_token_id=token_id(tok, "<|video_pad|>"),
         vision_start_token_id=token_id(tok, "<|vision_start|>"),
         vision_end_token_id=token_id(tok, "<|vision_end|>"),
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        **special_ids(tok),
         tie_word_embeddings=False, architectures=["Qwen2_5_VLForConditionalGeneration"])
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from easerve.models.tiny.common import (Scale, build_tokenizer, chat_template, save_model,
-                                        seed_everything, token_id)
+                                        seed_everything, special_ids, text_kwargs, token_id)
 
 SPECIALS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -17,18 +17,13 @@ CONTEXT = {"tiny": (100, 2), "bench": (1500, 30)}
 def config(sc: Scale, tok, bench: bool):
     from transformers import Qwen2AudioConfig
 
-    ids = {k: token_id(tok, t) for k, t in (("bos", "<s>"), ("eos", "<|im_end|>"), ("pad", "<pad>"))}
-    text = dict(model_type="qwen2", vocab_size=len(tok), hidden_size=sc.hidden,
-                intermediate_size=sc.intermediate, num_hidden_layers=sc.layers,
-                num_attention_heads=sc.heads, num_key_value_heads=sc.kv_heads,
-                max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
-                bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    text = dict(model_type="qwen2", **text_kwargs(sc, tok))
     audio = dict(model_type="qwen2_audio_encoder", d_model=sc.enc_hidden, encoder_layers=sc.enc_layers,
                  encoder_attention_heads=sc.enc_heads, encoder_ffn_dim=sc.enc_intermediate,
                  num_mel_bins=80, max_source_positions=CONTEXT["bench" if bench else "tiny"][0])
     return Qwen2AudioConfig(
         audio_config=audio, text_config=text, audio_token_index=token_id(tok, "<|AUDIO|>"),
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        **special_ids(tok),
         tie_word_embeddings=False, architectures=["Qwen2AudioForConditionalGeneration"])
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from easerve.models.tiny.common import (Scale, build_tokenizer, chat_template, save_model,
-                                        seed_everything, token_id)
+                                        seed_everything, special_ids, text_kwargs, token_id)
 
 SPECIALS = ["<|audio|>"]
 STACK = 8
@@ -18,12 +18,7 @@ SOURCE_POSITIONS = {"tiny": 100, "bench": 1500}
 def config(sc: Scale, tok, bench: bool):
     from easerve.models.ultravox_hf import UltravoxConfig
 
-    ids = {k: token_id(tok, t) for k, t in (("bos", "<s>"), ("eos", "<|im_end|>"), ("pad", "<pad>"))}
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=sc.hidden,
-                intermediate_size=sc.intermediate, num_hidden_layers=sc.layers,
-                num_attention_heads=sc.heads, num_key_value_heads=sc.kv_heads,
-                max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
-                bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    text = dict(model_type="llama", **text_kwargs(sc, tok))
     audio = dict(model_type="whisper", d_model=sc.enc_hidden, encoder_layers=sc.enc_layers,
                  encoder_attention_heads=sc.enc_heads, encoder_ffn_dim=sc.enc_intermediate,
                  decoder_layers=1, decoder_attention_heads=sc.enc_heads,
@@ -33,7 +28,7 @@ def config(sc: Scale, tok, bench: bool):
         audio_config=audio, text_config=text, hidden_size=2 * sc.hidden, stack_factor=STACK,
         projector_act="swiglu", projector_ln_mid=True, norm_init=0.4,
         audio_token_index=token_id(tok, "<|audio|>"), architectures=["UltravoxModel"],
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+        **special_ids(tok))
 
 
 def processor(tok, cfg):
