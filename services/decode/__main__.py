@@ -10,6 +10,7 @@ from easerve.stages.cli import base_parser, default_max_len, setup_process, writ
 from easerve.stages.engine_loop import AsyncEngine
 from easerve.stages.kv_io import KVReceiver
 from easerve.stages.transports import receivers
+from easerve.stages.warmup import dummy_payload
 from easerve.v1 import decode_pb2_grpc
 from services.decode.servicer import DecodeServicer
 
@@ -47,6 +48,8 @@ async def main(args) -> None:
 
     async def warmup() -> None:
         engine.start()
+        async for _ in engine.generate(dummy_payload(adapter)):  # one real decode before SERVING
+            pass
 
     try:
         await serve([(decode_pb2_grpc.add_DecodeServicer_to_server, servicer), *extra], args.listen,

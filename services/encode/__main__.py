@@ -1,6 +1,7 @@
 """python -m services.encode --model DIR (--prefill H:P | --colocate-prefill --decode H:P) [options]"""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import sys
 import time
@@ -14,9 +15,10 @@ from easerve.stages.kv_io import KVSender
 from easerve.stages.metrics_http import start_metrics_server
 from easerve.stages.prefill_stage import PrefillStage
 from easerve.stages.transports import sender_for
+from easerve.stages.warmup import prefill_once
 from easerve.v1 import encode_pb2_grpc
 from services.encode.batch_loop import EncodeLoop
-from services.encode.colocate import build_controller
+from services.encode.colocate import build_controller, sample_items
 from services.encode.metrics import EncodeMetrics
 from services.encode.servicer import EncodeServicer
 
@@ -61,6 +63,7 @@ class Encoder:
         self.metrics = EncodeMetrics(args.remote_fraction)
         self.encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.prefill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-prefill")
+        self.local_lm = None
         self.controller = self._controller()
         batcher = AdaptiveBatcher(BatcherConfig(
             max_batch=args.max_batch, mode=args.batch_mode, safety_cap_s=args.safety_cap_s,
@@ -85,7 +88,7 @@ class Encoder:
         decode = addrs(a.decode)
         if not decode:
             raise ValueError("--colocate-prefill needs --decode addresses for its KV")
-        lm = load_adapter(a.model, role="prefill", device=a.device)
+        lm = self.local_lm = load_adapter(a.model, role="prefill", device=a.device)
         sender = KVSender(sender_for(a.kv_transport, a.device, decode[0], self.opts))
         share = lambda: _prefill_share(self.controller.last)  # noqa: E731
         return PrefillStage(lm, decode, sender, self.opts.channel_options(), self.prefill_pool,
@@ -114,6 +117,10 @@ async def main(args) -> None:
                                             {"/trace": enc.trace, "/partition": enc.partition_info})
 
     async def warmup() -> None:
+        loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
+        await loop.run_in_executor(enc.encode_pool, enc.adapter.encode, sample_items(enc.adapter, 1))
+        if enc.local_lm is not None:
+            await loop.run_in_executor(enc.prefill_pool, prefill_once, enc.local_lm)
         enc.loop.start()
 
     try:

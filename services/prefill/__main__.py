@@ -1,6 +1,7 @@
 """python -m services.prefill --model DIR --decode H:P [--listen 0.0.0.0:50053]"""
 from __future__ import annotations
 
+import asyncio
 import sys
 
 from easerve.models.registry import load_adapter
@@ -9,6 +10,7 @@ from easerve.stages.cli import addrs, base_parser, setup_process, write_port_fil
 from easerve.stages.kv_io import KVSender
 from easerve.stages.prefill_stage import PrefillStage
 from easerve.stages.transports import sender_for
+from easerve.stages.warmup import prefill_once
 from easerve.v1 import prefill_pb2_grpc
 from services.prefill.servicer import PrefillServicer
 
@@ -28,8 +30,11 @@ async def main(args) -> None:
     decode = addrs(args.decode)
     sender = KVSender(sender_for(args.kv_transport, args.device, decode[0], opts))
     stage = PrefillStage(adapter, decode, sender, opts.channel_options(), max_inflight=args.max_inflight)
+    async def warmup() -> None:  # one real prefill before SERVING
+        await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)
+
     await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage))], args.listen,
-                health_services=["easerve.v1.Prefill"], options=opts,
+                health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
                 on_bound=lambda p: write_port_file(args.port_file, p))
 
 
