@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -20,6 +19,7 @@ from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
 from easerve.stages.convert import token_chunk
 from easerve.stages.limits import InflightLimit
+from easerve.stages.peers import Peers, relay
 from easerve.types import KVPayload, PrefillRequest
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc
@@ -34,9 +34,7 @@ class PrefillStage:
         if not decode_addrs:
             raise ValueError("prefill needs at least one --decode address")
         self.adapter, self.kv = adapter, kv_sender
-        self._decode = [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a, options=list(channel_options)))
-                        for a in decode_addrs]
-        self._rr = itertools.count()
+        self._decode = Peers(decode_pb2_grpc.DecodeStub, decode_addrs, channel_options)
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._eos = frozenset(adapter.eos_token_ids)
         self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
@@ -64,7 +62,7 @@ class PrefillStage:
                 yield chunk
 
     async def _run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        decode = self._decode[next(self._rr) % len(self._decode)]
+        decode = self._decode.next()
         await self._reserve(decode, req, deadline)  # a full decode refuses before any compute
         handed_over = False
         try:
@@ -105,12 +103,8 @@ class PrefillStage:
         meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
         msg = decode_pb2.DecodeRequest(meta=meta, kv=handle, num_tokens=payload.prompt_len,
                                        max_new_tokens=payload.sampling.max_tokens)
-        call = decode.Decode(msg, timeout=deadline.timeout())
         try:
-            async for chunk in call:
+            async for chunk in relay(decode.Decode(msg, timeout=deadline.timeout())):
                 yield chunk
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
         finally:
-            call.cancel()
             self.kv.release(handle)

@@ -1,15 +1,13 @@
 """easerve.v1.Encode: batch-encode, route to co-located or remote prefill, relay tokens."""
 from __future__ import annotations
 
-import itertools
 
-import grpc
-
-from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import InvalidRequest, from_rpc_error, grpc_errors
 from easerve.codec import sampling_from_proto, tensor_to_proto
-from easerve.stages.limits import InflightLimit
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import InvalidRequest, grpc_errors
 from easerve.stages.convert import item_meta_to_proto, media_item_from_proto
+from easerve.stages.limits import InflightLimit
+from easerve.stages.peers import Peers, relay
 from easerve.types import PrefillRequest
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -21,9 +19,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         if local_stage is None and not prefill_addrs:
             raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
         self.loop, self.router, self.local, self.m = loop, router, local_stage, metrics
-        self._remote = [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a, options=list(channel_options)))
-                        for a in prefill_addrs]
-        self._rr = itertools.count()
+        self._remote = Peers(prefill_pb2_grpc.PrefillStub, prefill_addrs, channel_options)
         self.limit = InflightLimit(max_inflight, "encode")
 
     def _route(self) -> str:
@@ -70,16 +66,10 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
             input_ids=request.input_ids, sampling=request.sampling,
             items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta) for it in items],
             embeddings=prefill_pb2.Embeddings(tensors=[tensor_to_proto(e) for e in res.embeddings]))
-        call = self._remote[next(self._rr) % len(self._remote)].Prefill(msg, timeout=deadline.timeout())
         first = True
-        try:
-            async for chunk in call:
-                if first:
-                    first = False
-                    for k, v in timings.items():
-                        setattr(chunk.timings, k, v)
-                yield chunk
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        async for chunk in relay(self._remote.next().Prefill(msg, timeout=deadline.timeout())):
+            if first:
+                first = False
+                for k, v in timings.items():
+                    setattr(chunk.timings, k, v)
+            yield chunk

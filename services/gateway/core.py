@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
-from easerve.engine.detok import Detokenizer
-from easerve.rpc.errors import from_rpc_error
-from easerve.rpc.server import ServerOptions
 from easerve.codec import sampling_to_proto
+from easerve.engine.detok import Detokenizer
+from easerve.rpc.server import ServerOptions
 from easerve.stages.cli import default_max_len
-from easerve.stages.limits import InflightLimit
 from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
+from easerve.stages.limits import InflightLimit
+from easerve.stages.peers import Peers, relay
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -78,9 +75,8 @@ class GatewayCore:
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
         opts = ServerOptions().channel_options()
-        self._enc = [encode_pb2_grpc.EncodeStub(grpc.aio.insecure_channel(a, options=opts)) for a in cfg.encode_addrs]
-        self._pre = [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a, options=opts)) for a in cfg.prefill_addrs]
-        self._rr = itertools.count()
+        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode_addrs, opts)
+        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill_addrs, opts)
 
     # ---- preprocessing ------------------------------------------------------------------
     def _preprocess_sync(self, job: Job) -> ProcessedPrompt:
@@ -106,15 +102,14 @@ class GatewayCore:
         meta = cpb.RequestMeta(request_id=job.request_id, deadline_ms=int(timeout * 1000),
                                model=self.cfg.served_model)
         sp = sampling_to_proto(job.sampling)
-        i = next(self._rr)
         if prompt.items:
             if not self._enc:
                 raise BadRequest("this deployment has no encode stage; send text only")
             req = encode_pb2.EncodeRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp,
                                            items=[media_item_to_proto(it) for it in prompt.items])
-            return self._enc[i % len(self._enc)].Encode(req, timeout=timeout)
+            return self._enc.next().Encode(req, timeout=timeout)
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp)
-        return self._pre[i % len(self._pre)].Prefill(req, timeout=timeout)
+        return self._pre.next().Prefill(req, timeout=timeout)
 
     def _remaining(self, job: Job) -> float:
         budget = job.timeout_s or self.cfg.request_timeout_s
@@ -149,8 +144,9 @@ class GatewayCore:
         call = self._call(job, prompt, self._remaining(job))
         detok = Detokenizer(self.adapter.tokenizer, prompt.input_ids[-8:], job.sampling.stop)
         n, first_at, timings = 0, None, {}
+        chunks = relay(call)
         try:
-            async for chunk in call:
+            async for chunk in chunks:
                 ids = list(chunk.token_ids)
                 text = "".join(detok.push(t) for t in ids)
                 n += len(ids)
@@ -164,10 +160,8 @@ class GatewayCore:
                 yield Delta(ids, text, timings=timings)
                 timings = {}
             raise ConnectionError("the pipeline closed the stream before the request finished")
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
         finally:
-            call.cancel()
+            await chunks.aclose()
 
     def _first_timings(self, job: Job, chunk) -> dict:
         ttft = time.monotonic() - job.received

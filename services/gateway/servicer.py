@@ -74,10 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        try:
-            job = self._job(request, remaining_from_context(context))
-        except media.MediaError as e:
-            raise InvalidRequest(str(e)) from None
+        job = self._job(request, remaining_from_context(context))  # MediaError is a ValueError: INVALID_ARGUMENT
         async for d in self.core.generate(job):
             msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
                                                finish_reason=FINISH_TO_PROTO[d.finish_reason])
