@@ -1,6 +1,6 @@
 """Encode micro-batching policies on one seeded Poisson trace: request-at-a-time, fixed B, adaptive B.
 
-The real encode loop (services.encode.batch_loop.EncodeLoop: asyncio timer + worker, the
+The real encode loop (easerve.stages.encode_loop.EncodeLoop: asyncio timer + worker, the
 adapter's `encode` in its one executor thread) runs a bench-scale checkpoint with one torch
 thread. First the batch-1 and batch-B encode times are measured; the arrival rates are then
 multiples of the batch-1 capacity (default 0.3x, 0.9x, 2x; the highest is clamped to
@@ -157,7 +157,7 @@ async def replay(adapter, reqs: list[list], offsets: list[float], policy: str, a
     """One run of the trace; `expect(k)` = isolated encode seconds of a batch of k (for the
     slowdown column: in-run encode time over isolated, > 1 when the shared CPU was busy)."""
     from easerve.control.batcher import AdaptiveBatcher
-    from services.encode.batch_loop import EncodeLoop
+    from easerve.stages.encode_loop import EncodeLoop
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode",
                                                  initializer=torch.set_num_threads, initargs=(args.threads,))
     log = BatchLog()

@@ -289,39 +289,3 @@ def encode_tensors(meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> byt
 
 def decode_tensors(buf: Any, *, copy: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return tensors_from_parts(*split_parts(buf, copy=copy))
-
-
-# ---------------------------------------------------------------- protos
-def tensor_to_proto(t: torch.Tensor):
-    from easerve.v1 import common_pb2
-
-    s = spec_of(t)
-    data = memoryview(_raw(t).numpy()).tobytes() if s.nbytes else b""
-    return common_pb2.TensorProto(dtype=s.dtype, shape=list(s.shape), data=data)
-
-
-def tensor_from_proto(msg, *, copy: bool = True) -> torch.Tensor:
-    s = _parse_spec(0, {"dtype": msg.dtype, "shape": list(msg.shape)})
-    if len(msg.data) != s.nbytes:
-        raise CodecError(f"TensorProto {s.dtype}{list(s.shape)} needs {s.nbytes} bytes, has {len(msg.data)}")
-    return _view(memoryview(msg.data), s, 0, copy)
-
-
-def sampling_to_proto(sp: SamplingParams):
-    from easerve.v1 import common_pb2
-
-    msg = common_pb2.SamplingParams(
-        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    return msg
-
-
-def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
-    """Proto -> SamplingParams; unset max_tokens / top_p take defaults. ValueError if invalid."""
-    return SamplingParams(
-        max_tokens=msg.max_tokens or default_max_tokens, temperature=round(msg.temperature, 6),
-        top_p=round(msg.top_p, 6) if msg.top_p else 1.0, top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)

@@ -8,8 +8,10 @@ The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compo
     encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
     prefill: [{device: cpu}]
     decode:  [{device: cpu, flags: {max-running: 64}}]
+    monolith: []              # encode + prefill + decode in one process (the aggregated baseline)
 
-A port of 0 is assigned at launch (from --base-port, else a free one). `flags` are the stage's
+A device is `cpu`, `cpu:0-1` (pinned to those cores: on a CPU host cores are the devices),
+`cuda` or `cuda:N`. Every stage may list several instances. A port of 0 is assigned at launch (from --base-port, else a free one). `flags` are the stage's
 own command-line flags without the dashes' prefix; a flag set to true is passed bare, false is left out.
 Addresses of peers (--prefill, --decode, --encode) are wired by `to_commands`, never set by hand.
 """
@@ -17,25 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-STAGES = ("decode", "prefill", "encode")  # launch order; the gateway starts last
-_COMMON = ("grace-s", "threads", "log-level")
-FLAGS = {  # what each stage's parser accepts besides the flags the launcher wires itself
-    "decode": _COMMON + ("max-running", "max-waiting", "num-slots", "max-seq-len", "kv-capacity-tokens",
-                         "block-size"),
-    "prefill": _COMMON + ("kv-transport", "max-inflight"),
-    "encode": _COMMON + ("colocate-prefill", "remote-fraction", "max-batch", "batch-mode", "safety-cap-s",
-                         "gap-coef", "max-gap-s", "kv-transport", "sm-backend", "partition-policy",
-                         "partition-profile", "profile-batch-sizes", "partition-tolerance", "metrics-listen", "max-inflight"),
-    "gateway": _COMMON + ("served-model-name", "request-timeout-s", "default-max-tokens", "max-body-mb",
-                          "max-inflight", "max-model-len"),
-}
-BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+from easerve.stages.configs import STAGE_CONFIGS, check_device, flag_kind, tunable_flags, to_argv
+
+STAGES = ("decode", "prefill", "encode", "monolith")  # launch order; the gateway starts last
+# what each stage's config accepts besides the flags the launcher wires itself
+FLAGS = {s: tunable_flags(s) for s in (*STAGES, "gateway")}
 Flags = tuple[tuple[str, Any], ...]
 
 
@@ -67,8 +59,10 @@ class Worker:
     flags: Flags | Mapping[str, Any] = ()
 
     def check(self, stage: str, where: str) -> Worker:
-        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
-            raise ValueError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        try:
+            check_device(self.device)
+        except ValueError as e:
+            raise ValueError(f"{where}.{e}") from None
         _check_port(self.port, f"{where}.port")
         return dataclasses.replace(self, flags=_norm_flags(self.flags, where, stage))
 
@@ -83,21 +77,6 @@ class GatewaySpec:
     flags: Flags | Mapping[str, Any] = ()
 
 
-def _check_encode(w: Worker, where: str) -> None:
-    b, s, mode = w.flag("max-batch", 8), w.flag("remote-fraction", 1.0), w.flag("batch-mode", "adaptive")
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"{where}.flags.max-batch (B) must be an int >= 1, got {b!r}")
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-        raise ValueError(f"{where}.flags.remote-fraction (s) must be a number in [0, 1], got {s!r}")
-    if mode not in BATCH_MODES:
-        raise ValueError(f"{where}.flags.batch-mode must be one of {BATCH_MODES}, got {mode!r}")
-    if mode == "request_at_a_time" and b != 1:
-        raise ValueError(f"{where}: batch-mode request_at_a_time takes max-batch 1, got {b}; set max-batch: 1")
-    if s < 1.0 and not w.flag("colocate-prefill", False):
-        raise ValueError(f"{where}: remote-fraction {s} < 1 sends requests to a local prefill; "
-                         "set colocate-prefill: true or remote-fraction: 1.0")
-
-
 def _worker(w: Any, stage: str, i: int) -> Worker:
     if not isinstance(w, Worker):
         raise ValueError(f"{stage}[{i}] must be a Worker(device, port, flags), got {type(w).__name__}")
@@ -110,6 +89,7 @@ class Deployment:
     encode: tuple[Worker, ...] = ()
     prefill: tuple[Worker, ...] = (Worker(),)
     decode: tuple[Worker, ...] = (Worker(),)
+    monolith: tuple[Worker, ...] = ()
     gateway: GatewaySpec = GatewaySpec()
     name: str = "custom"
 
@@ -124,15 +104,24 @@ class Deployment:
         _check_port(gw.grpc_port, "gateway.grpc_port")
         _check_port(gw.http_port, "gateway.http_port")
         object.__setattr__(self, "gateway", dataclasses.replace(gw, flags=_norm_flags(gw.flags, "gateway", "gateway")))
-        if not self.decode or not self.prefill:
+        if not self.monolith and (not self.decode or not self.prefill):
             raise ValueError("a deployment needs at least one decode and one prefill worker "
-                             "(the gateway sends text-only requests to prefill)")
-        for i, w in enumerate(self.encode):
-            _check_encode(w, f"encode[{i}]")
+                             "(the gateway sends text-only requests to prefill), or a monolith")
+        self._check_flags()
         ports = [w.port for w in self.workers()] + [gw.grpc_port, gw.http_port]
         dup = sorted({p for p in ports if p and ports.count(p) > 1})
         if dup:
             raise ValueError(f"ports {dup} are used by more than one process; give each its own or 0")
+
+    def _check_flags(self) -> None:
+        """Each worker's flags, checked by its stage's own config (as its process will)."""
+        dummy = {s: ("127.0.0.1:1",) if getattr(self, s) else () for s in ("prefill", "decode")}
+        wiring = {"decode": {}, "prefill": {"decode": dummy["decode"]}, "monolith": {},
+                  "encode": {"prefill": dummy["prefill"], "decode": dummy["decode"]}}
+        for stage in STAGES:
+            for i, w in enumerate(getattr(self, stage)):
+                _stage_config(stage, {"model": self.model or "model", "device": w.device, **wiring[stage]},
+                              w.flags, f"{stage}[{i}]")
 
     def workers(self) -> list[Worker]:
         return [w for stage in STAGES for w in getattr(self, stage)]
@@ -167,11 +156,11 @@ class Deployment:
         g = self.gateway
         return {"name": self.name, "model": self.model,
                 "gateway": {"grpc_port": g.grpc_port, "http_port": g.http_port, "flags": dict(g.flags)},
-                **{s: [worker(w) for w in getattr(self, s)] for s in ("encode", "prefill", "decode")}}
+                **{s: [worker(w) for w in getattr(self, s)] for s in ("encode", "prefill", "decode", "monolith")}}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "deployment") -> Deployment:
-        data = _mapping(data, where, {"name", "model", "gateway", "encode", "prefill", "decode"})
+        data = _mapping(data, where, {"name", "model", "gateway", *STAGES})
         kw: dict[str, Any] = {k: data[k] for k in ("name", "model") if k in data}
         if "gateway" in data:
             kw["gateway"] = GatewaySpec(**_mapping(data["gateway"], "gateway", {"grpc_port", "http_port", "flags"}))
@@ -238,7 +227,7 @@ def _mapping(data: Any, where: str, allowed: set[str]) -> dict:
 
 # ---- processes -------------------------------------------------------------------------------
 HEALTH_SERVICES = {"decode": "easerve.v1.Decode", "prefill": "easerve.v1.Prefill", "encode": "easerve.v1.Encode",
-                   "gateway": "easerve.v1.Gateway"}
+                   "monolith": "easerve.v1.Decode", "gateway": "easerve.v1.Gateway"}
 
 
 @dataclass(frozen=True)
@@ -256,38 +245,47 @@ def process_names(d: Deployment) -> list[str]:
     return [f"{s}-{i}" for s in STAGES for i in range(len(getattr(d, s)))] + ["gateway", "gateway-http"]
 
 
-def _flag_args(flags: Flags) -> list[str]:
-    out: list[str] = []
+def _stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
+    """The stage's frozen config from wired fields + the deployment's flags (validated
+    exactly as the stage process will validate its command line)."""
+    kw = dict(fields)
     for k, v in flags:
-        if v is True:
-            out.append(f"--{k}")
-        elif v is not False:
-            out += [f"--{k}", str(v)]
-    return out
+        kind = flag_kind(stage, k)
+        kw[k.replace("-", "_")] = tuple(str(v).split(",")) if kind is tuple else kind(v)
+    try:
+        return STAGE_CONFIGS[stage](**kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str = "python") -> list[Command]:
-    """argv of each process, ordered decode -> prefill -> encode -> gateway. Processes bind `host`;
-    peers are reached at `host` (127.0.0.1 when binding all interfaces)."""
+    """argv of each process (generated from its stage config), ordered decode -> prefill ->
+    encode -> monolith -> gateway. Processes bind `host`; peers are reached at `host`
+    (127.0.0.1 when binding all interfaces)."""
     if not d.model:
         raise ValueError("the deployment has no model; set model (a checkpoint folder) or use hasctl up")
     missing = [n for n in process_names(d) if n not in ports]
     if missing:
         raise ValueError(f"no port given for {missing}")
     peer = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-    addr = {s: ",".join(f"{peer}:{ports[f'{s}-{i}']}" for i in range(len(getattr(d, s)))) for s in STAGES}
-    wiring = {"decode": [], "prefill": ["--decode", addr["decode"]], "encode": ["--prefill", addr["prefill"]]}
+    addr = {s: tuple(f"{peer}:{ports[f'{s}-{i}']}" for i in range(len(getattr(d, s)))) for s in STAGES}
+    wiring = {"decode": {}, "prefill": {"decode": addr["decode"]}, "monolith": {},
+              "encode": {"prefill": addr["prefill"], "decode": addr["decode"]}}
     out = []
     for stage in STAGES:
         for i, w in enumerate(getattr(d, stage)):
-            extra = wiring[stage] + (["--decode", addr["decode"]] if w.flag("colocate-prefill") else [])
-            argv = [python, "-m", f"services.{stage}", "--model", d.model, "--device", w.device,
-                    "--listen", f"{host}:{ports[f'{stage}-{i}']}", *extra, *_flag_args(w.flags)]
-            out.append(Command(f"{stage}-{i}", stage, tuple(argv), ports[f"{stage}-{i}"], HEALTH_SERVICES[stage]))
-    gw = [python, "-m", "services.gateway", "--model", d.model, "--listen", f"{host}:{ports['gateway']}",
-          "--http-listen", f"{host}:{ports['gateway-http']}", "--prefill", addr["prefill"],
-          *(["--encode", addr["encode"]] if d.encode else []), *_flag_args(d.gateway.flags)]
-    out.append(Command("gateway", "gateway", tuple(gw), ports["gateway"], HEALTH_SERVICES["gateway"]))
+            name = f"{stage}-{i}"
+            cfg = _stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{ports[name]}",
+                                        **wiring[stage]}, w.flags, name)
+            argv = (python, "-m", f"services.{stage}", *to_argv(cfg))
+            out.append(Command(name, stage, argv, ports[name], HEALTH_SERVICES[stage]))
+    mono = addr["monolith"]
+    gw = _stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}",
+                                   "http_listen": f"{host}:{ports['gateway-http']}", "encode": addr["encode"] + mono,
+                                   "prefill": addr["prefill"] + mono, "decode": addr["decode"] + mono},
+                       d.gateway.flags, "gateway")
+    out.append(Command("gateway", "gateway", (python, "-m", "services.gateway", *to_argv(gw)), ports["gateway"],
+                       HEALTH_SERVICES["gateway"]))
     return out
 
 
@@ -300,13 +298,19 @@ PRESETS: dict[str, Deployment] = {
     "default": Deployment(name="default", encode=(_encode(max_batch=8, remote_fraction=1.0, batch_mode="adaptive"),)),
     "colocated": Deployment(name="colocated", encode=(_encode(max_batch=8, remote_fraction=0.5, batch_mode="adaptive",
                                                               colocate_prefill=True),)),
-    "passthrough": Deployment(name="passthrough", encode=(_encode(max_batch=1, remote_fraction=1.0,
+    "dynamo-like": Deployment(name="dynamo-like", encode=(_encode(max_batch=1, remote_fraction=1.0,
                                                                   batch_mode="request_at_a_time"),)),
-    "fixed8": Deployment(name="fixed8", encode=(_encode(max_batch=8, remote_fraction=1.0, batch_mode="fixed"),)),
+    "fixed-batch-8": Deployment(name="fixed-batch-8", encode=(_encode(max_batch=8, remote_fraction=1.0,
+                                                                      batch_mode="fixed"),)),
+    "monolith": Deployment(name="monolith", prefill=(), decode=(),
+                           monolith=(Worker(flags={"sm-backend": "timeslice", "partition-policy": "timeslice"}),)),
 }
+ALIASES = {"passthrough": "dynamo-like", "fixed8": "fixed-batch-8"}  # the names before the paper's
 
 
 def preset(name: str) -> Deployment:
+    name = ALIASES.get(name, name)
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or pass --deployment FILE")
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} "
+                         f"(or the old names {sorted(ALIASES)}) or pass --deployment FILE")
     return PRESETS[name]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from easerve.healthcheck import check
-from hasctl.deployment import Command, Deployment, process_names, to_commands
+from hasctl.deployment import STAGES, Command, Deployment, process_names, to_commands
 
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def assign_ports(d: Deployment, host: str = "127.0.0.1", base_port: int | None = None) -> dict[str, int]:
     """Ports for every process: fixed ones from the deployment, zeros from base_port upwards or free ones."""
-    fixed = {f"{s}-{i}": w.port for s in ("decode", "prefill", "encode") for i, w in enumerate(getattr(d, s))}
+    fixed = {f"{s}-{i}": w.port for s in STAGES for i, w in enumerate(getattr(d, s))}
     fixed.update({"gateway": d.gateway.grpc_port, "gateway-http": d.gateway.http_port})
     taken, out, nxt = set(fixed.values()), {}, base_port
     for name in process_names(d):

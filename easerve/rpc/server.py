@@ -46,6 +46,27 @@ class ServerOptions:
                 ("grpc.keepalive_time_ms", self.keepalive_time_ms)]
 
 
+class HealthState:
+    """A handle a service keeps to turn its own health NOT_SERVING when it can no longer
+    do its work (its engine died): callers then route around it, and a supervisor can
+    restart it. `fail()` may be called from the event loop's thread at any time."""
+
+    def __init__(self) -> None:
+        self._servicer = None
+        self._names: tuple[str, ...] = ()
+        self.failed: str | None = None
+
+    def _bind(self, servicer, names) -> None:
+        self._servicer, self._names = servicer, tuple(names)
+
+    def fail(self, reason: str) -> None:
+        log.error("turning NOT_SERVING: %s", reason)
+        self.failed = reason
+        if self._servicer is not None:
+            for name in self._names:
+                asyncio.get_running_loop().create_task(self._servicer.set(name, NOT_SERVING))
+
+
 async def serve(
     adders: Sequence[Adder],
     addr: str,
@@ -56,6 +77,7 @@ async def serve(
     options: ServerOptions = ServerOptions(),
     stop: asyncio.Event | None = None,
     on_bound: Callable[[int], None] | None = None,
+    health_state: HealthState | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT or `stop` is set, then drain. `addr` like "0.0.0.0:50051"
     (port 0 picks a free one, reported through `on_bound`). Health of "" and each name in
@@ -82,8 +104,11 @@ async def serve(
     restore = _install_signals(stop)
     try:
         await _warm(warmup, stop)
-        for name in names:
-            await health_servicer.set(name, SERVING)
+        if health_state is not None:
+            health_state._bind(health_servicer, names)
+        if health_state is None or health_state.failed is None:
+            for name in names:
+                await health_servicer.set(name, SERVING)
         log.info("serving %s", ", ".join(health_services) or "(no named services)")
         await stop.wait()
     finally:

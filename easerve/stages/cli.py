@@ -1,12 +1,11 @@
-"""Flags every stage process shares, and the process bootstrap."""
+"""The process bootstrap every stage shares: logging, CPU cores and threads, port files.
+(The flags themselves are generated from each stage's config: `easerve.stages.configs`.)"""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
-
-DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
+from easerve.stages.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores
 
 
 def default_max_len(text_config) -> int:
@@ -14,33 +13,22 @@ def default_max_len(text_config) -> int:
     return min(int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN)
 
 
-def base_parser(stage: str, default_listen: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m services.{stage}", description=f"EAServe {stage} stage")
-    p.add_argument("--model", required=True, help="checkpoint folder (a supported family)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--listen", default=default_listen, help="gRPC address to bind, host:port (port 0 = any)")
-    p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
-    p.add_argument("--log-level", default=os.environ.get("EASERVE_LOG_LEVEL", "INFO"))
-    return p
-
-
-def addrs(value: str) -> tuple[str, ...]:
-    """Comma-separated host:port list."""
-    out = tuple(a.strip() for a in (value or "").split(",") if a.strip())
-    for a in out:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"address {a!r} must be host:port")
-    return out
-
-
-def setup_process(args) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads > 0:
+def setup_process(cfg) -> None:
+    """Logging; on a `cpu:0-3` device, pin the process to those cores and use one torch
+    thread per core (unless --threads says otherwise)."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cores = cpu_cores(cfg.device)
+    if cores is not None:
+        allowed = os.sched_getaffinity(0)
+        missing = sorted(set(cores) - allowed)
+        if missing:
+            raise ValueError(f"--device {cfg.device}: cores {missing} are not available to this process "
+                             f"(it may use {sorted(allowed)})")
+        os.sched_setaffinity(0, cores)
+    threads = cfg.threads or (len(cores) if cores is not None else 0)
+    if threads > 0:
         import torch
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
 
 
 def write_port_file(path: str | None, port: int) -> None:
@@ -50,3 +38,11 @@ def write_port_file(path: str | None, port: int) -> None:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, path)
+
+
+def dtype_of(name: str):
+    """--dtype -> a torch dtype, or None for auto (the adapter's device default)."""
+    if name == "auto":
+        return None
+    import torch
+    return getattr(torch, name)

@@ -1,17 +1,25 @@
-"""A stage's own Prometheus endpoint: GET /metrics (and any extra JSON routes)."""
+"""A stage's own HTTP endpoint: GET /metrics (Prometheus) and any extra JSON routes."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from aiohttp import web
 
+from easerve.metrics import CONTENT_TYPE, render
 
-async def start_metrics_server(addr: str, registry, json_routes: dict[str, Callable[[web.Request], object]] | None = None):
-    """Serve `registry` at http://addr/metrics; returns the runner (await runner.cleanup())."""
+
+async def start_metrics_server(addr: str, registry, json_routes: dict[str, Callable[[web.Request], object]] | None = None,
+                               before_scrape: Callable[[], None] | None = None):
+    """Serve `registry` at http://addr/metrics; returns the runner (await runner.cleanup()),
+    or None when `addr` is empty. `before_scrape()` refreshes gauges read on demand."""
+    if not addr:
+        return None
     app = web.Application()
 
     async def metrics(_req: web.Request) -> web.Response:
-        return web.Response(text=registry.render(), content_type="text/plain", charset="utf-8")
+        if before_scrape is not None:
+            before_scrape()
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE})
 
     app.router.add_get("/metrics", metrics)
     for path, fn in (json_routes or {}).items():
@@ -19,7 +27,7 @@ async def start_metrics_server(addr: str, registry, json_routes: dict[str, Calla
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, _, port = addr.rpartition(":")
-    await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
+    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
     return runner
 
 

@@ -1,34 +1,195 @@
-"""Talking to the next stage: its workers' stubs picked round robin, and the relay of
-a server-streaming call (downstream status -> domain error, call cancelled on exit)."""
+"""The instances of a downstream stage, as one caller sees them.
+
+`Peers` keeps one channel per instance and a background poll of each one's health
+(grpc.health.v1) and load (`easerve.v1.Stage/Load`: requests held, node identity).
+`pick()` places a request by least outstanding work (`control.placement.LeastLoaded`),
+skipping instances that are down or NOT_SERVING; `start_call()` opens a streaming call
+and retries once on another instance when it fails before its first message (nothing was
+committed there yet). `relay()` turns a streaming call's failure into the domain error.
+"""
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.rpc.errors import from_rpc_error
+from easerve.control.placement import Candidate, LeastLoaded
+from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.transport.node import NodeIdentity
+from easerve.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+POLL_S = 0.25
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class Peer:
+    addr: str
+    stub: object
+    channel: grpc.aio.Channel
+    up: bool = True          # optimistic until the first poll says otherwise
+    reported: int = 0
+    capacity: int = 0
+    node: NodeIdentity | None = None
+    outstanding: int = 0     # calls this caller has open on it
+    sent_since_poll: int = 0
+    polled_at: float = 0.0
+    load_stub: object = field(default=None, repr=False)
+    health_stub: object = field(default=None, repr=False)
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.addr, self.up, self.reported, self.sent_since_poll, self.capacity)
 
 
 class Peers:
-    """One stub per worker address of a downstream stage; `next()` picks round robin."""
-
-    def __init__(self, stub_cls, addrs: Sequence[str], channel_options=()):
-        self._stubs = [stub_cls(grpc.aio.insecure_channel(a, options=list(channel_options))) for a in addrs]
-        self._rr = itertools.count()
+    def __init__(self, stub_cls, addrs: Sequence[str], channel_options=(), service: str = "",
+                 poll_s: float = POLL_S):
+        self.service, self.poll_s = service, poll_s
+        self._peers: dict[str, Peer] = {}
+        for a in addrs:
+            ch = grpc.aio.insecure_channel(a, options=list(channel_options))
+            self._peers[a] = Peer(a, stub_cls(ch), ch, load_stub=stage_pb2_grpc.StageStub(ch),
+                                  health_stub=health_pb2_grpc.HealthStub(ch))
+        self._policy = LeastLoaded()
+        self._task: asyncio.Task | None = None
+        self._polled = asyncio.Event()
 
     def __bool__(self) -> bool:
-        return bool(self._stubs)
+        return bool(self._peers)
 
-    def next(self):
-        return self._stubs[next(self._rr) % len(self._stubs)]
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    @property
+    def addrs(self) -> list[str]:
+        return list(self._peers)
+
+    def get(self, addr: str) -> Peer | None:
+        return self._peers.get(addr)
+
+    # ---- polling -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin polling (call from the running event loop; idempotent)."""
+        if self._task is None and self._peers:
+            self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(p) for p in self._peers.values()))
+            self._polled.set()
+            await asyncio.sleep(self.poll_s)
+
+    async def _poll(self, p: Peer) -> None:
+        timeout = max(1.0, 4 * self.poll_s)
+        try:
+            h = await p.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service), timeout=timeout)
+            load = await p.load_stub.Load(stage_pb2.LoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if p.up:
+                log.warning("%s is down (%s)", p.addr, e.code().name)
+            p.up = False
+            return
+        serving = h.status == health_pb2.HealthCheckResponse.SERVING
+        if p.up != serving:
+            log.info("%s is %s", p.addr, "serving" if serving else "not serving")
+        p.up, p.reported, p.capacity = serving, load.inflight, load.max_inflight
+        p.node, p.sent_since_poll, p.polled_at = NodeIdentity.from_proto(load.node), 0, time.monotonic()
+
+    async def node_of(self, addr: str, timeout: float = 5.0) -> NodeIdentity | None:
+        """The instance's node identity (asks it once if no poll has answered yet)."""
+        p = self._peers.get(addr)
+        if p is None:
+            return None
+        if p.node is None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                load = await p.load_stub.Load(stage_pb2.LoadRequest(), timeout=timeout)
+                p.node = NodeIdentity.from_proto(load.node)
+        return p.node
+
+    # ---- placement -------------------------------------------------------------------------
+    def pick(self, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> Peer:
+        """The least-loaded instance that is up; `prefer` wins when it is up (a request
+        pinned to one process, e.g. a monolith holding its reservation)."""
+        p = self._peers.get(prefer) if prefer else None
+        if p is not None and p.up and prefer not in exclude:
+            return p
+        key = self._policy.choose([p.candidate() for p in self._peers.values()], exclude)
+        if key is None:
+            left = [a for a in self._peers if a not in exclude]
+            if not left:
+                raise Unavailable(f"no {self.service or 'peer'} instance left to try ({', '.join(self._peers)})")
+            raise Unavailable(f"every {self.service or 'peer'} instance is down or not serving: {', '.join(left)}")
+        return self._peers[key]
+
+    @contextlib.contextmanager
+    def using(self, p: Peer):
+        p.outstanding += 1
+        p.sent_since_poll += 1
+        try:
+            yield p
+        finally:
+            p.outstanding -= 1
+
+    async def start_call(self, open_call: Callable[[Peer], object],
+                         prefer: str | None = None) -> tuple[Peer, object, object]:
+        """Open a server-streaming call on the least-loaded instance and read its first
+        message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
+        once more on another instance. Returns (peer, call, first message); the caller
+        must `finish(peer)` when done with the call."""
+        tried: set[str] = set()
+        while True:
+            peer = self.pick(frozenset(tried), prefer)
+            peer.outstanding += 1
+            peer.sent_since_poll += 1
+            call = open_call(peer)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                peer.outstanding -= 1
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    peer.up = False
+                tried.add(peer.addr)
+                if e.code() in _RETRYABLE and len(tried) < min(2, len(self._peers)):
+                    log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
+                    continue
+                raise from_rpc_error(e) from None
+            except BaseException:
+                peer.outstanding -= 1
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                peer.outstanding -= 1
+                raise Unavailable(f"{peer.addr} closed the stream without answering")
+            return peer, call, first
+
+    @staticmethod
+    def finish(peer: Peer) -> None:
+        peer.outstanding -= 1
+
+    async def close(self) -> None:
+        await self.stop()
+        await asyncio.gather(*(p.channel.close() for p in self._peers.values()), return_exceptions=True)
 
 
 async def relay(call) -> AsyncIterator:
-    """Yield a streaming call's messages; its failure becomes the matching domain error,
-    and leaving early (client cancel, deadline) cancels it downstream."""
+    """Yield a streaming call's (remaining) messages; its failure becomes the matching
+    domain error, and leaving early (client cancel, deadline) cancels it downstream.
+    Reads with `call.read()`, so it may follow a `read()` of the first message."""
     try:
-        async for msg in call:
+        while (msg := await call.read()) is not grpc.aio.EOF:
             yield msg
     except grpc.aio.AioRpcError as e:
         raise from_rpc_error(e) from None

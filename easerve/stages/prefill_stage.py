@@ -1,110 +1,119 @@
-"""Prefill as a stage: build the KV, sample the first token and send it up at once,
-hand the KV to a decode worker and relay its token stream.
+"""Prefill as a stage: batch-prefill, send the first token up at once, hand the KV to the
+decode instance that holds the request's reservation, and let go.
 
-Used by the prefill service and by the encode service's co-located prefill, so a
-local and a remote prefill behave exactly alike downstream.
+Used by the prefill service and by the encode service's co-located prefill, so a local
+and a remote prefill behave exactly alike downstream. The stream `run()` yields carries
+one chunk (the first token, its text, and the finish reason when the request ends right
+there) and ends once decode has the KV: the tokens after the first go from decode
+straight to the gateway, so prefill holds nothing for a request that is decoding.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
-from easerve.engine.sampler import sample
+from easerve.engine.stops import StopRules
+from easerve.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import from_rpc_error
-from easerve.stages.convert import token_chunk
+from easerve.rpc.errors import InvalidRequest, from_rpc_error
 from easerve.stages.limits import InflightLimit
-from easerve.stages.peers import Peers, relay
+from easerve.stages.peers import Peers
+from easerve.stages.prefill_loop import PrefillLoop
+from easerve.transport.handoff import KVSenders
 from easerve.types import KVPayload, PrefillRequest
 from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import decode_pb2, decode_pb2_grpc
+from easerve.v1 import decode_pb2
+
+PROMPT_TAIL = 8  # prompt tokens that seed the detokenizer (context for the first token's text)
+
+
+def prompt_tail(input_ids) -> list[int]:
+    """The one home of the detokenizer's prompt context (prefill's first token, decode's rest)."""
+    return list(input_ids[-PROMPT_TAIL:])
 
 
 class PrefillStage:
-    def __init__(self, adapter, decode_addrs: tuple[str, ...], kv_sender, channel_options=(),
-                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None,
-                 max_inflight: int = 512):
-        """`scope()`: context the forward runs in (the co-located share of the device);
-        `on_busy(start, end)`: told of each prefill's busy span (utilization trace)."""
-        if not decode_addrs:
-            raise ValueError("prefill needs at least one --decode address")
-        self.adapter, self.kv = adapter, kv_sender
-        self._decode = Peers(decode_pb2_grpc.DecodeStub, decode_addrs, channel_options)
-        self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
-        self._eos = frozenset(adapter.eos_token_ids)
-        self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
+    def __init__(self, loop: PrefillLoop, decode: Peers, senders: KVSenders, eos_ids, tokenizer,
+                 max_inflight: int = 512, metrics=None):
+        """`decode`: the instances this prefill may hand KV to (requests name one of them);
+        `metrics`: an easerve.metrics.PrefillMetrics (or None)."""
+        self.loop, self.decode, self.senders = loop, decode, senders
+        self.eos, self.tokenizer, self.m = tuple(eos_ids), tokenizer, metrics
         self.limit = InflightLimit(max_inflight, "prefill")
+        self.local_submit = None  # a monolith: every KV goes to this process's own engine
 
-    def _prefill_sync(self, req: PrefillRequest):
-        t0 = time.monotonic()
-        with self._scope():
-            res = self.adapter.prefill([req])[0]
-        first = sample(res.last_logits[None], [req.sampling], [0])[0]
-        if self._on_busy is not None:
-            self._on_busy(t0, time.monotonic())
-        return res, first
+    def decode_in_process(self, submit) -> None:
+        """Hand every KV to `await submit(payload)` (this process's engine), no transport:
+        the monolith, whose reservations the gateway always makes on this very process."""
+        self.local_submit = submit
 
-    def _finished_at_first(self, req: PrefillRequest, first: int) -> str | None:
-        sp = req.sampling
-        if first in sp.stop_token_ids or (not sp.ignore_eos and first in self._eos):
-            return "stop"
-        return "length" if sp.max_tokens <= 1 else None
+    def start(self) -> None:
+        self.loop.start()
+        self.decode.start()
 
-    async def run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        """Yield the first-token chunk, then decode's chunks until the request finishes."""
+    async def stop(self) -> None:
+        await self.loop.stop()
+        await self.decode.close()
+        await self.senders.close()
+
+    def _target(self, addr: str):
+        peer = self.decode.get(addr)
+        if peer is None:
+            raise InvalidRequest(f"decode target {addr or '(none)'!r} is not one of this prefill's decode "
+                                 f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
+        return peer
+
+    async def run(self, req: PrefillRequest, target: str, deadline: Deadline,
+                  **timings: float) -> AsyncIterator[cpb.TokenChunk]:
+        """Yield the first-token chunk; return once the KV is at `target` (a decode address)."""
         with self.limit.admit():
-            async for chunk in self._run(req, deadline, **timings):
-                yield chunk
-
-    async def _run(self, req: PrefillRequest, deadline: Deadline, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        decode = self._decode.next()
-        await self._reserve(decode, req, deadline)  # a full decode refuses before any compute
-        handed_over = False
-        try:
-            t0 = time.monotonic()
-            res, first = await asyncio.get_running_loop().run_in_executor(self._pool, self._prefill_sync, req)
+            peer = None if self.local_submit is not None else self._target(target)
+            one = await self.loop.prefill(req)
             deadline.check("prefill")
-            prefill_ms = (time.monotonic() - t0) * 1000
-            done = self._finished_at_first(req, first)
-            usage = (res.prompt_len, 1) if done else None
-            yield token_chunk(req.request_id, [first], done, usage=usage, prefill_ms=prefill_ms, **timings)
-            if done:
-                return
-            payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
-                                req.sampling, prompt_ids_tail=list(req.input_ids[-8:]))
-            handed_over = True
-            async for chunk in self._decode_call(decode, payload, deadline):
-                yield chunk
-        finally:
-            if not handed_over:
-                await self._release(decode, req.request_id)
+            if self.m is not None:
+                self.m.on_request(one.batch_size, one.result.prompt_len)
+            verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
+            usage = (one.result.prompt_len, 1) if verdict.finished else None
+            yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
+                              usage=usage, prefill_ms=one.prefill_ms, **timings)
+            if verdict.finished:
+                return  # the gateway ends its reservation at decode
+            r = one.result
+            payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
+                                req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))
+            await self._handoff(peer, payload, deadline)
 
-    async def _reserve(self, decode, req: PrefillRequest, deadline: Deadline) -> None:
-        msg = decode_pb2.ReserveRequest(meta=cpb.RequestMeta(request_id=req.request_id, deadline_ms=deadline.to_ms()),
-                                        num_tokens=len(req.input_ids), max_new_tokens=req.sampling.max_tokens)
+    async def _handoff(self, peer, payload: KVPayload, deadline: Deadline) -> None:
+        t0 = time.monotonic()
+        if peer is None:
+            await self.local_submit(payload)
+            if self.m is not None:
+                self.m.on_kv_handoff("in_process", time.monotonic() - t0)
+            return
+        msg, transport = await self.senders.send(peer.addr, payload, timeout=deadline.timeout())
+        meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
         try:
-            await decode.Reserve(msg, timeout=deadline.timeout())
+            await peer.stub.Submit(decode_pb2.DecodeRequest(meta=meta, kv=msg), timeout=deadline.timeout())
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
-
-    @staticmethod
-    async def _release(decode, request_id: str) -> None:
-        """Give an unused reservation back (best effort: it lapses at the deadline anyway)."""
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await asyncio.shield(decode.Cancel(decode_pb2.CancelRequest(request_id=request_id), timeout=5))
-
-    async def _decode_call(self, decode, payload: KVPayload, deadline: Deadline) -> AsyncIterator[cpb.TokenChunk]:
-        handle = await self.kv.send(payload)
-        meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
-        msg = decode_pb2.DecodeRequest(meta=meta, kv=handle, num_tokens=payload.prompt_len,
-                                       max_new_tokens=payload.sampling.max_tokens)
-        try:
-            async for chunk in relay(decode.Decode(msg, timeout=deadline.timeout())):
-                yield chunk
         finally:
-            self.kv.release(handle)
+            self.senders.release(transport, msg)
+        if self.m is not None:
+            self.m.on_kv_handoff(transport.name, time.monotonic() - t0)
+
+
+def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, scope=None, on_busy=None,
+                        metrics=None) -> PrefillStage:
+    """The prefill stage of a process from its config (a PrefillFields config): batched loop,
+    decode peers (polled for load and node identity), KV senders chosen per peer."""
+    from easerve.control.prefill_batch import PrefillBatchConfig
+    from easerve.v1 import decode_pb2_grpc
+
+    decode = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, channel_options, service="easerve.v1.Decode")
+    senders = KVSenders(node, decode.node_of, cfg.kv_transport, channel_options)
+    batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
+    loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy)
+    return PrefillStage(loop, decode, senders, adapter.eos_token_ids, adapter.tokenizer, cfg.max_inflight,
+                        metrics=metrics)

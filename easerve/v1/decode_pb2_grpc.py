@@ -35,15 +35,15 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Decode = channel.unary_stream(
-                '/easerve.v1.Decode/Decode',
-                request_serializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+        self.Open = channel.unary_stream(
+                '/easerve.v1.Decode/Open',
+                request_serializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
-        self.Reserve = channel.unary_unary(
-                '/easerve.v1.Decode/Reserve',
-                request_serializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=easerve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+        self.Submit = channel.unary_unary(
+                '/easerve.v1.Decode/Submit',
+                request_serializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=easerve_dot_v1_dot_decode__pb2.SubmitResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/easerve.v1.Decode/Stats',
@@ -60,14 +60,18 @@ class DecodeStub:
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Open(self, request, context):
+        """Reserve, then stream. The first message is an empty acknowledgement (the place is
+        held); then chunks of tokens after the first (prefill returns the first token), the
+        last with finish_reason, usage and timings.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Reserve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Submit(self, request, context):
+        """Prefill hands over a reserved request's KV; answers once the engine has it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -87,15 +91,15 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+            'Open': grpc.unary_stream_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
                     response_serializer=easerve_dot_v1_dot_common__pb2.TokenChunk.SerializeToString,
             ),
-            'Reserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reserve,
-                    request_deserializer=easerve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
-                    response_serializer=easerve_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=easerve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=easerve_dot_v1_dot_decode__pb2.SubmitResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -119,7 +123,7 @@ class Decode:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Decode(request,
+    def Open(request,
             target,
             options=(),
             channel_credentials=None,
@@ -132,8 +136,8 @@ class Decode:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/easerve.v1.Decode/Decode',
-            easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            '/easerve.v1.Decode/Open',
+            easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
             easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
@@ -146,7 +150,7 @@ class Decode:
             _registered_method=True)
 
     @staticmethod
-    def Reserve(request,
+    def Submit(request,
             target,
             options=(),
             channel_credentials=None,
@@ -159,9 +163,9 @@ class Decode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/easerve.v1.Decode/Reserve',
-            easerve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
-            easerve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+            '/easerve.v1.Decode/Submit',
+            easerve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            easerve_dot_v1_dot_decode__pb2.SubmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

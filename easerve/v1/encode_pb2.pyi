@@ -23,13 +23,15 @@ class MediaItem(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ItemMeta, _Mapping]] = ..., inputs: _Optional[_Mapping[str, _common_pb2.TensorProto]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("meta", "input_ids", "items", "sampling")
+    __slots__ = ("meta", "input_ids", "items", "sampling", "decode")
     META_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[MediaItem]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    decode: _common_pb2.DecodeTarget
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.DecodeTarget, _Mapping]] = ...) -> None: ...

@@ -1,52 +1,74 @@
-"""easerve.v1.Decode <-> the async engine front (thin)."""
+"""easerve.v1.Decode <-> the async engine front (thin).
+
+Open holds the reservation and streams the request's tokens after the first (prefill sent
+that one) straight to the gateway; Submit takes the KV prefill hands over.
+"""
 from __future__ import annotations
 
-from easerve.engine.errors import Overloaded as EngineFull
+import time
+
+from easerve.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import Overloaded, grpc_errors
-from easerve.stages.convert import token_chunk
+from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc
 
-
-MAX_HOLD_S = 120.0  # a reservation lapses at the request's deadline, at the latest after this
+MAX_HOLD_S = 600.0  # a reservation lapses at the request's deadline, at the latest after this
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine, kv_receiver, max_waiting: int):
-        self.engine, self.kv, self.max_waiting = engine, kv_receiver, max_waiting
+    def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None):
+        self.engine, self.kv, self.max_waiting, self.m = engine, kv_receiver, max_waiting, metrics
+        self._kv_ms: dict[str, float] = {}
 
     @grpc_errors
-    async def Decode(self, request, context):
-        payload = await self.kv.fetch(request.kv)
-        n = 1
-        try:
-            async for o in self.engine.generate(payload):
-                if o.index == 0 and not o.finished:
-                    continue  # prefill already sent the first token
-                ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
-                n = max(n, o.index + 1)
-                usage = (payload.prompt_len, n) if o.finished else None
-                yield token_chunk(payload.request_id, ids, o.finish_reason if o.finished else None,
-                                  text=o.text_delta, usage=usage)
-        except EngineFull as e:
-            raise Overloaded(str(e)) from None
-
-    @grpc_errors
-    async def Reserve(self, request, context):
+    async def Open(self, request, context):
+        rid = request.meta.request_id
+        if not rid:
+            raise InvalidRequest("meta.request_id is required")
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
         ttl = min(deadline.remaining(), MAX_HOLD_S)
-        try:
-            await self.engine.reserve(request.meta.request_id, request.num_tokens, request.max_new_tokens, ttl)
-        except EngineFull as e:
-            raise Overloaded(str(e)) from None
-        return decode_pb2.ReserveResponse()
+        async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl) as stream:
+            yield cpb.TokenChunk(request_id=rid)  # the place is held
+            n = 1
+            try:
+                async for o in stream:
+                    if o.index == 0 and not o.finished:
+                        continue  # prefill sent the first token and its text
+                    ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
+                    n = max(n, o.index + 1)
+                    if not o.finished:
+                        yield token_chunk(rid, ids, text=o.text_delta)
+                        continue
+                    if self.m is not None:
+                        self.m.finished.labels(finished_reason=o.finish_reason).inc()
+                    yield token_chunk(rid, ids, o.finish_reason, text=o.text_delta, usage=(request.num_tokens, n),
+                                      kv_transfer_ms=self._kv_ms.get(rid, 0.0))
+            finally:
+                self._kv_ms.pop(rid, None)
+
+    @grpc_errors
+    async def Submit(self, request, context):
+        t0 = time.monotonic()
+        deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        payload = await self.kv.fetch(request.kv, timeout=deadline.timeout())
+        if payload.request_id != request.meta.request_id:
+            raise InvalidRequest(f"KV payload is for {payload.request_id!r}, the call for "
+                                 f"{request.meta.request_id!r}")
+        await self.engine.submit(payload)
+        ms = (time.monotonic() - t0) * 1000
+        self._kv_ms[payload.request_id] = ms
+        if self.m is not None:
+            self.m.kv_receive.labels(transport=request.kv.WhichOneof("location")).observe(ms / 1000)
+        return decode_pb2.SubmitResponse(kv_transfer_ms=ms)
 
     @grpc_errors
     async def Stats(self, request, context):
         s = await self.engine.stats()
         return decode_pb2.StatsResponse(running=s.running, waiting=s.waiting, max_waiting=self.max_waiting,
                                         kv_free_tokens=s.kv_free_tokens, kv_total_tokens=s.kv_capacity_tokens,
-                                        kv_free_bytes=int(s.kv_bytes * s.kv_free_tokens / max(1, s.kv_capacity_tokens)))
+                                        kv_free_bytes=int(s.kv_bytes * s.kv_free_tokens / max(1, s.kv_capacity_tokens)),
+                                        reserved=self.engine.num_streams)
 
     @grpc_errors
     async def Cancel(self, request, context):

@@ -8,43 +8,22 @@ import time
 
 from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.control.router import DeficitRouter
+from easerve.metrics import PrefillMetrics
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages.cli import addrs, base_parser, setup_process, write_port_file
-from easerve.stages.kv_io import KVSender
+from easerve.stages import load as stage_load
+from easerve.stages.cli import dtype_of, setup_process, write_port_file
+from easerve.stages.configs import EncodeConfig, from_argv
+from easerve.stages.encode_loop import EncodeLoop
 from easerve.stages.metrics_http import start_metrics_server
-from easerve.stages.prefill_stage import PrefillStage
-from easerve.stages.transports import sender_for
+from easerve.stages.peers import Peers
+from easerve.stages.prefill_stage import build_prefill_stage
 from easerve.stages.warmup import prefill_once
-from easerve.v1 import encode_pb2_grpc
-from services.encode.batch_loop import EncodeLoop
+from easerve.transport.node import local_identity
+from easerve.v1 import encode_pb2_grpc, prefill_pb2_grpc
 from services.encode.colocate import build_controller, sample_items
 from services.encode.metrics import EncodeMetrics
 from services.encode.servicer import EncodeServicer
-
-
-def parse(argv):
-    p = base_parser("encode", "0.0.0.0:50052")
-    p.add_argument("--prefill", default="", help="remote prefill workers, comma-separated host:port")
-    p.add_argument("--colocate-prefill", action="store_true", help="run a prefill in this process and device")
-    p.add_argument("--decode", default="", help="decode workers for the co-located prefill's KV")
-    p.add_argument("--remote-fraction", type=float, default=1.0, help="s: share of requests sent to remote prefill")
-    p.add_argument("--max-batch", type=int, default=8, help="B: most requests per encode batch")
-    p.add_argument("--batch-mode", default="adaptive", choices=["adaptive", "fixed", "request_at_a_time"])
-    p.add_argument("--safety-cap-s", type=float, default=1.0, help="longest a request waits for a batch")
-    p.add_argument("--gap-coef", type=float, default=2.0, help="gap threshold = gap_coef / lambda")
-    p.add_argument("--max-gap-s", type=float, default=0.05, help="ceiling of the gap threshold")
-    p.add_argument("--sm-backend", default="auto",
-                   choices=["auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static"])
-    p.add_argument("--partition-policy", default="dynamic", choices=["dynamic", "static", "timeslice"])
-    p.add_argument("--partition-profile", default=None, help="profile file: loaded if present, else written")
-    p.add_argument("--profile-batch-sizes", default="1,2,4,8")
-    p.add_argument("--partition-tolerance", type=float, default=0.1)
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "inline", "shm", "grpc", "cuda_ipc"])
-    p.add_argument("--max-inflight", type=int, default=512, help="past this many requests: RESOURCE_EXHAUSTED")
-    p.add_argument("--metrics-listen", default=None, help="host:port for GET /metrics, /trace, /partition")
-    p.add_argument("--port-file", default=None)
-    return p.parse_args(argv)
 
 
 def _prefill_share(alloc) -> float:
@@ -54,47 +33,54 @@ def _prefill_share(alloc) -> float:
 
 
 class Encoder:
-    """The encode process's parts, built from flags."""
+    """The encode process's parts, built from its config."""
 
-    def __init__(self, args):
-        self.args = args
-        self.opts = ServerOptions(grace_s=args.grace_s)
-        self.adapter = load_adapter(args.model, role="encode", device=args.device)
-        self.metrics = EncodeMetrics(args.remote_fraction)
+    def __init__(self, cfg: EncodeConfig):
+        self.cfg = cfg
+        self.opts = ServerOptions(grace_s=cfg.grace_s)
+        self.node = local_identity(cfg.torch_device)
+        dtype = dtype_of(cfg.dtype)
+        self.adapter = load_adapter(cfg.model, role="encode", device=cfg.torch_device, dtype=dtype)
+        self.metrics = EncodeMetrics(cfg.remote_fraction)
         self.encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.prefill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-prefill")
-        self.local_lm = None
+        self.local_lm = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype) \
+            if cfg.colocate_prefill else None
         self.controller = self._controller()
         batcher = AdaptiveBatcher(BatcherConfig(
-            max_batch=args.max_batch, mode=args.batch_mode, safety_cap_s=args.safety_cap_s,
-            gap_coef=args.gap_coef, max_gap_s=min(args.max_gap_s, args.safety_cap_s)))
+            max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
+            gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
         self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
-        self.servicer = EncodeServicer(self.loop, DeficitRouter(args.remote_fraction), self._local_stage(),
-                                       addrs(args.prefill), self.opts.channel_options(), self.metrics,
-                                       args.max_inflight)
+        self.local = self._local_stage()
+        self.remote = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, self.opts.channel_options(),
+                            service="easerve.v1.Prefill")
+        self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
+                                       self.remote, self.metrics, cfg.max_inflight)
 
     def _controller(self):
-        if not self.args.colocate_prefill:
+        if not self.cfg.colocate_prefill:
             return None  # encode alone on its device: nothing to share
-        a = self.args
-        sizes = tuple(int(x) for x in a.profile_batch_sizes.split(",") if x.strip())
-        return build_controller(self.adapter, a.device, a.sm_backend, a.partition_policy, a.partition_profile,
-                                sizes, a.partition_tolerance, self.encode_pool, self.prefill_pool)
+        c = self.cfg
+        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partition_policy,
+                                c.partition_profile or None, c.batch_sizes, c.partition_tolerance,
+                                self.encode_pool, self.prefill_pool)
 
     def _local_stage(self):
-        a = self.args
-        if not a.colocate_prefill:
+        if self.local_lm is None:
             return None
-        decode = addrs(a.decode)
-        if not decode:
-            raise ValueError("--colocate-prefill needs --decode addresses for its KV")
-        lm = self.local_lm = load_adapter(a.model, role="prefill", device=a.device)
-        sender = KVSender(sender_for(a.kv_transport, a.device, decode[0], self.opts))
         share = lambda: _prefill_share(self.controller.last)  # noqa: E731
-        return PrefillStage(lm, decode, sender, self.opts.channel_options(), self.prefill_pool,
-                            scope=self.controller.prefill_scope,
-                            on_busy=lambda t0, t1: self.metrics.on_prefill(t0, t1, share()),
-                            max_inflight=a.max_inflight)
+
+        def on_busy(t0: float, t1: float) -> None:
+            self.metrics.on_prefill(t0, t1, share())
+            self.prefill_metrics.on_batch(t0, t1)
+
+        self.prefill_metrics = PrefillMetrics(self.metrics.registry)
+        return build_prefill_stage(self.cfg, self.local_lm, self.opts.channel_options(), self.node,
+                                   executor=self.prefill_pool, scope=self.controller.prefill_scope,
+                                   on_busy=on_busy, metrics=self.prefill_metrics)
+
+    async def load(self) -> stage_load.Load:
+        return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued)
 
     def partition_info(self, _req=None) -> dict:
         if self.controller is None:
@@ -108,32 +94,44 @@ class Encoder:
         now = time.monotonic()
         return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05))}
 
-
-async def main(args) -> None:
-    enc = Encoder(args)
-    runner = None
-    if args.metrics_listen:
-        runner = await start_metrics_server(args.metrics_listen, enc.metrics.registry,
-                                            {"/trace": enc.trace, "/partition": enc.partition_info})
-
-    async def warmup() -> None:
+    async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
-        await loop.run_in_executor(enc.encode_pool, enc.adapter.encode, sample_items(enc.adapter, 1))
-        if enc.local_lm is not None:
-            await loop.run_in_executor(enc.prefill_pool, prefill_once, enc.local_lm)
-        enc.loop.start()
+        await loop.run_in_executor(self.encode_pool, self.adapter.encode, sample_items(self.adapter, 1))
+        if self.local_lm is not None:
+            await loop.run_in_executor(self.prefill_pool, prefill_once, self.local_lm)
+            self.local.start()
+        self.remote.start()
+        self.loop.start()
 
+    async def start_http(self):
+        return await start_metrics_server(self.cfg.metrics_listen, self.metrics.registry,
+                                          {"/trace": self.trace, "/partition": self.partition_info},
+                                          before_scrape=self.metrics.refresh)
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+        await self.remote.close()
+        if self.local is not None:
+            await self.local.stop()
+
+    def adders(self) -> list:
+        return [(encode_pb2_grpc.add_EncodeServicer_to_server, self.servicer),
+                stage_load.adder(stage_load.StageServicer("encode", self.node, self.load))]
+
+
+async def main(cfg: EncodeConfig) -> None:
+    enc = Encoder(cfg)
+    runner = await enc.start_http()
     try:
-        await serve([(encode_pb2_grpc.add_EncodeServicer_to_server, enc.servicer)], args.listen,
-                    health_services=["easerve.v1.Encode"], warmup=warmup, options=enc.opts,
-                    on_bound=lambda p: write_port_file(args.port_file, p))
+        await serve(enc.adders(), cfg.listen, health_services=["easerve.v1.Encode"], warmup=enc.warmup,
+                    options=enc.opts, on_bound=lambda p: write_port_file(cfg.port_file, p))
     finally:
-        await enc.loop.stop()
+        await enc.stop()
         if runner is not None:
             await runner.cleanup()
 
 
 if __name__ == "__main__":
-    a = parse(sys.argv[1:])
-    setup_process(a)
-    run(main(a))
+    c = from_argv(EncodeConfig, "encode", sys.argv[1:])
+    setup_process(c)
+    run(main(c))

@@ -3,31 +3,40 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from easerve.control.trace import UtilizationTrace
-from easerve.metrics import SIZE_BUCKETS, Registry
+from easerve.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, new_registry
 
 SHARE_BUCKETS = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 class EncodeMetrics:
-    def __init__(self, target_remote_fraction: float, registry: Registry | None = None):
-        r = self.registry = registry or Registry()
-        self.batch_size = r.histogram("encode_batch_size", "Requests per encode micro-batch", buckets=SIZE_BUCKETS)
-        self.dispatches = r.counter("encode_dispatch_total", "Micro-batch dispatches by reason", ["reason"])
-        self.queue_wait = r.histogram("encode_queue_wait_seconds", "Time a request waited for its batch")
-        self.encode_time = r.histogram("encode_batch_seconds", "Encode time of one micro-batch")
-        self.share = r.histogram("encode_sm_share", "Compute share given to encode per batch", buckets=SHARE_BUCKETS)
-        self.routed = r.counter("encode_routed_total", "Requests routed after encode", ["route"])
-        self.remote_fraction = r.gauge("encode_remote_fraction", "Achieved fraction of requests sent remote")
-        self.remote_target = r.gauge("encode_remote_fraction_target", "Target remote fraction s")
-        self.remote_target.set(target_remote_fraction)
-        self.utilization = r.gauge("stage_utilization", "Busy fraction over the last 10 s", ["worker"])
+    def __init__(self, target_remote_fraction: float, registry=None):
+        r = self.registry = registry or new_registry()
+        self.batch_size = Histogram("easerve:encode_batch_size", "Requests per encode micro-batch",
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.dispatches = Counter("easerve:encode_dispatch", "Micro-batch dispatches by reason", ["reason"],
+                                  registry=r)
+        self.queue_wait = Histogram("easerve:encode_queue_wait_seconds", "Time a request waited for its batch",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.encode_time = Histogram("easerve:encode_batch_seconds", "Encode time of one micro-batch",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.share = Histogram("easerve:encode_sm_share", "Compute share given to encode per batch",
+                               buckets=SHARE_BUCKETS, registry=r)
+        self.routed = Counter("easerve:encode_routed", "Requests routed after encode", ["route"], registry=r)
+        self.remote_fraction = Gauge("easerve:encode_remote_fraction", "Achieved fraction of requests sent remote",
+                                     registry=r)
+        Gauge("easerve:encode_remote_fraction_target", "Target remote fraction s",
+              registry=r).set(target_remote_fraction)
+        self.utilization = Gauge("easerve:stage_utilization", "Busy fraction over the last 10 s", ["worker"],
+                                 registry=r)
         self.trace = UtilizationTrace()
-        r.on_collect(self._refresh_utilization)
+        self._routes = {"local": 0, "remote": 0}
 
     def on_batch(self, dispatch, n_requests: int, start: float, end: float, share: float = 1.0) -> None:
         self.batch_size.observe(n_requests)
-        self.dispatches.inc(reason=dispatch.reason)
+        self.dispatches.labels(reason=dispatch.reason).inc()
         self.encode_time.observe(end - start)
         self.share.observe(share)
         self.trace.record("encode", start, end, share, n_requests)
@@ -38,12 +47,13 @@ class EncodeMetrics:
     def on_prefill(self, start: float, end: float, share: float) -> None:
         self.trace.record("prefill", start, end, share)
 
-    def on_route(self, route: str, router) -> None:
-        self.routed.inc(route=route)
-        total = self.routed.value(route="remote") + self.routed.value(route="local")
-        self.remote_fraction.set(self.routed.value(route="remote") / total)
+    def on_route(self, route: str) -> None:
+        self.routed.labels(route=route).inc()
+        self._routes[route] += 1
+        self.remote_fraction.set(self._routes["remote"] / sum(self._routes.values()))
 
-    def _refresh_utilization(self) -> None:
+    def refresh(self) -> None:
+        """Before a scrape: utilization over the last 10 s."""
         now = time.monotonic()
         for kind in ("encode", "prefill"):
-            self.utilization.set(self.trace.utilization(kind, now - 10.0, now), worker=kind)
+            self.utilization.labels(worker=kind).set(self.trace.utilization(kind, now - 10.0, now))

@@ -1,31 +1,34 @@
-"""easerve.v1.Encode: batch-encode, route to co-located or remote prefill, relay tokens."""
+"""easerve.v1.Encode: batch-encode, route to co-located or remote prefill (thin).
+
+The call's stream carries the first token and ends once prefill has handed the KV to
+decode; encode holds nothing for a request that is decoding.
+"""
 from __future__ import annotations
 
+import time
 
-from easerve.codec import sampling_from_proto, tensor_to_proto
+from easerve.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, grpc_errors
-from easerve.stages.convert import item_meta_to_proto, media_item_from_proto
 from easerve.stages.limits import InflightLimit
 from easerve.stages.peers import Peers, relay
 from easerve.types import PrefillRequest
 from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from easerve.v1 import encode_pb2_grpc, prefill_pb2
 
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):
-    def __init__(self, loop, router, local_stage=None, prefill_addrs: tuple[str, ...] = (),
-                 channel_options=(), metrics=None, max_inflight: int = 512):
-        if local_stage is None and not prefill_addrs:
+    def __init__(self, loop, router, local_stage=None, remote: Peers | None = None, metrics=None,
+                 max_inflight: int = 512):
+        if local_stage is None and not remote:
             raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
-        self.loop, self.router, self.local, self.m = loop, router, local_stage, metrics
-        self._remote = Peers(prefill_pb2_grpc.PrefillStub, prefill_addrs, channel_options)
+        self.loop, self.router, self.local, self.remote, self.m = loop, router, local_stage, remote, metrics
         self.limit = InflightLimit(max_inflight, "encode")
 
     def _route(self) -> str:
         if self.local is None:
             return "remote"
-        if not self._remote:
+        if not self.remote:
             return "local"
         return self.router.route()
 
@@ -48,28 +51,34 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         deadline.check("encode")
         route = self._route()
         if self.m is not None:
-            self.m.on_route(route, self.router)
+            self.m.on_route(route)
         timings = {"encode_ms": res.encode_ms, "queue_ms": res.queue_ms}
         if route == "local":
             req = PrefillRequest(rid, list(request.input_ids), res.embeddings,
                                  [(it.modality, it.meta) for it in items], sampling)
-            async for chunk in self.local.run(req, deadline, **timings):
+            async for chunk in self.local.run(req, request.decode.address, deadline, **timings):
                 yield chunk
             return
         async for chunk in self._remote_prefill(request, items, res, deadline, timings):
             yield chunk
 
     async def _remote_prefill(self, request, items, res, deadline: Deadline, timings: dict):
+        t0 = time.monotonic()
         msg = prefill_pb2.PrefillRequest(
             meta=cpb.RequestMeta(request_id=request.meta.request_id, deadline_ms=deadline.to_ms(),
                                  model=request.meta.model),
-            input_ids=request.input_ids, sampling=request.sampling,
+            input_ids=request.input_ids, sampling=request.sampling, decode=request.decode,
             items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta) for it in items],
             embeddings=prefill_pb2.Embeddings(tensors=[tensor_to_proto(e) for e in res.embeddings]))
-        first = True
-        async for chunk in relay(self._remote.next().Prefill(msg, timeout=deadline.timeout())):
-            if first:
-                first = False
-                for k, v in timings.items():
-                    setattr(chunk.timings, k, v)
-            yield chunk
+        serialize_ms = (time.monotonic() - t0) * 1000
+        peer, call, first = await self.remote.start_call(
+            lambda p: p.stub.Prefill(msg, timeout=deadline.timeout()))
+        try:
+            for k, v in timings.items():
+                setattr(first.timings, k, v)
+            first.timings.embed_transfer_ms += serialize_ms
+            yield first
+            async for chunk in relay(call):
+                yield chunk
+        finally:
+            self.remote.finish(peer)

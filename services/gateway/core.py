@@ -1,47 +1,44 @@
 """The gateway's domain logic, shared by its gRPC and HTTP fronts.
 
-A request is preprocessed here (chat template, tokenization, the HF processor on
-decoded media), sent to an encode worker (media) or straight to a prefill worker
-(text only) with the remaining deadline, and the token stream that comes back up
-the chain is detokenized here, where stop strings are also applied.
+A request is preprocessed here (chat template, tokenization, the HF processor on decoded
+media) and given an internal id of the gateway's own. Then, for each request:
+
+1. a decode instance is picked by load and asked to hold a place (`Decode.Open`: refused
+   at once when decode is full, before any compute); that call is also the stream the
+   request's tokens after the first come back on, straight from decode;
+2. an encode instance (media) or a prefill instance (text only) is picked by load and
+   told which decode instance holds the place; its call returns the first token and ends
+   once the KV is at decode;
+3. the first token goes out at once, then decode's tokens. The stop rules and the text are
+   decided downstream (prefill for the first token, decode after it): the gateway forwards.
+
+Leaving early (client gone, deadline) cancels both calls, which frees every stage's work.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from easerve.codec import sampling_to_proto
-from easerve.engine.detok import Detokenizer
+import grpc
+
+from easerve.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import Unavailable, from_rpc_error
 from easerve.rpc.server import ServerOptions
 from easerve.stages.cli import default_max_len
-from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
+from easerve.stages.configs import GatewayConfig
 from easerve.stages.limits import InflightLimit
-from easerve.stages.peers import Peers, relay
+from easerve.stages.peers import Peers
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from easerve.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.gateway.openai_api import BadRequest
 
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    served_model: str
-    encode_addrs: tuple[str, ...]
-    prefill_addrs: tuple[str, ...]
-    request_timeout_s: float = 600.0
-    default_max_tokens: int = 256
-    preprocess_threads: int = 2
-    max_inflight: int = 1024
-    max_model_len: int | None = None  # None: easerve.stages.cli.default_max_len, as decode
-
-    def __post_init__(self) -> None:
-        if not self.prefill_addrs:
-            raise ValueError("the gateway needs at least one --prefill address")
-        if self.request_timeout_s <= 0:
-            raise ValueError("--request-timeout-s must be > 0")
+__all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 
 
 @dataclass
@@ -56,7 +53,8 @@ class Delta:
 
 @dataclass
 class Job:
-    """One request as the gateway sees it: chat messages or a raw prompt + media."""
+    """One request as the gateway sees it: chat messages or a raw prompt + media.
+    `request_id` is what the client sees; `internal_id`, unique, is what the stages see."""
 
     sampling: SamplingParams
     request_id: str
@@ -65,6 +63,7 @@ class Job:
     media: list[dict] = field(default_factory=list)
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
+    internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
 
 
 class GatewayCore:
@@ -75,8 +74,17 @@ class GatewayCore:
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
         opts = ServerOptions().channel_options()
-        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode_addrs, opts)
-        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill_addrs, opts)
+        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode, opts, service="easerve.v1.Encode")
+        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, opts, service="easerve.v1.Prefill")
+        self._dec = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, opts, service="easerve.v1.Decode")
+
+    def start(self) -> None:
+        for peers in (self._enc, self._pre, self._dec):
+            peers.start()
+
+    async def stop(self) -> None:
+        for peers in (self._enc, self._pre, self._dec):
+            await peers.close()
 
     # ---- preprocessing ------------------------------------------------------------------
     def _preprocess_sync(self, job: Job) -> ProcessedPrompt:
@@ -98,25 +106,28 @@ class GatewayCore:
         return prompt
 
     # ---- downstream ---------------------------------------------------------------------
-    def _call(self, job: Job, prompt: ProcessedPrompt, timeout: float):
-        meta = cpb.RequestMeta(request_id=job.request_id, deadline_ms=int(timeout * 1000),
-                               model=self.cfg.served_model)
-        sp = sampling_to_proto(job.sampling)
-        if prompt.items:
-            if not self._enc:
-                raise BadRequest("this deployment has no encode stage; send text only")
-            req = encode_pb2.EncodeRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp,
-                                           items=[media_item_to_proto(it) for it in prompt.items])
-            return self._enc.next().Encode(req, timeout=timeout)
-        req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp)
-        return self._pre.next().Prefill(req, timeout=timeout)
-
-    def _remaining(self, job: Job) -> float:
+    def _deadline(self, job: Job) -> Deadline:
         budget = job.timeout_s or self.cfg.request_timeout_s
         left = budget - (time.monotonic() - job.received)
         if left <= 0:
             raise TimeoutError(f"request {job.request_id} ran out of its {budget:.1f} s deadline")
-        return left
+        return Deadline.after(left)
+
+    def _meta(self, job: Job, deadline: Deadline) -> cpb.RequestMeta:
+        return cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
+
+    def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
+        """(peers, open_call) of the stage that computes the first token."""
+        meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
+        target = cpb.DecodeTarget(address=decode_addr)
+        if prompt.items:
+            if not self._enc:
+                raise BadRequest("this deployment has no encode stage; send text only")
+            req = encode_pb2.EncodeRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target,
+                                           items=[media_item_to_proto(it) for it in prompt.items])
+            return self._enc, lambda p: p.stub.Encode(req, timeout=deadline.timeout())
+        req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
+        return self._pre, lambda p: p.stub.Prefill(req, timeout=deadline.timeout())
 
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Yield text deltas; the last one carries finish_reason and usage."""
@@ -141,29 +152,32 @@ class GatewayCore:
                 self.m.requests_waiting.dec()
 
     async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
-        call = self._call(job, prompt, self._remaining(job))
-        detok = Detokenizer(self.adapter.tokenizer, prompt.input_ids[-8:], job.sampling.stop)
-        n, first_at, timings = 0, None, {}
-        chunks = relay(call)
+        deadline = self._deadline(job)
+        reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
+                                            max_new_tokens=job.sampling.max_tokens)
+        dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()))
+        upeers = upeer = ucall = tail = None
         try:
-            async for chunk in chunks:
-                ids = list(chunk.token_ids)
-                text = "".join(detok.push(t) for t in ids)
-                n += len(ids)
-                if first_at is None and ids:
-                    first_at = time.monotonic()
-                    timings = self._first_timings(job, chunk)
-                finish = "stop" if detok.stop_hit else FINISH_FROM_PROTO[chunk.finish_reason]
-                if finish is not None:
-                    yield self._last(job, prompt, detok, ids, text, finish, n, first_at)
-                    return
-                yield Delta(ids, text, timings=timings)
-                timings = {}
-            raise ConnectionError("the pipeline closed the stream before the request finished")
+            upeers, open_up = self._upstream(job, prompt, deadline, dpeer.addr)
+            upeer, ucall, first = await upeers.start_call(open_up, prefer=dpeer.addr)
+            delta = self._first(job, prompt, first)
+            yield delta
+            if delta.finish_reason is not None:
+                return
+            tail = asyncio.ensure_future(_drain(ucall))
+            async for d in self._decoded(job, prompt, dcall, tail):
+                yield d
         finally:
-            await chunks.aclose()
+            dcall.cancel()
+            if ucall is not None:
+                ucall.cancel()
+            if tail is not None and not tail.done():
+                tail.cancel()
+            if upeer is not None:
+                upeers.finish(upeer)
+            self._dec.finish(dpeer)
 
-    def _first_timings(self, job: Job, chunk) -> dict:
+    def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
         ttft = time.monotonic() - job.received
         self.m.ttft.observe(ttft)
         t = chunk.timings
@@ -171,17 +185,60 @@ class GatewayCore:
                           ("embed_transfer", t.embed_transfer_ms)):
             if ms > 0:
                 self.m.stage_latency.observe(ms / 1000.0, stage=stage)
-        return {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
-                "prefill_ms": t.prefill_ms}
+        timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
+                   "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms}
+        finish = FINISH_FROM_PROTO[chunk.finish_reason]
+        if finish is not None:
+            return self._last(job, prompt, list(chunk.token_ids), chunk.text, finish, 1, None, timings)
+        return Delta(list(chunk.token_ids), chunk.text, timings=timings)
 
-    def _last(self, job, prompt, detok, ids, text, finish, n, first_at) -> Delta:
-        text += detok.finish()
+    async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future) -> AsyncIterator[Delta]:
+        """Decode's chunks, failing at once if the upstream call (the KV handoff) fails."""
+        first_at, n = time.monotonic(), 1
+        while True:
+            read = asyncio.ensure_future(dcall.read())
+            waits = {read} if tail.done() else {read, tail}
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                read.cancel()
+                raise
+            if tail in done and tail.exception() is not None:
+                read.cancel()
+                raise tail.exception()
+            if read not in done:
+                done, _ = await asyncio.wait({read})
+            try:
+                chunk = read.result()
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e) from None
+            if chunk is grpc.aio.EOF:
+                raise Unavailable("decode closed the stream before the request finished")
+            n += len(chunk.token_ids)
+            finish = FINISH_FROM_PROTO[chunk.finish_reason]
+            if finish is not None:
+                yield self._last(job, prompt, list(chunk.token_ids), chunk.text, finish, n, first_at,
+                                 {"kv_transfer_ms": chunk.timings.kv_transfer_ms})
+                return
+            yield Delta(list(chunk.token_ids), chunk.text)
+
+    def _last(self, job, prompt, ids, text, finish, n, first_at, timings) -> Delta:
         now = time.monotonic()
         tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
         if n > 1:
             self.m.tpot.observe(tpot)
         self.m.e2e.observe(now - job.received)
-        self.m.finished.inc(reason=finish)
+        self.m.finished.inc(finished_reason=finish)
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
-        return Delta(ids, text, finish, len(prompt.input_ids), n, {"tpot_ms": tpot * 1000})
+        return Delta(ids, text, finish, len(prompt.input_ids), n, {**timings, "tpot_ms": tpot * 1000})
+
+
+async def _drain(call) -> None:
+    """Wait for the end of a call whose useful message was already read (the handoff's
+    success); its failure becomes the matching domain error."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc_error(e) from None

@@ -8,8 +8,7 @@ import numpy as np
 from easerve import media
 from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import InvalidRequest, grpc_errors
-from easerve.codec import sampling_from_proto
-from easerve.stages.convert import FINISH_TO_PROTO
+from easerve.protoconv import FINISH_TO_PROTO, sampling_from_proto
 from easerve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, Job
 

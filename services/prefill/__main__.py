@@ -1,4 +1,4 @@
-"""python -m services.prefill --model DIR --decode H:P [--listen 0.0.0.0:50053]"""
+"""python -m services.prefill --model DIR --decode H:P[,H:P] [--listen 127.0.0.1:50053]"""
 from __future__ import annotations
 
 import asyncio
@@ -6,39 +6,47 @@ import sys
 
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages.cli import addrs, base_parser, setup_process, write_port_file
-from easerve.stages.kv_io import KVSender
-from easerve.stages.prefill_stage import PrefillStage
-from easerve.stages.transports import sender_for
+from easerve.stages import load as stage_load
+from easerve.stages.cli import dtype_of, setup_process, write_port_file
+from easerve.stages.configs import PrefillConfig, from_argv
+from easerve.metrics import PrefillMetrics, new_registry
+from easerve.stages.metrics_http import start_metrics_server
+from easerve.stages.prefill_stage import build_prefill_stage
 from easerve.stages.warmup import prefill_once
+from easerve.transport.node import local_identity
 from easerve.v1 import prefill_pb2_grpc
 from services.prefill.servicer import PrefillServicer
 
 
-def parse(argv):
-    p = base_parser("prefill", "0.0.0.0:50053")
-    p.add_argument("--decode", required=True, help="decode workers, comma-separated host:port")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "inline", "shm", "grpc", "cuda_ipc", "nccl"])
-    p.add_argument("--max-inflight", type=int, default=512, help="past this many requests: RESOURCE_EXHAUSTED")
-    p.add_argument("--port-file", default=None)
-    return p.parse_args(argv)
+async def main(cfg: PrefillConfig) -> None:
+    adapter = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype_of(cfg.dtype))
+    opts = ServerOptions(grace_s=cfg.grace_s)
+    node = local_identity(cfg.torch_device)
+    registry = new_registry()
+    metrics = PrefillMetrics(registry)
+    stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
+                                metrics=metrics)
 
+    async def load() -> stage_load.Load:
+        return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued)
 
-async def main(args) -> None:
-    adapter = load_adapter(args.model, role="prefill", device=args.device)
-    opts = ServerOptions(grace_s=args.grace_s)
-    decode = addrs(args.decode)
-    sender = KVSender(sender_for(args.kv_transport, args.device, decode[0], opts))
-    stage = PrefillStage(adapter, decode, sender, opts.channel_options(), max_inflight=args.max_inflight)
     async def warmup() -> None:  # one real prefill before SERVING
         await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)
+        stage.start()
 
-    await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage))], args.listen,
-                health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
-                on_bound=lambda p: write_port_file(args.port_file, p))
+    runner = await start_metrics_server(cfg.metrics_listen, registry)
+    try:
+        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage)),
+                     stage_load.adder(stage_load.StageServicer("prefill", node, load))], cfg.listen,
+                    health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
+                    on_bound=lambda p: write_port_file(cfg.port_file, p))
+    finally:
+        await stage.stop()
+        if runner is not None:
+            await runner.cleanup()
 
 
 if __name__ == "__main__":
-    a = parse(sys.argv[1:])
-    setup_process(a)
-    run(main(a))
+    c = from_argv(PrefillConfig, "prefill", sys.argv[1:])
+    setup_process(c)
+    run(main(c))

@@ -8,7 +8,7 @@ import torch
 
 from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.types import MMItem
-from services.encode.batch_loop import EncodeLoop
+from easerve.stages.encode_loop import EncodeLoop
 
 FAMILY = "qwen2.5-vl"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from easerve import codec
+from easerve import codec, protoconv
 from easerve.codec import CodecError
 from easerve.types import KVPayload, SamplingParams
 
@@ -142,25 +142,25 @@ def test_write_parts_into_buffer():
 
 def test_tensor_proto_roundtrip_and_errors():
     t = torch.randn(2, 3).to(torch.bfloat16)
-    msg = codec.tensor_to_proto(t)
+    msg = protoconv.tensor_to_proto(t)
     assert msg.dtype == "bfloat16" and list(msg.shape) == [2, 3]
-    assert torch.equal(codec.tensor_from_proto(msg), t)
+    assert torch.equal(protoconv.tensor_from_proto(msg), t)
     msg.data = msg.data[:-1]
     with pytest.raises(CodecError, match="needs 12 bytes, has 11"):
-        codec.tensor_from_proto(msg)
+        protoconv.tensor_from_proto(msg)
     msg.dtype = "str"
     with pytest.raises(CodecError, match="unknown dtype"):
-        codec.tensor_from_proto(msg)
+        protoconv.tensor_from_proto(msg)
 
 
 def test_sampling_proto_roundtrip():
     sp = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=11,
                         stop=("a", "bc"), stop_token_ids=(3,), ignore_eos=True)
-    assert codec.sampling_from_proto(codec.sampling_to_proto(sp)) == sp
+    assert protoconv.sampling_from_proto(protoconv.sampling_to_proto(sp)) == sp
     from easerve.v1 import common_pb2
-    assert codec.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert protoconv.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
     with pytest.raises(ValueError):
-        codec.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))
+        protoconv.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))
 
 
 def test_no_pickle_or_torch_load_in_module():

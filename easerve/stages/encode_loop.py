@@ -51,6 +51,11 @@ class EncodeLoop:
         self._arrival = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a batch or in the running one."""
+        return len(self._pending)
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._timer()), asyncio.create_task(self._worker())]
 

@@ -1,0 +1,166 @@
+"""Asyncio front of the decode engine: one engine thread, many request streams.
+
+All engine calls (reserve, add, step, abort, stats) run on one dedicated thread, so the
+engine itself needs no locks; torch releases the GIL during the forward, so the event
+loop keeps serving RPCs while a step runs. A request's life here:
+
+    async with engine.open(rid, prompt_len, max_tokens, ttl_s) as stream:  # the reservation
+        ...                         # prefill runs elsewhere, then calls engine.submit(payload)
+        async for out in stream:    # StepOutputs until the request finishes
+            ...
+
+Leaving the `open` block early (client cancel, deadline) aborts the request: its
+reservation or its KV is freed at once. If a step raises, every open stream fails with
+`EngineFailed` and `on_fatal(error)` is told (the service turns NOT_SERVING): nothing
+waits for a deadline on a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from easerve.rpc.errors import NotFound, Unavailable
+from easerve.types import KVPayload
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(Unavailable):
+    """The decode engine's step raised: this instance cannot finish the request."""
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.submitted = False
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.done and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+
+class AsyncEngine:
+    def __init__(self, engine, on_fatal: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[int, float], None] | None = None):
+        """`on_fatal(error)`: a step raised; `on_step(tokens, seconds)`: after each step."""
+        self.engine, self.on_fatal, self.on_step = engine, on_fatal, on_step
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.failed: BaseException | None = None
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._pool.shutdown(wait=True)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while await self._call(lambda: self.engine.has_work):
+                    t0 = time.monotonic()
+                    outs = await self._call(self.engine.step)
+                    if self.on_step is not None:
+                        self.on_step(sum(o.token_id is not None and o.index > 0 for o in outs), time.monotonic() - t0)
+                    self._deliver(outs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every stream learns why, then health goes NOT_SERVING
+            log.exception("decode step failed; failing %d open requests", len(self._streams))
+            self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        self.failed = e
+        err = EngineFailed(f"decode engine failed ({type(e).__name__}: {e}); retry on another instance")
+        for s in self._streams.values():
+            s.queue.put_nowait(err)
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+
+    def _deliver(self, outs) -> None:
+        for o in outs:
+            s = self._streams.get(o.request_id)
+            if s is not None:
+                s.queue.put_nowait(o)
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise EngineFailed(f"decode engine failed earlier ({type(self.failed).__name__}); "
+                               "this instance takes no new requests")
+
+    @contextlib.asynccontextmanager
+    async def open(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float) -> AsyncIterator[_Stream]:
+        """Hold a place (raises the engine's Overloaded / RequestTooLarge at once when it
+        could not be admitted) and yield the stream the request's outputs arrive on."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already open here; ids must be unique")
+        stream = _Stream()
+        await self._call(self.engine.reserve, request_id, prompt_len, max_tokens, ttl_s)
+        self._streams[request_id] = stream
+        try:
+            yield stream
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.done:
+                await asyncio.shield(self._call(self.engine.abort, request_id))
+                self._wake.set()
+
+    async def submit(self, payload: KVPayload) -> None:
+        """Hand over a reserved request's prefilled KV; its outputs go to its open stream."""
+        self._check_alive()
+        stream = self._streams.get(payload.request_id)
+        if stream is None:
+            raise NotFound(f"request {payload.request_id!r} holds no reservation here (cancelled, "
+                           "lapsed, or sent to the wrong decode instance)")
+        if stream.submitted:
+            raise ValueError(f"request {payload.request_id!r} was already submitted")
+        stream.submitted = True
+        await self._call(self.engine.add, payload)
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request now (KV freed); its stream ends with finish_reason "abort"."""
+        found = await self._call(self.engine.abort, request_id)
+        self._wake.set()
+        return found
+
+    async def stats(self):
+        return await self._call(self.engine.stats)
+
+    async def generate(self, payload: KVPayload) -> AsyncIterator:
+        """Reserve, submit and stream in one go (warm-up and in-process use)."""
+        ttl = 600.0
+        async with self.open(payload.request_id, payload.prompt_len, payload.sampling.max_tokens, ttl) as s:
+            await self.submit(payload)
+            async for out in s:
+                yield out

@@ -1,0 +1,304 @@
+"""Each stage's settings as one frozen dataclass; its command line is generated from it.
+
+A field becomes the flag `--field-name` (underscores to dashes) with the field's type and
+default and the help text in its metadata; `bool` fields are bare switches, tuple fields
+are comma-separated lists. `parser(cls)` builds the argparse parser, `from_argv(cls, argv)`
+the config (its `__post_init__` raising ValueError with what to change), and
+`tunable_flags(stage)` lists the flags a deployment file may set (the rest, marked
+`wired`, are peer addresses and ports that the launcher sets itself). So the services,
+the deployment file and `hasctl` cannot drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
+KV_TRANSPORTS = ("auto", "inline", "shm", "grpc", "cuda_ipc")
+SM_BACKENDS = ("auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static")
+PARTITION_POLICIES = ("dynamic", "static", "timeslice")
+_DEVICE = re.compile(r"^(cpu(:\d+(-\d+)?(,\d+(-\d+)?)*)?|cuda(:\d+)?)$")
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, wired: bool = False,
+        choices: tuple[str, ...] | None = None):
+    """A config field with its flag help; `wired`: set by the launcher, not by a deployment."""
+    return field(default=default, metadata={"help": help, "wired": wired, "choices": choices})
+
+
+def _addrs(value: tuple[str, ...], flag: str) -> None:
+    for a in value:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--{flag}: address {a!r} must be host:port")
+
+
+def check_device(device: str) -> None:
+    if not isinstance(device, str) or not _DEVICE.match(device):
+        raise ValueError(f"device must be 'cpu', 'cpu:0-3' (those cores), 'cuda' or 'cuda:N', got {device!r}")
+
+
+def cpu_cores(device: str) -> tuple[int, ...] | None:
+    """The cores of a 'cpu:0-1,4' device, or None for plain 'cpu' / a GPU."""
+    if not device.startswith("cpu:"):
+        return None
+    cores: list[int] = []
+    for part in device[4:].split(","):
+        lo, _, hi = part.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return tuple(sorted(set(cores)))
+
+
+def torch_device(device: str) -> str:
+    """What torch calls the device: 'cpu:0-1' is 'cpu'."""
+    return "cpu" if device.startswith("cpu") else device
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str = opt("", "checkpoint folder (a supported family)", wired=True)
+    device: str = opt("cpu", "cpu, cpu:0-3 (pinned to those cores), cuda or cuda:N", wired=True)
+    listen: str = opt("127.0.0.1:0", "gRPC address to bind, host:port (port 0 = any)", wired=True)
+    port_file: str = opt("", "write the bound gRPC port to this file", wired=True)
+    grace_s: float = opt(10.0, "drain time on SIGTERM, seconds")
+    threads: int = opt(0, "torch intra-op threads (0: one per core of --device, else torch's default)")
+    dtype: str = opt("auto", "weights dtype; auto = float32 on CPU, bfloat16 on GPU", choices=DTYPES)
+    log_level: str = opt("INFO", "logging level")
+    metrics_listen: str = opt("", "host:port for GET /metrics (Prometheus); encode adds /trace, /partition")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: a checkpoint folder")
+        check_device(self.device)
+        if self.grace_s < 0:
+            raise ValueError(f"--grace-s must be >= 0, got {self.grace_s}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--listen must be host:port, got {self.listen!r}")
+
+    @property
+    def torch_device(self) -> str:
+        return torch_device(self.device)
+
+
+@dataclass(frozen=True)
+class EngineFields:
+    """The decode engine's knobs (decode, and a monolith that decodes in-process)."""
+    max_running: int = opt(64, "requests decoded together per step")
+    max_waiting: int = opt(256, "admission queue; past it RESOURCE_EXHAUSTED")
+    num_slots: int = opt(0, "KV slots (the CPU layout; 0 = max-running on CPU)")
+    max_seq_len: int = opt(0, "tokens per slot / per request (0 = the model's context, capped at 4096)")
+    kv_capacity_tokens: int = opt(0, "paged KV pool size in tokens (the GPU layout; 0 = sized from memory)")
+    block_size: int = opt(16, "tokens per KV block (paged layout)")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(EngineFields, StageConfig):
+    def __post_init__(self) -> None:
+        StageConfig.__post_init__(self)
+        for name in ("max_running", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_waiting", "num_slots", "max_seq_len", "kv_capacity_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class PrefillFields:
+    """Prefill as a stage (remote prefill, and the one co-located in encode)."""
+    decode: tuple[str, ...] = opt((), "decode instances this prefill may hand KV to, host:port,...", wired=True)
+    kv_transport: str = opt("auto", "KV transport to decode (auto: by node identity)", choices=KV_TRANSPORTS)
+    max_batched_tokens: int = opt(2048, "prefill batch token budget (like vLLM's max_num_batched_tokens)")
+    max_prefill_batch: int = opt(16, "most requests in one prefill forward")
+    max_inflight: int = opt(512, "past this many requests in flight: RESOURCE_EXHAUSTED")
+
+
+@dataclass(frozen=True)
+class PrefillConfig(PrefillFields, StageConfig):
+    def __post_init__(self) -> None:
+        StageConfig.__post_init__(self)
+        _check_prefill(self)
+        if not self.decode:
+            raise ValueError("prefill needs --decode addresses for its KV")
+
+
+def _check_prefill(c) -> None:
+    _addrs(c.decode, "decode")
+    if c.max_batched_tokens < 1 or c.max_prefill_batch < 1 or c.max_inflight < 1:
+        raise ValueError("--max-batched-tokens, --max-prefill-batch and --max-inflight must be >= 1")
+
+
+@dataclass(frozen=True)
+class EncodeConfig(PrefillFields, StageConfig):
+    prefill: tuple[str, ...] = opt((), "remote prefill instances, host:port,...", wired=True)
+    colocate_prefill: bool = opt(False, "run a prefill in this process, on this device")
+    remote_fraction: float = opt(1.0, "s: share of requests sent to remote prefill")
+    max_batch: int = opt(8, "B: most requests per encode batch")
+    batch_mode: str = opt("adaptive", "encode batching", choices=BATCH_MODES)
+    safety_cap_s: float = opt(1.0, "longest a request waits for a batch")
+    gap_coef: float = opt(2.0, "gap threshold = gap_coef / lambda")
+    max_gap_s: float = opt(0.05, "ceiling of the gap threshold")
+    sm_backend: str = opt("auto", "how co-located prefill shares the device", choices=SM_BACKENDS)
+    partition_policy: str = opt("dynamic", "SM partition policy", choices=PARTITION_POLICIES)
+    partition_profile: str = opt("", "partition profile file: loaded if present, else written")
+    profile_batch_sizes: str = opt("1,2,4,8", "batch sizes the partition profile measures")
+    partition_tolerance: float = opt(0.1, "share kept: encode within this of its exclusive latency")
+
+    def __post_init__(self) -> None:
+        StageConfig.__post_init__(self)
+        _check_prefill(self)
+        _addrs(self.prefill, "prefill")
+        if not 0.0 <= self.remote_fraction <= 1.0:
+            raise ValueError(f"--remote-fraction (s) must be in [0, 1], got {self.remote_fraction}")
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch (B) must be >= 1, got {self.max_batch}")
+        if self.batch_mode == "request_at_a_time" and self.max_batch != 1:
+            raise ValueError(f"--batch-mode request_at_a_time takes --max-batch 1, got {self.max_batch}")
+        if not self.colocate_prefill and not self.prefill:
+            raise ValueError("encode needs --colocate-prefill or --prefill addresses")
+        if self.colocate_prefill and not self.decode and type(self) is EncodeConfig:
+            raise ValueError("--colocate-prefill needs --decode addresses for its KV")
+        if self.remote_fraction < 1.0 and not self.colocate_prefill:
+            raise ValueError(f"--remote-fraction {self.remote_fraction} < 1 sends requests to a local "
+                             "prefill; add --colocate-prefill or set it to 1.0")
+        if self.safety_cap_s <= 0 or self.max_gap_s <= 0 or self.gap_coef <= 0:
+            raise ValueError("--safety-cap-s, --max-gap-s and --gap-coef must be > 0")
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        try:
+            sizes = tuple(int(x) for x in self.profile_batch_sizes.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--profile-batch-sizes must be comma-separated ints, got "
+                             f"{self.profile_batch_sizes!r}") from None
+        return sizes
+
+
+@dataclass(frozen=True)
+class MonolithConfig(EngineFields, EncodeConfig):
+    """Encode, prefill and decode in one process (the aggregated, vLLM-like baseline): it
+    serves the Encode, Prefill and Decode services on one port; KV stays in-process."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "colocate_prefill", True)
+        object.__setattr__(self, "remote_fraction", 0.0)
+        EncodeConfig.__post_init__(self)
+
+
+@dataclass(frozen=True)
+class GatewayConfig(StageConfig):
+    listen: str = opt("127.0.0.1:50051", "gRPC address to bind (the public SDK API)", wired=True)
+    http_listen: str = opt("127.0.0.1:8000", "OpenAI-compatible HTTP address", wired=True)
+    http_port_file: str = opt("", "write the bound HTTP port here", wired=True)
+    encode: tuple[str, ...] = opt((), "encode instances, host:port,...", wired=True)
+    prefill: tuple[str, ...] = opt((), "prefill instances for text-only requests, host:port,...", wired=True)
+    decode: tuple[str, ...] = opt((), "decode instances (reservations; tokens stream from them)", wired=True)
+    served_model_name: str = opt("", "model id clients send (default: the folder's name)")
+    request_timeout_s: float = opt(600.0, "default deadline of a request, seconds")
+    default_max_tokens: int = opt(256, "max_tokens when a request sets none")
+    max_body_mb: float = opt(64.0, "largest HTTP request body")
+    max_model_len: int = opt(0, "prompt + max_tokens limit (0: the model's, capped at 4096 like decode)")
+    max_inflight: int = opt(1024, "past this many requests: 429 / RESOURCE_EXHAUSTED")
+    preprocess_threads: int = opt(2, "threads for chat templates, tokenization and media")
+
+    def __post_init__(self) -> None:
+        StageConfig.__post_init__(self)
+        for flag in ("encode", "prefill", "decode"):
+            _addrs(getattr(self, flag), flag)
+        if not self.prefill or not self.decode:
+            raise ValueError("the gateway needs --prefill and --decode addresses")
+        if self.request_timeout_s <= 0:
+            raise ValueError("--request-timeout-s must be > 0")
+        if self.default_max_tokens < 1 or self.max_inflight < 1 or self.preprocess_threads < 1:
+            raise ValueError("--default-max-tokens, --max-inflight and --preprocess-threads must be >= 1")
+
+    @property
+    def served_model(self) -> str:
+        """The model id clients send: --served-model-name, else the checkpoint folder's name."""
+        from pathlib import Path
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    "decode": DecodeConfig, "prefill": PrefillConfig, "encode": EncodeConfig,
+    "monolith": MonolithConfig, "gateway": GatewayConfig,
+}
+
+
+# ---- command lines ---------------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _kind(cls, f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    return tuple if hint is tuple or typing.get_origin(hint) is tuple else hint
+
+
+def parser(cls: type[StageConfig], stage: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m services.{stage}", description=f"EAServe {stage} stage")
+    for f in dataclasses.fields(cls):
+        kind, flag = _kind(cls, f), f"--{_flag(f.name)}"
+        default = f.default
+        if f.name == "log_level":
+            default = os.environ.get("EASERVE_LOG_LEVEL", default)
+        helptext = f.metadata.get("help", "")
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=default, help=helptext)
+        elif kind is tuple:
+            p.add_argument(flag, type=_split, default=default, help=helptext)
+        else:
+            p.add_argument(flag, type=kind, default=default, help=helptext,
+                           choices=f.metadata.get("choices"))
+    return p
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def from_argv(cls: type[StageConfig], stage: str, argv: list[str]):
+    """Parse a stage's command line into its config; a bad value exits with the message."""
+    p = parser(cls, stage)
+    ns = p.parse_args(argv)
+    try:
+        return cls(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+
+
+def tunable_flags(stage: str) -> tuple[str, ...]:
+    """Flags (dashed) a deployment file may set for `stage`."""
+    return tuple(_flag(f.name) for f in dataclasses.fields(STAGE_CONFIGS[stage]) if not f.metadata.get("wired"))
+
+
+def flag_kind(stage: str, flag: str) -> type:
+    cls = STAGE_CONFIGS[stage]
+    f = {_flag(x.name): x for x in dataclasses.fields(cls)}[flag]
+    return _kind(cls, f)
+
+
+def to_argv(cfg: StageConfig) -> list[str]:
+    """The command line that parses back into `cfg` (non-default fields only)."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v == f.default:
+            continue
+        if isinstance(v, bool):
+            out += [f"--{_flag(f.name)}"] if v else []
+        elif isinstance(v, tuple):
+            out += [f"--{_flag(f.name)}", ",".join(v)]
+        else:
+            out += [f"--{_flag(f.name)}", str(v)]
+    return out

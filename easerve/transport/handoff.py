@@ -1,0 +1,119 @@
+"""KV handoff between prefill and decode through a transport, as KVTransfer messages.
+
+Prefill side: `KVSenders.send(addr, payload) -> (KVTransfer, sender)` picks the transport
+*per decode instance* from the two processes' node identities (`transport.node`):
+shared /dev/shm -> shm (or CUDA IPC when both ends are on GPUs), anything else -> the
+gRPC byte stream to that instance's KVStream service. A forced kind ("shm", "grpc", ...)
+skips the choice. Decode side: `KVReceiver.fetch(msg) -> KVPayload` accepts every backend
+it can. The transport moves the codec parts (typed header + raw tensors, never pickle);
+the message carries only the handle (or the bytes, for inline).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from easerve.codec import kv_from_parts, kv_to_parts
+from easerve.rpc.errors import InvalidRequest
+from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
+from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
+from easerve.transport.inline import InlineTransport
+from easerve.transport.node import NodeIdentity, reach
+from easerve.transport.shm import ShmTransport
+from easerve.types import KVPayload
+from easerve.v1 import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
+KINDS = ("auto", "inline", "shm", "grpc", "cuda_ipc")
+NodeLookup = Callable[[str], Awaitable[NodeIdentity | None]]
+
+
+def choose_kind(me: NodeIdentity, peer: NodeIdentity | None) -> tuple[str, str]:
+    """(transport kind, why) for sending from `me` to `peer` (None: identity unknown)."""
+    if peer is None:
+        return "grpc", "the peer's node identity is unknown"
+    r = reach(me, peer)
+    if r.shared_shm and me.device.startswith("cuda") and peer.device.startswith("cuda"):
+        return "cuda_ipc", f"{r.summary}, both on GPU"
+    if r.shared_shm:
+        return "shm", r.summary
+    return "grpc", r.summary
+
+
+class KVSenders:
+    """One sender per kind (a single shm slab serves every decode instance of this host),
+    one gRPC stream transport per remote decode instance."""
+
+    def __init__(self, me: NodeIdentity, node_of: NodeLookup, kind: str = "auto", channel_options=()):
+        if kind not in KINDS:
+            raise ValueError(f"--kv-transport {kind!r}: choose one of {', '.join(KINDS)}")
+        self.me, self.kind, self._node_of, self._opts = me, kind, node_of, list(channel_options)
+        self._by_addr: dict[str, KVTransport] = {}
+        self._shared: dict[str, KVTransport] = {}
+        self.choices: dict[str, tuple[str, str]] = {}  # addr -> (kind, why), for /metrics and logs
+
+    async def transport_for(self, addr: str) -> KVTransport:
+        t = self._by_addr.get(addr)
+        if t is None:
+            kind, why = (self.kind, "set by --kv-transport") if self.kind != "auto" else \
+                choose_kind(self.me, await self._node_of(addr))
+            t = self._make(kind, addr)
+            self._by_addr[addr], self.choices[addr] = t, (kind, why)
+            log.info("KV to %s over %s (%s)", addr, kind, why)
+        return t
+
+    def _make(self, kind: str, addr: str) -> KVTransport:
+        if kind == "grpc":
+            return GrpcStreamTransport(peer=addr, channel_options=self._opts)
+        if kind not in self._shared:
+            if kind == "shm":
+                self._shared[kind] = ShmTransport()
+            elif kind == "cuda_ipc":
+                from easerve.transport.cuda_ipc import CudaIpcTransport
+                self._shared[kind] = CudaIpcTransport()
+            else:
+                self._shared[kind] = InlineTransport()
+        return self._shared[kind]
+
+    async def send(self, addr: str, payload: KVPayload,
+                   timeout: float | None = None) -> tuple[kv_pb2.KVTransfer, KVTransport]:
+        t = await self.transport_for(addr)
+        header, tensors = kv_to_parts(payload)
+        handle = await t.send(payload.request_id, header, tensors, timeout=timeout)
+        return handle_to_proto(handle), t
+
+    @staticmethod
+    def release(transport: KVTransport, msg: kv_pb2.KVTransfer) -> None:
+        """Free sender-side resources once decode has taken the payload (or gave up)."""
+        transport.release(handle_from_proto(msg))
+
+    async def close(self) -> None:
+        for t in {id(t): t for t in [*self._by_addr.values(), *self._shared.values()]}.values():
+            await t.close()
+
+
+class KVReceiver:
+    def __init__(self, transports: dict[str, KVTransport] | None = None):
+        self.transports = {"inline": InlineTransport(), **(transports or {})}
+
+    async def fetch(self, msg: kv_pb2.KVTransfer, timeout: float | None = None) -> KVPayload:
+        where = msg.WhichOneof("location")
+        if where is None:
+            raise InvalidRequest("DecodeRequest.kv carries no payload; set inline bytes or a transport handle")
+        transport = self.transports.get(where)
+        if transport is None:
+            raise InvalidRequest(f"this decode worker cannot receive KV over {where!r}; "
+                                 f"it takes: {', '.join(self.transports)}")
+        header, tensors = await transport.recv(handle_from_proto(msg), timeout=timeout)
+        return kv_from_parts(header, tensors)
+
+
+def receivers(device: str) -> tuple[KVReceiver, list]:
+    """Decode side: a receiver for every backend this process can take, plus the
+    servicers to mount (the gRPC stream's parking lot)."""
+    kvs = KVStreamServicer()
+    found: dict[str, KVTransport] = {"shm": ShmTransport(), "grpc": GrpcStreamTransport(servicer=kvs)}
+    if device.startswith("cuda"):
+        from easerve.transport.cuda_ipc import CudaIpcTransport
+        found["cuda_ipc"] = CudaIpcTransport()
+    return KVReceiver(found), [(kv_pb2_grpc.add_KVStreamServicer_to_server, kvs)]

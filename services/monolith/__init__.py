@@ -1,0 +1,1 @@
+"""Encode, prefill and decode in one process: the aggregated (vLLM-like) baseline."""
