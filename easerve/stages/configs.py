@@ -76,6 +76,11 @@ class StageConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model is required: a checkpoint folder")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"--{_flag(f.name)} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, f.name)!r}")
         check_device(self.device)
         if self.grace_s < 0:
             raise ValueError(f"--grace-s must be >= 0, got {self.grace_s}")

@@ -236,6 +236,6 @@ def test_async_client(gateway):
             async with await c.generate("long", max_tokens=100, stream=True) as stream:
                 async for _ in stream:
                     break
-            assert await asyncio.to_thread(fake.cancelled.wait, 5)
+            assert await asyncio.to_thread(fake.cancelled.wait, 15)
 
     asyncio.run(main())

@@ -18,16 +18,23 @@ def _ports(d: Deployment) -> dict[str, int]:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_are_valid_and_round_trip(name, tmp_path):
     d = preset(name)
-    assert d.name == name and len(d.encode) == len(d.prefill) == len(d.decode) == 1
+    assert d.name == name
+    if name == "monolith":
+        assert len(d.monolith) == 1 and not (d.encode or d.prefill or d.decode)
+    else:
+        assert len(d.encode) == len(d.prefill) == len(d.decode) == 1 and not d.monolith
     for suffix in (".json", ".yaml", ".yml"):
         assert Deployment.load(d.dump(tmp_path / f"d{suffix}")) == d
 
 
 def test_presets_hold_the_baselines():
     knobs = {n: (d.encode[0].flag("batch-mode"), d.encode[0].flag("max-batch"), d.encode[0].flag("remote-fraction"),
-                 bool(d.encode[0].flag("colocate-prefill"))) for n, d in PRESETS.items()}
+                 bool(d.encode[0].flag("colocate-prefill"))) for n, d in PRESETS.items() if d.encode}
     assert knobs == {"default": ("adaptive", 8, 1.0, False), "colocated": ("adaptive", 8, 0.5, True),
-                     "passthrough": ("request_at_a_time", 1, 1.0, False), "fixed8": ("fixed", 8, 1.0, False)}
+                     "dynamo-like": ("request_at_a_time", 1, 1.0, False), "fixed-batch-8": ("fixed", 8, 1.0, False)}
+    assert preset("passthrough") == preset("dynamo-like") and preset("fixed8") == preset("fixed-batch-8")
+    mono = preset("monolith").monolith[0]
+    assert mono.flag("sm-backend") == "timeslice"  # the aggregated baseline shares nothing on purpose
 
 
 def test_unknown_preset_lists_the_names():
@@ -52,6 +59,7 @@ def test_custom_round_trip_keeps_everything(tmp_path):
     ('{"encode": [{"flags": {"remote-fraction": 1.5}}]}', "remote-fraction"),
     ('{"encode": [{"flags": {"remote-fraction": 0.5}}]}', "colocate-prefill"),
     ('{"encode": [{"flags": {"batch-mode": "greedy"}}]}', "batch-mode"),
+    ('{"decode": [{"device": "cpu:a-b"}]}', r"decode\[0\]\.device"),
     ('{"encode": [{"flags": {"batch-mode": "request_at_a_time"}}]}', "max-batch 1"),
     ('{"encode": [{"flags": {"prefill": "h:1"}}]}', "unknown flag 'prefill'"),
     ('{"decode": [{"flags": {"max-running": [1]}}]}', "string, number or boolean"),
@@ -103,7 +111,7 @@ def test_commands_are_ordered_and_wired():
     assert f"--decode {dec}" in argv["prefill-0"]
     assert f"--prefill {pre}" in argv["encode-0"] and f"--decode {dec}" in argv["encode-0"]
     assert "--colocate-prefill" in argv["encode-0"] and "--remote-fraction 0.5" in argv["encode-0"]
-    assert f"--prefill {pre} --encode {enc}" in argv["gateway"]
+    assert f"--encode {enc} --prefill {pre} --decode {dec}" in argv["gateway"]
     assert f"--http-listen 0.0.0.0:{ports['gateway-http']}" in argv["gateway"]
 
 
@@ -122,47 +130,62 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "max-running": 4, "
           "default-max-tokens": 16, "max-body-mb": 8.0, "max-gap-s": 0.05, "sm-backend": "auto",
           "partition-policy": "dynamic", "partition-profile": "/tmp/p.json", "profile-batch-sizes": "1,2",
           "partition-tolerance": 0.1, "metrics-listen": "127.0.0.1:9100", "max-inflight": 64,
-          "max-model-len": 2048}
+          "max-model-len": 2048, "dtype": "float32", "max-batched-tokens": 512, "max-prefill-batch": 4,
+          "preprocess-threads": 1}
 
 
-def _parsers():
-    """Each stage's argparse entry point (skips, naming the import error, while a stage cannot import)."""
-    return {s: pytest.importorskip(f"services.{s}.__main__").parse for s in ("decode", "prefill", "encode", "gateway")}
+def _parse(stage: str, argv: list[str]):
+    from easerve.stages.configs import STAGE_CONFIGS, from_argv
+    return from_argv(STAGE_CONFIGS[stage], stage, argv)  # argparse exits (SystemExit) on an unknown flag
 
 
 def test_commands_are_accepted_by_the_stage_parsers():
-    parse = _parsers()
     everything = Deployment(model=MODEL, encode=(Worker(flags={f: SAMPLE[f] for f in FLAGS["encode"]}),),
                             prefill=(Worker(flags={f: SAMPLE[f] for f in FLAGS["prefill"]}),),
                             decode=(Worker(flags={f: SAMPLE[f] for f in FLAGS["decode"]}),),
                             gateway=GatewaySpec(flags={f: SAMPLE[f] for f in FLAGS["gateway"]}))
-    for d in [everything, *(p.with_model(MODEL) for p in PRESETS.values())]:
+    multi = Deployment(model=MODEL, encode=(Worker("cpu:0"), Worker("cpu:1")), prefill=(Worker(), Worker()),
+                       decode=(Worker("cpu:0-1"), Worker()))
+    for d in [everything, multi, *(p.with_model(MODEL) for p in PRESETS.values())]:
         for c in to_commands(d, "127.0.0.1", _ports(d), python="py"):
-            args = parse[c.stage](list(c.argv[3:]))  # argparse exits (SystemExit) on an unknown flag
-            assert args.model == MODEL and args.listen == f"127.0.0.1:{c.port}"
+            cfg = _parse(c.stage, list(c.argv[3:]))
+            assert cfg.model == MODEL and cfg.listen == f"127.0.0.1:{c.port}"
 
 
+def test_several_instances_are_all_wired():
+    d = Deployment(model=MODEL, encode=(Worker(), Worker()), prefill=(Worker(), Worker(), Worker()),
+                   decode=(Worker("cpu:0"), Worker("cpu:1")))
+    ports = _ports(d)
+    cmds = {c.name: _parse(c.stage, list(c.argv[3:])) for c in to_commands(d, "127.0.0.1", ports)}
+    addr = lambda s, n: tuple(f"127.0.0.1:{ports[f'{s}-{i}']}" for i in range(n))  # noqa: E731
+    assert cmds["gateway"].encode == addr("encode", 2) and cmds["gateway"].decode == addr("decode", 2)
+    assert cmds["gateway"].prefill == addr("prefill", 3)
+    assert all(cmds[f"prefill-{i}"].decode == addr("decode", 2) for i in range(3))
+    assert cmds["encode-1"].prefill == addr("prefill", 3) and cmds["decode-1"].device == "cpu:1"
 
-WIRED = {"model", "device", "listen", "port-file", "prefill", "decode", "encode", "http-listen",
-         "http-port-file", "help"}
+
+def test_monolith_serves_every_stage_to_the_gateway():
+    d = preset("monolith").with_model(MODEL)
+    ports = _ports(d)
+    cmds = {c.name: c for c in to_commands(d, "127.0.0.1", ports)}
+    assert set(cmds) == {"monolith-0", "gateway"}
+    gw = _parse("gateway", list(cmds["gateway"].argv[3:]))
+    me = (f"127.0.0.1:{ports['monolith-0']}",)
+    assert gw.encode == gw.prefill == gw.decode == me
+    mono = _parse("monolith", list(cmds["monolith-0"].argv[3:]))
+    assert mono.colocate_prefill and mono.remote_fraction == 0.0
 
 
-@pytest.mark.parametrize("stage", ["decode", "prefill", "encode", "gateway"])
-def test_deployment_flags_match_each_stage_parser(stage, monkeypatch):
-    """A flag a stage grows must be settable from a deployment file, and nothing else is."""
-    import argparse
-    import importlib
+@pytest.mark.parametrize("stage", ["decode", "prefill", "encode", "monolith", "gateway"])
+def test_deployment_flags_are_the_stage_configs_own(stage):
+    """A field a stage config grows is settable from a deployment file (unless the launcher
+    wires it), and the generated parser knows exactly the config's fields."""
+    import dataclasses
 
-    from hasctl.deployment import FLAGS
-
-    seen = {}
-
-    def grab(self, *a, **k):
-        seen["parser"] = self
-        raise SystemExit(0)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
-    with pytest.raises(SystemExit):
-        importlib.import_module(f"services.{stage}.__main__").parse([])
-    options = {o[2:] for a in seen["parser"]._actions for o in a.option_strings if o.startswith("--")}
-    assert set(FLAGS[stage]) == options - WIRED
+    from easerve.stages.configs import STAGE_CONFIGS, parser
+    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(STAGE_CONFIGS[stage])}
+    options = {o[2:] for a in parser(STAGE_CONFIGS[stage], stage)._actions for o in a.option_strings
+               if o.startswith("--")} - {"help"}
+    assert options == set(fields)
+    assert set(FLAGS[stage]) == {n for n, f in fields.items() if not f.metadata["wired"]}
+    assert {"model", "listen", "device"} <= set(fields) - set(FLAGS[stage])

@@ -17,17 +17,19 @@ def test_every_proto_has_its_stubs():
 
 def test_stubs_import_as_package_and_declare_services():
     from easerve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, encode_pb2_grpc, gateway_pb2,
-                            gateway_pb2_grpc, kv_pb2, kv_pb2_grpc, prefill_pb2_grpc)
+                            gateway_pb2_grpc, kv_pb2, kv_pb2_grpc, prefill_pb2_grpc, stage_pb2,
+                            stage_pb2_grpc)
 
     assert common_pb2.DESCRIPTOR.package == "easerve.v1"
     methods = {
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]: {"Generate", "ListModels"},
-        decode_pb2.DESCRIPTOR.services_by_name["Decode"]: {"Decode", "Reserve", "Stats", "Cancel"},
+        decode_pb2.DESCRIPTOR.services_by_name["Decode"]: {"Open", "Submit", "Stats", "Cancel"},
+        stage_pb2.DESCRIPTOR.services_by_name["Stage"]: {"Load"},
         kv_pb2.DESCRIPTOR.services_by_name["KVStream"]: {"Push"},
     }
     for service, want in methods.items():
         assert set(service.methods_by_name) == want
-    for mod in (gateway_pb2_grpc, decode_pb2_grpc, encode_pb2_grpc, prefill_pb2_grpc, kv_pb2_grpc):
+    for mod in (gateway_pb2_grpc, decode_pb2_grpc, encode_pb2_grpc, prefill_pb2_grpc, kv_pb2_grpc, stage_pb2_grpc):
         assert not any(line.startswith("import ") and "_pb2" in line
                        for line in open(mod.__file__).read().splitlines())
     oneof = kv_pb2.KVTransfer.DESCRIPTOR.oneofs_by_name["location"]

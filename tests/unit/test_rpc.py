@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
-    """Stats raises whatever `self.raise_` says; Decode streams, then maybe fails."""
+    """Stats raises whatever `self.raise_` says; Open streams, then maybe fails."""
 
     def __init__(self):
         self.raise_ = None
@@ -35,7 +35,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.StatsResponse(running=1)
 
     @errors.grpc_errors
-    async def Decode(self, request, context):
+    async def Open(self, request, context):
         yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[1])
         raise errors.Overloaded("KV pool full and queue full")
 
@@ -110,10 +110,10 @@ def test_error_mapping_over_grpc(exc, code):
 def test_streaming_error_after_first_chunk_and_deadline_passed_on():
     async def call(ch, servicer):
         stub = decode_pb2_grpc.DecodeStub(ch)
-        req = decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="r1"))
+        req = decode_pb2.ReserveRequest(meta=common_pb2.RequestMeta(request_id="r1"))
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as ei:
-            async for chunk in stub.Decode(req, timeout=5):
+            async for chunk in stub.Open(req, timeout=5):
                 got.append(list(chunk.token_ids))
         assert got == [[1]] and ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         await stub.Stats(decode_pb2.StatsRequest(), timeout=3)
@@ -160,7 +160,7 @@ SERVER_APP = textwrap.dedent("""
     from easerve.v1 import common_pb2, decode_pb2_grpc
 
     class Slow(decode_pb2_grpc.DecodeServicer):
-        async def Decode(self, request, context):
+        async def Open(self, request, context):
             for i in range(6):
                 yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[i])
                 await asyncio.sleep(0.15)
@@ -186,15 +186,15 @@ def test_sigterm_drains_inflight_stream_then_exits_zero(tmp_path):
         async def client():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = decode_pb2_grpc.DecodeStub(ch)
-                req = decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="r"))
+                req = decode_pb2.ReserveRequest(meta=common_pb2.RequestMeta(request_id="r"))
                 got = []
-                async for chunk in stub.Decode(req, timeout=10):
+                async for chunk in stub.Open(req, timeout=10):
                     got.extend(chunk.token_ids)
                     if len(got) == 1:
                         proc.send_signal(signal.SIGTERM)
                         await asyncio.sleep(0.1)
                         with pytest.raises(grpc.aio.AioRpcError):  # new calls are refused
-                            await stub.Decode(req, timeout=2).read()
+                            await stub.Open(req, timeout=2).read()
                 return got
         t0 = time.monotonic()
         assert asyncio.run(client()) == list(range(6))
