@@ -222,12 +222,12 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
                  video=None, audio=None, video_fps: float = 0.0, model: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
-                 stop_token_ids=(), stream: bool = False, timeout: float | None = None,
+                 stop_token_ids=(), ignore_eos: bool = False, stream: bool = False, timeout: float | None = None,
                  request_id: str | None = None) -> Completion | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, request_id=request_id))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id))
         out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout)))
         if stream:
             return out
@@ -266,12 +266,13 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
                        video=None, audio=None, video_fps: float = 0.0, model: str | None = None,
                        max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int | None = None, stop=(), stop_token_ids=(), stream: bool = False,
-                       timeout: float | None = None, request_id: str | None = None) -> Completion | AsyncStream:
+                       seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False,
+                       stream: bool = False, timeout: float | None = None,
+                       request_id: str | None = None) -> Completion | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, request_id=request_id))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id))
         out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout)))
         if stream:
             return out

@@ -1,10 +1,7 @@
-"""Domain errors of the decode engine (mapped to RPC status codes in one place, `easerve.rpc`)."""
+"""Domain errors of the decode engine: the project's own (one Overloaded everywhere),
+mapped to RPC status codes in one place, `easerve.rpc.errors`."""
 from __future__ import annotations
 
+from easerve.errors import Overloaded, RequestTooLarge
 
-class Overloaded(RuntimeError):
-    """The waiting queue is full: the caller should retry later (RESOURCE_EXHAUSTED)."""
-
-
-class RequestTooLarge(ValueError):
-    """prompt_len + max_tokens can never fit this engine's KV memory (INVALID_ARGUMENT)."""
+__all__ = ["Overloaded", "RequestTooLarge"]

@@ -16,39 +16,12 @@ import grpc
 log = logging.getLogger(__name__)
 
 
-class EAServeError(Exception):
-    """Base of the domain errors; `code` / `http` say how each surfaces on the wire."""
-
-    code = grpc.StatusCode.INTERNAL
-    http = 500
+from easerve.errors import (Cancelled, DeadlineExceeded, EAServeError, Internal, InvalidRequest,  # noqa: F401
+                            NotFound, Overloaded, RequestTooLarge, Unavailable)
 
 
-class InvalidRequest(EAServeError, ValueError):
-    code, http = grpc.StatusCode.INVALID_ARGUMENT, 400
-
-
-class NotFound(EAServeError):
-    code, http = grpc.StatusCode.NOT_FOUND, 404
-
-
-class Overloaded(EAServeError):
-    code, http = grpc.StatusCode.RESOURCE_EXHAUSTED, 429
-
-
-class Unavailable(EAServeError):
-    code, http = grpc.StatusCode.UNAVAILABLE, 503
-
-
-class DeadlineExceeded(EAServeError, TimeoutError):
-    code, http = grpc.StatusCode.DEADLINE_EXCEEDED, 504
-
-
-class Cancelled(EAServeError):
-    code, http = grpc.StatusCode.CANCELLED, 499  # nginx's "client closed request"
-
-
-class Internal(EAServeError):
-    pass
+def status_code(err: EAServeError) -> grpc.StatusCode:
+    return grpc.StatusCode[err.code]
 
 
 # Builtin exceptions that stand for a domain error. ValueError covers easerve.codec.CodecError
@@ -58,8 +31,8 @@ _BUILTIN: tuple[tuple[type[BaseException], type[EAServeError]], ...] = (
     (TimeoutError, DeadlineExceeded),
 )
 _BY_CODE: dict[grpc.StatusCode, type[EAServeError]] = {
-    c.code: c for c in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded,
-                        Cancelled, Internal)
+    grpc.StatusCode[c.code]: c for c in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded,
+                                         Cancelled, Internal)
 }
 
 
@@ -77,7 +50,7 @@ def domain_error(exc: BaseException) -> EAServeError:
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     err = domain_error(exc)
-    return err.code, str(err)
+    return status_code(err), str(err)
 
 
 def http_status(exc: BaseException) -> int:

@@ -40,10 +40,15 @@ class ServerOptions:
             raise ValueError(f"keepalive_time_ms must be > 0, got {self.keepalive_time_ms}")
 
     def channel_options(self) -> list[tuple[str, int]]:
-        """Options for servers and for the channels that talk to them."""
+        """Options for servers and for the channels that talk to them. Reconnect backoff is
+        capped at 2 s (gRPC's default grows to 2 minutes): a peer that was down at start,
+        or restarted, is used again within a poll or two."""
         return [("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.keepalive_time_ms", self.keepalive_time_ms)]
+                ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class HealthState:

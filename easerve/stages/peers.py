@@ -134,14 +134,17 @@ class Peers:
             raise Unavailable(f"every {self.service or 'peer'} instance is down or not serving: {', '.join(left)}")
         return self._peers[key]
 
-    @contextlib.contextmanager
-    def using(self, p: Peer):
-        p.outstanding += 1
-        p.sent_since_poll += 1
-        try:
-            yield p
-        finally:
-            p.outstanding -= 1
+    async def _pick_soon(self, exclude: frozenset[str], prefer: str | None, wait_s: float = 3.0) -> Peer:
+        """`pick`, waiting a few polls for an instance to come (back) up before giving up:
+        a peer that is starting or restarting is not an outage."""
+        end = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.pick(exclude, prefer)
+            except Unavailable:
+                if time.monotonic() >= end or self._task is None or all(a in exclude for a in self._peers):
+                    raise
+                await asyncio.sleep(self.poll_s)
 
     async def start_call(self, open_call: Callable[[Peer], object],
                          prefer: str | None = None) -> tuple[Peer, object, object]:
@@ -151,7 +154,7 @@ class Peers:
         must `finish(peer)` when done with the call."""
         tried: set[str] = set()
         while True:
-            peer = self.pick(frozenset(tried), prefer)
+            peer = await self._pick_soon(frozenset(tried), prefer)
             peer.outstanding += 1
             peer.sent_since_poll += 1
             call = open_call(peer)

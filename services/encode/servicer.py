@@ -5,6 +5,7 @@ decode; encode holds nothing for a request that is decoding.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from easerve.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
@@ -43,7 +44,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         rid = request.meta.request_id
         if not rid:
             raise InvalidRequest("meta.request_id is required")
-        items = [media_item_from_proto(m) for m in request.items]
+        items = await asyncio.to_thread(lambda: [media_item_from_proto(m) for m in request.items])
         if not items:
             raise InvalidRequest("an encode request needs at least one media item; send text-only requests to prefill")
         sampling = sampling_from_proto(request.sampling)
@@ -64,12 +65,13 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
 
     async def _remote_prefill(self, request, items, res, deadline: Deadline, timings: dict):
         t0 = time.monotonic()
+        embeddings = await asyncio.to_thread(lambda: [tensor_to_proto(e) for e in res.embeddings])
         msg = prefill_pb2.PrefillRequest(
             meta=cpb.RequestMeta(request_id=request.meta.request_id, deadline_ms=deadline.to_ms(),
                                  model=request.meta.model),
             input_ids=request.input_ids, sampling=request.sampling, decode=request.decode,
             items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta) for it in items],
-            embeddings=prefill_pb2.Embeddings(tensors=[tensor_to_proto(e) for e in res.embeddings]))
+            embeddings=prefill_pb2.Embeddings(tensors=embeddings))
         serialize_ms = (time.monotonic() - t0) * 1000
         peer, call, first = await self.remote.start_call(
             lambda p: p.stub.Prefill(msg, timeout=deadline.timeout()))

@@ -116,15 +116,17 @@ class GatewayCore:
     def _meta(self, job: Job, deadline: Deadline) -> cpb.RequestMeta:
         return cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
 
-    def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
+    async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
         """(peers, open_call) of the stage that computes the first token."""
         meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
         target = cpb.DecodeTarget(address=decode_addr)
         if prompt.items:
             if not self._enc:
                 raise BadRequest("this deployment has no encode stage; send text only")
+            items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
+                self._pool, lambda: [media_item_to_proto(it) for it in prompt.items])
             req = encode_pb2.EncodeRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target,
-                                           items=[media_item_to_proto(it) for it in prompt.items])
+                                           items=items)
             return self._enc, lambda p: p.stub.Encode(req, timeout=deadline.timeout())
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
         return self._pre, lambda p: p.stub.Prefill(req, timeout=deadline.timeout())
@@ -158,7 +160,7 @@ class GatewayCore:
         dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()))
         upeers = upeer = ucall = tail = None
         try:
-            upeers, open_up = self._upstream(job, prompt, deadline, dpeer.addr)
+            upeers, open_up = await self._upstream(job, prompt, deadline, dpeer.addr)
             upeer, ucall, first = await upeers.start_call(open_up, prefer=dpeer.addr)
             delta = self._first(job, prompt, first)
             yield delta

@@ -1,6 +1,7 @@
 """easerve.v1.Prefill <-> PrefillStage (thin)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from easerve.protoconv import prefill_request_from_proto
@@ -17,7 +18,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
         t0 = time.monotonic()
-        req = prefill_request_from_proto(request)
+        req = await asyncio.to_thread(prefill_request_from_proto, request)  # tensor copies: off the loop
         timings = {"embed_transfer_ms": (time.monotonic() - t0) * 1000} if req.embeddings else {}
         async for chunk in self.stage.run(req, request.decode.address, deadline, **timings):
             yield chunk

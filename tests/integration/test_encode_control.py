@@ -31,15 +31,15 @@ def test_colocated_encode_reports_backend_routes_at_s_and_traces(vl_stack):
     for k in range(6):
         client.generate("hi", images=[png_bytes(40, 40, 100 + k)], max_tokens=2)
     after = _get(vl_stack, "/metrics")
-    local = _metric(after, "easerve_encode_routed_total", 'route="local"') - \
-        _metric(before, "easerve_encode_routed_total", 'route="local"')
-    remote = _metric(after, "easerve_encode_routed_total", 'route="remote"') - \
-        _metric(before, "easerve_encode_routed_total", 'route="remote"')
+    local = _metric(after, "easerve:encode_routed_total", 'route="local"') - \
+        _metric(before, "easerve:encode_routed_total", 'route="local"')
+    remote = _metric(after, "easerve:encode_routed_total", 'route="remote"') - \
+        _metric(before, "easerve:encode_routed_total", 'route="remote"')
     assert local + remote == 6 and abs(remote - 3) <= 1  # s = 0.5, within one request
-    assert _metric(after, "easerve_encode_remote_fraction_target") == 0.5
-    assert _metric(after, "easerve_encode_dispatch_total") >= 1
-    assert _metric(after, "easerve_encode_batch_size_count") >= 1
-    assert _metric(after, "easerve_encode_sm_share_count") >= 1
+    assert _metric(after, "easerve:encode_remote_fraction_target") == 0.5
+    assert _metric(after, "easerve:encode_dispatch_total") >= 1
+    assert _metric(after, "easerve:encode_batch_size_count") >= 1
+    assert _metric(after, "easerve:encode_sm_share_count") >= 1
     info = json.loads(_get(vl_stack, "/partition"))
     assert info["backend"] in ("cpu_affinity", "timeslice") and info["reason"]
     assert info["last"] is not None and 0 < info["last"]["encode_share"] <= 1

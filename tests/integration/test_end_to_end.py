@@ -50,7 +50,7 @@ def test_image_through_openai_package(vl_stack):
     from openai import OpenAI
 
     model = vl_stack.deployment.model
-    oa = OpenAI(base_url=vl_stack.endpoints.openai_base_url, api_key="none")
+    oa = OpenAI(base_url=vl_stack.endpoints.openai_base_url, api_key="none", max_retries=0)
     served = oa.models.list().data[0].id
     img = png_bytes(48, 80, seed=11)
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(img)}},
@@ -76,7 +76,7 @@ def test_audio_through_sdk_and_openai(audio_stack):
     want = reference(model, [{"type": "audio", "audio": samples}])
     got = Client(audio_stack.endpoints.grpc, timeout=120).generate(PROMPT, audio=wav, max_tokens=N)
     assert list(got.token_ids) == want
-    oa = OpenAI(base_url=audio_stack.endpoints.openai_base_url, api_key="none")
+    oa = OpenAI(base_url=audio_stack.endpoints.openai_base_url, api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
         {"type": "text", "text": PROMPT}]}]
@@ -103,5 +103,5 @@ def _encode_batches(stack) -> float:
     import urllib.request
     url = stack.endpoints.http + "/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("easerve_stage_latency_seconds_count")
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("easerve:stage_latency_seconds_count")
                and 'stage="encode"' in l)

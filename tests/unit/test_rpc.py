@@ -103,7 +103,7 @@ def test_error_mapping_over_grpc(exc, code):
         if code == grpc.StatusCode.INTERNAL:
             assert "secret" not in ei.value.details()
         back = errors.from_rpc_error(ei.value)
-        assert back.code == code and errors.http_status(back) == back.http
+        assert errors.status_code(back) == code and errors.http_status(back) == back.http
     asyncio.run(_with_server(call))
 
 

@@ -1,0 +1,47 @@
+"""The domain errors every part of EAServe raises, with the status each one surfaces as.
+
+No grpc and no torch here: the engine and the policies raise these, and `easerve.rpc.errors`
+maps them to gRPC status codes (by name) and HTTP statuses in one table.
+"""
+from __future__ import annotations
+
+
+class EAServeError(Exception):
+    """Base of the domain errors; `code` (a grpc.StatusCode name) / `http` say how each
+    surfaces on the wire."""
+
+    code = "INTERNAL"
+    http = 500
+
+
+class InvalidRequest(EAServeError, ValueError):
+    code, http = "INVALID_ARGUMENT", 400
+
+
+class NotFound(EAServeError):
+    code, http = "NOT_FOUND", 404
+
+
+class Overloaded(EAServeError):
+    """No room now (a full queue, an in-flight limit): retry later."""
+    code, http = "RESOURCE_EXHAUSTED", 429
+
+
+class Unavailable(EAServeError):
+    code, http = "UNAVAILABLE", 503
+
+
+class DeadlineExceeded(EAServeError, TimeoutError):
+    code, http = "DEADLINE_EXCEEDED", 504
+
+
+class Cancelled(EAServeError):
+    code, http = "CANCELLED", 499  # nginx's "client closed request"
+
+
+class Internal(EAServeError):
+    pass
+
+
+class RequestTooLarge(InvalidRequest):
+    """prompt_len + max_tokens can never fit the engine's KV memory."""
