@@ -14,8 +14,8 @@ AUDIO_ACCEPTS = ("an audio file (WAV, FLAC, MP3, Ogg / Opus, M4A / AAC) or float
                  "with a sample_rate")
 
 
-def _too_long(seconds: float, max_seconds: float, why: str) -> MediaError:
-    return MediaError(f"audio is {seconds:.1f} s long; at most {max_seconds:g} s per clip is accepted{why}: "
+def _too_long(seconds: float, max_seconds: float, why: str, over: bool = False) -> MediaError:
+    return MediaError(f"audio is {'over ' if over else ''}{seconds:.1f} s long; at most {max_seconds:g} s per clip is accepted{why}: "
                       f"split it into clips of at most {max_seconds:g} s and send them as separate audio parts")
 
 
@@ -34,6 +34,9 @@ def _read_file(raw: bytes, max_seconds: float, why: str) -> tuple[np.ndarray, in
         rate = stream.codec_context.sample_rate or stream.rate
         if not rate:
             raise MediaError("the audio file states no sample rate; re-encode it or send samples")
+        stated = container.duration / 1e6 if container.duration else None  # from the header, no decoding
+        if stated is not None and stated > max_seconds + 0.05:
+            raise _too_long(stated, max_seconds, why)
         to_float = None
         chunks, n, limit = [], 0, int(max_seconds * rate)
         try:
@@ -43,8 +46,8 @@ def _read_file(raw: bytes, max_seconds: float, why: str) -> tuple[np.ndarray, in
                 for f in to_float.resample(frame):
                     chunks.append(f.to_ndarray().T)
                     n += f.samples
-                if n > limit:
-                    raise _too_long(n / rate, max_seconds, why)
+                if n > limit:  # the header understated it: stop decoding here
+                    raise _too_long(n / rate, max_seconds, why, over=True)
             if to_float is not None:
                 chunks += [f.to_ndarray().T for f in to_float.resample(None)]
         except av.FFmpegError as e:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import serve, run
 from easerve.stages.cli import addrs, base_parser, setup_process, write_port_file
@@ -32,9 +33,25 @@ def parse(argv):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + max_tokens limit (default: the model's, capped at 4096 like decode's --max-seq-len)")
     p.add_argument("--max-inflight", type=int, default=1024, help="past this many requests: 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--allowed-media-domains", default="",
+                   help="comma-separated hosts media URLs may name (*.example.com for subdomains); empty: any "
+                        "public host. Private / loopback addresses are refused unless their host is listed here")
+    p.add_argument("--allowed-local-media-path", default=None, help="serve file:// media URLs from below this folder")
+    p.add_argument("--media-max-mb", type=float, default=64.0, help="largest media file fetched by URL")
+    p.add_argument("--media-timeout-s", type=float, default=10.0, help="time limit of one media URL fetch")
+    p.add_argument("--media-max-mpixels", type=float, default=256.0,
+                   help="decoded pixels per request (all images and video frames), in millions")
     p.add_argument("--port-file", default=None, help="write the bound gRPC port here")
     p.add_argument("--http-port-file", default=None, help="write the bound HTTP port here")
     return p.parse_args(argv)
+
+
+def media_resolver(args, adapter) -> MediaResolver:
+    fetch = FetchConfig(allowed_domains=tuple(args.allowed_media_domains.split(",")),
+                        allowed_local_path=args.allowed_local_media_path,
+                        max_bytes=int(args.media_max_mb * (1 << 20)), timeout_s=args.media_timeout_s)
+    limits = MediaLimits(max_request_pixels=int(args.media_max_mpixels * 1e6))
+    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch))
 
 
 async def main(args) -> None:
@@ -43,7 +60,7 @@ async def main(args) -> None:
                         encode_addrs=addrs(args.encode), prefill_addrs=addrs(args.prefill),
                         request_timeout_s=args.request_timeout_s, default_max_tokens=args.default_max_tokens,
                         max_inflight=args.max_inflight, max_model_len=args.max_model_len)
-    core = GatewayCore(cfg, adapter, GatewayMetrics())
+    core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(args, adapter))
     ready = asyncio.Event()
     http = HttpApi(core, int(args.max_body_mb * (1 << 20)), ready.is_set)
     runner = web.AppRunner(http.app, handler_cancellation=True, access_log=None)

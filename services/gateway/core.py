@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from easerve.codec import sampling_to_proto
 from easerve.engine.detok import Detokenizer
+from easerve.media import MediaResolver, config_for
 from easerve.rpc.server import ServerOptions
 from easerve.stages.cli import default_max_len
 from easerve.stages.convert import FINISH_FROM_PROTO, media_item_to_proto
@@ -68,8 +69,9 @@ class Job:
 
 
 class GatewayCore:
-    def __init__(self, cfg: GatewayConfig, adapter, metrics):
+    def __init__(self, cfg: GatewayConfig, adapter, metrics, media: MediaResolver | None = None):
         self.cfg, self.adapter, self.m = cfg, adapter, metrics
+        self.media = media or MediaResolver(config_for(adapter))  # fetches and decodes a Job's MediaRefs
         self.started = int(time.time())
         self.limit = InflightLimit(cfg.max_inflight, "the gateway")
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
@@ -88,6 +90,8 @@ class GatewayCore:
 
     async def preprocess(self, job: Job) -> ProcessedPrompt:
         try:
+            await self.media.resolve_messages(job.messages or [])
+            await self.media.resolve_parts(job.media)
             prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
         except ValueError as e:
             raise BadRequest(str(e)) from None
