@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easerve.media.audio import decode_audio
-from easerve.media.common import MediaError, MediaLimits, PixelBudget, is_url
+from easerve.media.common import MediaError, MediaLimits, PixelBudget, is_url, to_bytes
 from easerve.media.fetch import FetchConfig, MediaFetcher
 from easerve.media.image import decode_image
-from easerve.media.video import VideoSampling, decode_video
+from easerve.media.video import VideoSampling, decode_video, decode_video_file, is_video_file
 
 KINDS = ("image", "video", "audio")
 
@@ -25,7 +25,8 @@ class MediaRef:
 
     kind: str
     source: Any
-    fps: float | None = None          # video files: frames per second to sample (None: the model's)
+    fps: float | None = None          # video: for files, frames per second to sample (None: the model's);
+                                      # for frame lists, their frame rate
     sample_rate: int | None = None    # raw audio samples: their rate
 
     def __post_init__(self) -> None:
@@ -55,15 +56,17 @@ class MediaResolver:
 
     async def resolve_parts(self, parts: list[dict]) -> None:
         """Replace, in place, each `MediaRef` value of HF-style parts ({"type": k, k: ref}) by its
-        decoded value. Raises MediaError (a ValueError) naming what to change."""
+        decoded value; a video part also gets "fps", the frame rate of its frames, when known.
+        Raises MediaError (a ValueError) naming what to change."""
         slots = [(p, p["type"]) for p in parts if isinstance(p.get(p.get("type")), MediaRef)]
         if not slots:
             return
         refs = [p[k] for p, k in slots]
         await asyncio.gather(*(self._fetch_ref(r) for r in refs))
         decoded = await asyncio.to_thread(self.decode_all, refs)
-        for (p, k), value in zip(slots, decoded):
+        for (p, k), (value, extra) in zip(slots, decoded):
             p[k] = value
+            p.update(extra)
 
     async def resolve_messages(self, messages: list[dict]) -> None:
         await self.resolve_parts([p for m in messages if isinstance(m.get("content"), list)
@@ -76,21 +79,34 @@ class MediaResolver:
             ref.source = list(await asyncio.gather(*(self.fetcher.fetch(f) if is_url(f) else _same(f)
                                                      for f in ref.source)))
 
-    def decode_all(self, refs: list[MediaRef]) -> list:
-        """Decode already-fetched refs with one request budget (call from a worker thread)."""
+    def decode_all(self, refs: list[MediaRef]) -> list[tuple[Any, dict]]:
+        """Decode already-fetched refs with one request budget (call from a worker thread):
+        (value, extra part keys) per ref."""
         budget = PixelBudget(self.cfg.limits.max_request_pixels)
         return [self.decode(r, budget) for r in refs]
 
-    def decode(self, ref: MediaRef, budget: PixelBudget):
+    def decode(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
         lim = self.cfg.limits
         if ref.kind == "image":
-            return decode_image(ref.source, lim.max_side, budget=budget)
+            return decode_image(ref.source, lim.max_side, budget=budget), {}
         if ref.kind == "video":
-            sampling = self.cfg.sampling
-            if ref.fps:
-                sampling = VideoSampling(ref.fps, sampling.min_frames, sampling.max_frames, sampling.frame_multiple)
-            return decode_video(ref.source, lim.max_side, lim.max_frames, budget=budget, sampling=sampling,
-                                max_source_frames=lim.max_source_frames)
+            return self._video(ref, budget)
+        return self._audio(ref), {}
+
+    def _video(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
+        lim, s = self.cfg.limits, self.cfg.sampling
+        src = ref.source
+        if isinstance(src, (bytes, bytearray, memoryview, str)):
+            src = to_bytes(src, "video")
+            if is_video_file(src):
+                sampling = VideoSampling(ref.fps, s.min_frames, s.max_frames, s.frame_multiple) if ref.fps else s
+                v = decode_video_file(src, sampling, lim.max_side, lim.max_frames, budget, lim.max_source_frames)
+                return v.frames, {"fps": v.sampled_fps}
+        frames = decode_video(src, lim.max_side, lim.max_frames, budget=budget)
+        return frames, ({"fps": float(ref.fps)} if ref.fps else {})
+
+    def _audio(self, ref: MediaRef):
+        lim = self.cfg.limits
         if self.cfg.audio_rate is None:
             raise MediaError("this model does not take audio; remove the audio part")
         max_s = min(lim.max_audio_seconds, self.cfg.audio_max_seconds or lim.max_audio_seconds)

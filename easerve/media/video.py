@@ -112,6 +112,11 @@ def _is_animated_image(raw: bytes) -> bool:
     return raw.startswith(_IMAGE_MAGIC) or (raw[:4] == b"RIFF" and raw[8:12] == b"WEBP")
 
 
+def is_video_file(raw: bytes) -> bool:
+    """True when `raw` is a container file for PyAV rather than an animated GIF / WebP / PNG."""
+    return not _is_animated_image(raw)
+
+
 def decode_video(data, max_side: int = 8192, max_frames: int = 1024, budget: PixelBudget | None = None,
                  sampling: VideoSampling | None = None, max_source_frames: int = 108_000):
     """Frames list / GIF / WebP -> list[PIL.Image]; array [T,H,W,C] or a video file -> uint8 array.
@@ -124,7 +129,7 @@ def decode_video(data, max_side: int = 8192, max_frames: int = 1024, budget: Pix
         return [decode_image(f, max_side, what=f"video frame {i}", budget=budget) for i, f in enumerate(data)]
     if isinstance(data, (bytes, bytearray, memoryview, str)):
         raw = to_bytes(data, "video")
-        if _is_animated_image(raw):
+        if not is_video_file(raw):
             return _animated_image(raw, max_side, max_frames, budget)
         return decode_video_file(raw, sampling or VideoSampling(), max_side=max_side, max_frames=max_frames,
                                  budget=budget, max_source_frames=max_source_frames).frames

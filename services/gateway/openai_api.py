@@ -2,7 +2,7 @@
 
 Accepted content parts (vLLM's names): text, image_url ({"url": data: URI, base64, http(s)://
 or file:// URL}), video_url ({"url": ..., "fps": optional sampling rate} of an MP4 / WebM / MKV /
-MOV / GIF / WebP file, or {"frames": [image URIs]}), input_audio ({"data": base64 file,
+MOV / GIF / WebP file, or {"frames": [image URIs], "fps": their rate}), input_audio ({"data": base64 file,
 "format": "wav" | "flac" | "mp3" | "ogg" | "m4a" | ...}) and audio_url ({"url": ...}).
 Media parts become `easerve.media.MediaRef`s here; `MediaResolver` fetches and decodes them
 off the event loop before preprocessing.
@@ -56,7 +56,7 @@ def _video_ref(part: dict) -> media.MediaRef:
         frames = val["frames"]
         if not isinstance(frames, list) or not all(isinstance(f, str) for f in frames):
             raise BadRequest("video_url.frames must be a list of image data: URIs or URLs")
-        return media.MediaRef("video", list(frames))
+        return media.MediaRef("video", list(frames), fps=fps)  # the frames' own rate
     return media.MediaRef("video", _url_of(part, "video_url"), fps=fps)
 
 

@@ -18,15 +18,15 @@ def _image(m) -> media.MediaRef:
 
 
 def _video(m) -> media.MediaRef:
-    """Frames as sent (their `fps` cannot reach the processor), or a file / URL sampled at `fps`
-    frames per second (0: the model's default)."""
+    """Frames as sent (`fps`: their frame rate), or a file / URL sampled at `fps` frames per
+    second (0: the model's default)."""
     src = m.WhichOneof("source")
     if src is None:
         raise InvalidRequest("video part has no source; set frames, file or url")
-    if src == "frames":
-        return media.MediaRef("video", list(m.frames.frames))
     if m.fps < 0:
         raise InvalidRequest(f"video fps must be >= 0 (0: the model's default), got {m.fps}")
+    if src == "frames":
+        return media.MediaRef("video", list(m.frames.frames), fps=m.fps or None)
     return media.MediaRef("video", m.file if src == "file" else m.url, fps=m.fps or None)
 
 

@@ -77,6 +77,7 @@ def test_video_file_equals_its_decoded_frames(fmt, vl, mm, source_frames):
 
     messages, from_file = chat_tokens(vl, [{"type": "video_url", "video_url": {"url": uri(raw, "video/mp4")}}], mm)
     kept = messages[0]["content"][0]["video"]
+    assert messages[0]["content"][0]["fps"] == 2.0  # the kept frames' rate, for the processor's metadata
     want = list(range(0, 24, 4))  # 3 s at the processor's 2 fps: 6 of the 24 frames
     np.testing.assert_array_equal(kept, decoded[want])
     frames = [png_uri(f) for f in decoded[want]]

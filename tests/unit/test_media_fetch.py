@@ -220,3 +220,21 @@ def test_resolver_fetches_urls_then_decodes():
             return parts
     image, video = asyncio.run(main())
     assert image["image"].size == (20, 10) and [f.size for f in video["video"]] == [(20, 10)] * 2
+
+
+def test_decoding_runs_in_a_worker_thread_not_on_the_event_loop():
+    import threading
+
+    seen = []
+
+    class Watched(MediaResolver):
+        def decode_all(self, refs):
+            seen.append(threading.get_ident())
+            return super().decode_all(refs)
+
+    async def main():
+        parts = [{"type": "image", "image": MediaRef("image", png())}]
+        await Watched(MediaConfig()).resolve_parts(parts)
+        return threading.get_ident(), parts[0]["image"]
+    loop_thread, image = asyncio.run(main())
+    assert image.size == (20, 10) and seen and seen[0] != loop_thread
