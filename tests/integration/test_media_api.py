@@ -32,6 +32,18 @@ PROMPT = "What is this?"
 N = 8
 
 
+class _Files(SimpleHTTPRequestHandler):
+    """Serves the media folder; /slow answers after 30 s (the gateway gives up after 3)."""
+
+    def do_GET(self):
+        if self.path == "/slow":
+            time.sleep(30)
+        return super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
 def _wait_port(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> int:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -59,7 +71,7 @@ def _wait_healthy(url: str, timeout: float = 120.0) -> None:
 def media_gw(vl_stack, tmp_path_factory):
     """A gateway with the media flags, plus a plain HTTP file server on 127.0.0.1."""
     root, run = tmp_path_factory.mktemp("media"), tmp_path_factory.mktemp("gw")
-    files = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(root)))
+    files = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Files, directory=str(root)))
     threading.Thread(target=files.serve_forever, daemon=True).start()
     stages = vl_stack.endpoints.stages
     log = run / "gateway.log"
@@ -68,7 +80,7 @@ def media_gw(vl_stack, tmp_path_factory):
            "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
            "--port-file", str(run / "grpc.port"), "--http-port-file", str(run / "http.port"),
            "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(root),
-           "--media-timeout-s", "20", "--log-level", "WARNING"]
+           "--media-timeout-s", "3", "--media-max-mb", "1", "--log-level", "WARNING"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -140,10 +152,13 @@ def test_grpc_takes_a_video_file_and_an_image_url(vl_stack, media_gw):
     ("http://localhost:{port}/cat.png", "'localhost' is not in --allowed-media-domains"),
     ("file://{repo}/pyproject.toml", "outside --allowed-local-media-path"),
     ("{files}/missing.png", "answered HTTP 404"),
+    ("{files}/big.bin", "at most 1048576 are fetched"),
+    ("{files}/slow", "took longer than 3 s"),
 ])
 def test_refused_urls_get_400_and_the_gateway_keeps_serving(media_gw, url, needle):
     import openai
 
+    (media_gw.root / "big.bin").write_bytes(b"x" * (2 << 20))
     url = url.format(port=media_gw.files.rsplit(":", 1)[1], files=media_gw.files, repo=REPO)
     with pytest.raises(openai.BadRequestError, match=needle):
         _chat(media_gw.http, {"type": "image_url", "image_url": {"url": url}})
@@ -162,3 +177,14 @@ def _png(arr) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "PNG")
     return buf.getvalue()
+
+
+def test_a_gateway_without_an_allow_list_refuses_private_addresses(vl_stack, media_gw):
+    """The stack's own gateway has no --allowed-media-domains: public hosts only, so 127.0.0.1 is refused."""
+    import openai
+
+    (media_gw.root / "cat.png").write_bytes(png_bytes(32, 32, seed=1))
+    with pytest.raises(openai.BadRequestError, match="resolves to the non-public address 127.0.0.1"):
+        _chat(vl_stack.endpoints.http, {"type": "image_url", "image_url": {"url": f"{media_gw.files}/cat.png"}})
+    with pytest.raises(openai.BadRequestError, match="--allowed-local-media-path"):
+        _chat(vl_stack.endpoints.http, {"type": "image_url", "image_url": {"url": f"file://{media_gw.root}/cat.png"}})
