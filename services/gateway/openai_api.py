@@ -34,9 +34,8 @@ class ChatRequest:
 
 
 AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg", "opus", "m4a", "aac", "mp4", "webm")
-# content part type -> (modality it needs, key holding the media)
-MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"),
-               "input_audio": ("audio", "input_audio"), "audio_url": ("audio", "audio_url")}
+# content part type -> the modality it needs
+MEDIA_PARTS = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
 
 
 def _url_of(part: dict, key: str) -> str:
@@ -73,7 +72,8 @@ def _audio_ref(part: dict) -> media.MediaRef:
 
 
 def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = None) -> dict:
-    """One OpenAI content part -> an HF-style part; media values are unresolved `MediaRef`s."""
+    """One OpenAI content part -> an HF-style part; media values are unresolved `MediaRef`s
+    (`sampling_rate` is unused since audio is decoded by `MediaResolver`; kept for callers)."""
     if isinstance(part, str):
         return {"type": "text", "text": part}
     if not isinstance(part, dict) or "type" not in part:
@@ -85,7 +85,7 @@ def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = 
         return {"type": "text", "text": part["text"]}
     if kind not in MEDIA_PARTS:
         raise BadRequest(f"unsupported content part type {kind!r}; use text, {', '.join(MEDIA_PARTS)}")
-    need = MEDIA_PARTS[kind][0]
+    need = MEDIA_PARTS[kind]
     if need not in modalities:
         raise BadRequest(f"this model takes {', '.join(modalities) or 'text only'}; "
                          f"content part type {kind!r} is not supported")

@@ -13,6 +13,7 @@ from easerve.stages.convert import FINISH_TO_PROTO
 from easerve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, Job
 
+
 def _image(m) -> media.MediaRef:
     return media.MediaRef("image", m.data if m.WhichOneof("source") == "data" else m.url)
 
