@@ -28,7 +28,7 @@ class Server:
         app = web.Application()
         app.add_routes([web.get("/img.png", self.img), web.get("/big", self.big), web.get("/stream", self.stream),
                         web.get("/slow", self.slow), web.get("/trickle", self.trickle), web.get("/go", self.go),
-                        web.get("/loop", self.loop)])
+                        web.get("/loop", self.loop), web.get("/tone.flac", self.flac)])
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
 
     async def __aenter__(self):
@@ -68,6 +68,11 @@ class Server:
             await asyncio.sleep(1)
         self.slow_done = True
         return resp
+
+    async def flac(self, _r):
+        from tests.models.media_clips import encode_audio, tone
+
+        return web.Response(body=encode_audio(tone(0.5, 44100), "flac"), content_type="audio/flac")
 
     async def go(self, r):
         raise web.HTTPFound(r.query["to"])
@@ -238,3 +243,23 @@ def test_decoding_runs_in_a_worker_thread_not_on_the_event_loop():
         return threading.get_ident(), parts[0]["image"]
     loop_thread, image = asyncio.run(main())
     assert image.size == (20, 10) and seen and seen[0] != loop_thread
+
+
+def test_audio_url_part_is_fetched_and_resampled():
+    """OpenAI `audio_url` (vLLM's name) -> MediaRef -> fetched FLAC -> mono float32 at the model's rate."""
+    import numpy as np
+
+    from services.gateway import openai_api as oa
+    from tests.models.media_clips import tone
+
+    async def main():
+        async with Server() as srv:
+            part = oa.convert_part({"type": "audio_url", "audio_url": {"url": srv.base + "/tone.flac"}}, ("audio",))
+            resolver = MediaResolver(MediaConfig(audio_rate=16000), MediaFetcher(FetchConfig(allowed_domains=LOCAL)))
+            await resolver.resolve_parts([part])
+            return part
+    part = asyncio.run(main())
+    want = tone(0.5, 44100).mean(1)  # 16-bit in the file
+    assert part["type"] == "audio" and part["audio"].shape == (8000,)
+    got_energy, want_energy = float(np.mean(part["audio"] ** 2)), float(np.mean(want ** 2))
+    assert abs(got_energy - want_energy) < 0.01 * want_energy
