@@ -59,7 +59,7 @@ class MediaLimits:
 
     max_side: int = 8192                 # pixels, per image or video frame side
     max_frames: int = 1024               # frames kept per video
-    max_request_pixels: int = 256 << 20  # decoded pixels per request, all images and frames together
+    max_request_pixels: int = 256_000_000  # decoded pixels per request, all images and frames together
     max_source_frames: int = 108_000     # frames a video file may hold (1 h at 30 fps): decode work
     max_audio_seconds: float = 600.0     # per clip
 
