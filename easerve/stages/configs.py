@@ -215,6 +215,13 @@ class GatewayConfig(StageConfig):
     max_model_len: int = opt(0, "prompt + max_tokens limit (0: the model's, capped at 4096 like decode)")
     max_inflight: int = opt(1024, "past this many requests: 429 / RESOURCE_EXHAUSTED")
     preprocess_threads: int = opt(2, "threads for chat templates, tokenization and media")
+    allowed_media_domains: tuple[str, ...] = opt((), "hosts media URLs may name (*.example.com for subdomains); "
+                                                 "empty: any public host. Private / loopback addresses are "
+                                                 "refused unless their host is listed here")
+    allowed_local_media_path: str = opt("", "serve file:// media URLs from below this folder (empty: refused)")
+    media_max_mb: float = opt(64.0, "largest media file fetched by URL, MB")
+    media_timeout_s: float = opt(10.0, "time limit of one media URL fetch")
+    media_max_mpixels: float = opt(256.0, "decoded pixels per request (all images and video frames), millions")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)

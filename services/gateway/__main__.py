@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import serve, run
 from easerve.stages.cli import setup_process, write_port_file
@@ -21,9 +22,17 @@ from services.gateway.servicer import GatewayServicer
 log = logging.getLogger("easerve.gateway")
 
 
+def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
+    fetch = FetchConfig(allowed_domains=cfg.allowed_media_domains,
+                        allowed_local_path=cfg.allowed_local_media_path or None,
+                        max_bytes=int(cfg.media_max_mb * (1 << 20)), timeout_s=cfg.media_timeout_s)
+    limits = MediaLimits(max_request_pixels=int(cfg.media_max_mpixels * 1e6))
+    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch))
+
+
 async def main(cfg: GatewayConfig) -> None:
     adapter = load_adapter(cfg.model, role="processor", device="cpu")
-    core = GatewayCore(cfg, adapter, GatewayMetrics())
+    core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(cfg, adapter))
     core.start()
     ready = asyncio.Event()
     http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from easerve.media import MediaResolver, config_for
 from easerve.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import Unavailable, from_rpc_error
@@ -67,8 +68,9 @@ class Job:
 
 
 class GatewayCore:
-    def __init__(self, cfg: GatewayConfig, adapter, metrics):
+    def __init__(self, cfg: GatewayConfig, adapter, metrics, media: MediaResolver | None = None):
         self.cfg, self.adapter, self.m = cfg, adapter, metrics
+        self.media = media or MediaResolver(config_for(adapter))  # fetches and decodes a Job's MediaRefs
         self.started = int(time.time())
         self.limit = InflightLimit(cfg.max_inflight, "the gateway")
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
@@ -96,6 +98,8 @@ class GatewayCore:
 
     async def preprocess(self, job: Job) -> ProcessedPrompt:
         try:
+            await self.media.resolve_messages(job.messages or [])
+            await self.media.resolve_parts(job.media)
             prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
         except ValueError as e:
             raise BadRequest(str(e)) from None

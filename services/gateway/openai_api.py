@@ -1,9 +1,11 @@
 """OpenAI chat-completions schema <-> EAServe domain objects (pure, no I/O).
 
-Accepted content parts: text, image_url (data: URI or bare base64), video_url
-(data: URI of a video file, or {"frames": [data URIs]}), input_audio
-({"data": base64 WAV, "format": "wav"}). Remote http(s) URLs are refused: the
-gateway fetches nothing from the network.
+Accepted content parts (vLLM's names): text, image_url ({"url": data: URI, base64, http(s)://
+or file:// URL}), video_url ({"url": ..., "fps": optional sampling rate} of an MP4 / WebM / MKV /
+MOV / GIF / WebP file, or {"frames": [image URIs], "fps": their rate}), input_audio ({"data": base64 file,
+"format": "wav" | "flac" | "mp3" | "ogg" | "m4a" | ...}) and audio_url ({"url": ...}).
+Media parts become `easerve.media.MediaRef`s here; `MediaResolver` fetches and decodes them
+off the event loop before preprocessing.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class BadRequest(InvalidRequest):
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict]            # HF-style, media decoded
+    messages: list[dict]            # HF-style; media values are MediaRefs until GatewayCore resolves them
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -31,59 +33,69 @@ class ChatRequest:
     timeout_s: float | None = None
 
 
+AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg", "opus", "m4a", "aac", "mp4", "webm")
+# content part type -> the modality it needs
+MEDIA_PARTS = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
+
+
 def _url_of(part: dict, key: str) -> str:
     val = part.get(key)
     url = val.get("url") if isinstance(val, dict) else val
-    if not isinstance(url, str) or not url:
-        raise BadRequest(f"content part '{key}' needs {{\"url\": \"data:...;base64,...\"}}")
-    if url.startswith(("http://", "https://")):
-        raise BadRequest(f"remote URLs are not fetched; send the {key.split('_')[0]} inline as a data: URI")
+    if not isinstance(url, str) or not url.strip():
+        raise BadRequest(f"content part '{key}' needs {{\"url\": \"data:...;base64,...\" or an http(s):// URL}}")
     return url
 
 
-def _video_of(part: dict):
+def _video_ref(part: dict) -> media.MediaRef:
     val = part.get("video_url")
-    if isinstance(val, dict) and isinstance(val.get("frames"), list):
-        return media.decode_video(list(val["frames"]))
-    return media.decode_video(media.to_bytes(_url_of(part, "video_url"), "video"))
+    fps = val.get("fps") if isinstance(val, dict) else None
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        raise BadRequest(f"video_url.fps must be a positive number (frames per second to sample), got {fps!r}")
+    if isinstance(val, dict) and "frames" in val:
+        frames = val["frames"]
+        if not isinstance(frames, list) or not all(isinstance(f, str) for f in frames):
+            raise BadRequest("video_url.frames must be a list of image data: URIs or URLs")
+        return media.MediaRef("video", list(frames), fps=fps)  # the frames' own rate
+    return media.MediaRef("video", _url_of(part, "video_url"), fps=fps)
 
 
-def _audio_of(part: dict, sampling_rate: int | None):
+def _audio_ref(part: dict) -> media.MediaRef:
+    if part["type"] == "audio_url":
+        return media.MediaRef("audio", _url_of(part, "audio_url"))
     val = part.get("input_audio")
     if not isinstance(val, dict) or not isinstance(val.get("data"), str):
-        raise BadRequest("content part 'input_audio' needs {\"data\": <base64 WAV>, \"format\": \"wav\"}")
+        raise BadRequest("content part 'input_audio' needs {\"data\": <base64 audio file>, \"format\": \"wav\"}")
     fmt = val.get("format", "wav")
-    if fmt != "wav":
-        raise BadRequest(f"input_audio format {fmt!r} is not supported; send 16-bit or 32-bit PCM 'wav'")
-    if sampling_rate is None:
-        raise BadRequest("this model does not take audio; remove the input_audio part")
-    return media.decode_audio(media.to_bytes(val["data"], "audio"), target_rate=sampling_rate)
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequest(f"input_audio format {fmt!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}")
+    return media.MediaRef("audio", val["data"])
 
 
-def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None) -> dict:
+def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = None) -> dict:
+    """One OpenAI content part -> an HF-style part; media values are unresolved `MediaRef`s
+    (`sampling_rate` is unused since audio is decoded by `MediaResolver`; kept for callers)."""
     if isinstance(part, str):
         return {"type": "text", "text": part}
     if not isinstance(part, dict) or "type" not in part:
         raise BadRequest("each content part must be an object with a 'type'")
     kind = part["type"]
-    need = {"image_url": "image", "video_url": "video", "input_audio": "audio"}.get(kind)
-    if need is not None and need not in modalities:
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadRequest("text part needs a string 'text'")
+        return {"type": "text", "text": part["text"]}
+    if kind not in MEDIA_PARTS:
+        raise BadRequest(f"unsupported content part type {kind!r}; use text, {', '.join(MEDIA_PARTS)}")
+    need = MEDIA_PARTS[kind]
+    if need not in modalities:
         raise BadRequest(f"this model takes {', '.join(modalities) or 'text only'}; "
                          f"content part type {kind!r} is not supported")
-    try:
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise BadRequest("text part needs a string 'text'")
-            return {"type": "text", "text": part["text"]}
-        if kind == "image_url":
-            return {"type": "image", "image": media.decode_image(_url_of(part, "image_url"))}
-        if kind == "video_url":
-            return {"type": "video", "video": _video_of(part)}
-        if kind == "input_audio":
-            return {"type": "audio", "audio": _audio_of(part, sampling_rate)}
-    except media.MediaError as e:
-        raise BadRequest(str(e)) from None
-    raise BadRequest(f"unsupported content part type {kind!r}; use text, image_url, video_url or input_audio")
+    if need == "image":
+        ref = media.MediaRef("image", _url_of(part, "image_url"))
+    elif need == "video":
+        ref = _video_ref(part)
+    else:
+        ref = _audio_ref(part)
+    return {"type": need, need: ref}
 
 
 def convert_messages(raw, modalities: tuple[str, ...], sampling_rate: int | None) -> list[dict]:

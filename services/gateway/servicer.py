@@ -12,29 +12,42 @@ from easerve.protoconv import FINISH_TO_PROTO, sampling_from_proto
 from easerve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, Job
 
-def _image(m) -> object:
-    return media.decode_image(m.data if m.WhichOneof("source") == "data" else m.url)
+
+def _image(m) -> media.MediaRef:
+    return media.MediaRef("image", m.data if m.WhichOneof("source") == "data" else m.url)
 
 
-def _video(m) -> object:
+def _video(m) -> media.MediaRef:
+    """Frames as sent (`fps`: their frame rate), or a file / URL sampled at `fps` frames per
+    second (0: the model's default)."""
     src = m.WhichOneof("source")
+    if src is None:
+        raise InvalidRequest("video part has no source; set frames, file or url")
+    if m.fps < 0:
+        raise InvalidRequest(f"video fps must be >= 0 (0: the model's default), got {m.fps}")
     if src == "frames":
-        return media.decode_video(list(m.frames.frames))
-    return media.decode_video(m.file if src == "file" else media.to_bytes(m.url, "video"))
+        return media.MediaRef("video", list(m.frames.frames), fps=m.fps or None)
+    return media.MediaRef("video", m.file if src == "file" else m.url, fps=m.fps or None)
 
 
-def _audio(m, rate: int | None) -> np.ndarray:
+def _audio(m, rate: int | None) -> media.MediaRef:
+    """`wav` holds any audio file PyAV decodes (WAV, FLAC, MP3, Ogg, M4A); `url` a data: URI or URL."""
     if rate is None:
         raise InvalidRequest("this model does not take audio; remove the audio part")
     src = m.WhichOneof("source")
+    if src is None:
+        raise InvalidRequest("audio part has no source; set wav, samples or url")
     if src == "samples":
+        if len(m.samples.f32le) % 4:
+            raise InvalidRequest(f"audio samples.f32le has {len(m.samples.f32le)} bytes; send whole float32 values")
         raw = np.frombuffer(m.samples.f32le, dtype="<f4")
-        return media.decode_audio(raw, sample_rate=m.samples.sample_rate, target_rate=rate)
-    data = m.wav if src == "wav" else media.to_bytes(m.url, "audio")
-    return media.decode_audio(data, target_rate=rate)
+        return media.MediaRef("audio", raw, sample_rate=m.samples.sample_rate)
+    return media.MediaRef("audio", m.wav if src == "wav" else m.url)
 
 
 def part_to_hf(p, modalities: tuple[str, ...], rate: int | None) -> dict:
+    """One proto content part -> an HF-style part; media values are `MediaRef`s that
+    `GatewayCore.preprocess` fetches and decodes off the event loop."""
     kind = p.WhichOneof("part")
     if kind is None:
         raise InvalidRequest("empty content part; set text, image, video or audio")
@@ -73,7 +86,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        job = self._job(request, remaining_from_context(context))  # MediaError is a ValueError: INVALID_ARGUMENT
+        job = self._job(request, remaining_from_context(context))
         async for d in self.core.generate(job):
             msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
                                                finish_reason=FINISH_TO_PROTO[d.finish_reason])

@@ -1,0 +1,138 @@
+"""From what a request names (`MediaRef`) to what the HF processor takes, off the event loop.
+
+The API fronts turn content parts into `MediaRef`s (pure parsing); `MediaResolver.resolve_parts`
+then fetches the URLs among them concurrently (async, `MediaFetcher`) and decodes everything in
+one worker thread, charging one `PixelBudget` per request.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from easerve.media.audio import decode_audio
+from easerve.media.common import MediaError, MediaLimits, PixelBudget, is_url, to_bytes
+from easerve.media.fetch import FetchConfig, MediaFetcher
+from easerve.media.image import decode_image
+from easerve.media.video import VideoSampling, decode_video, decode_video_file, is_video_file
+
+KINDS = ("image", "video", "audio")
+
+
+@dataclass
+class MediaRef:
+    """One media item as sent: bytes, base64, a data: URI, a URL, a frame list or samples."""
+
+    kind: str
+    source: Any
+    fps: float | None = None          # video: for files, frames per second to sample (None: the model's);
+                                      # for frame lists, their frame rate
+    sample_rate: int | None = None    # raw audio samples: their rate
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"media kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """What the gateway's model takes, and the limits it decodes under."""
+
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    sampling: VideoSampling = field(default_factory=VideoSampling)
+    audio_rate: int | None = None             # None: the model takes no audio
+    audio_max_seconds: float | None = None    # the encoder's window when clips must fit in it
+    audio_window_note: str = ""               # why, for the error message
+
+    def __post_init__(self) -> None:
+        if self.audio_max_seconds is not None and not self.audio_max_seconds > 0:
+            raise ValueError(f"audio_max_seconds must be > 0, got {self.audio_max_seconds}")
+
+
+class MediaResolver:
+    def __init__(self, cfg: MediaConfig, fetcher: MediaFetcher | None = None):
+        self.cfg = cfg
+        self.fetcher = fetcher or MediaFetcher(FetchConfig())
+
+    async def resolve_parts(self, parts: list[dict]) -> None:
+        """Replace, in place, each `MediaRef` value of HF-style parts ({"type": k, k: ref}) by its
+        decoded value; a video part also gets "fps", the frame rate of its frames, when known.
+        Raises MediaError (a ValueError) naming what to change."""
+        slots = [(p, p["type"]) for p in parts if isinstance(p.get(p.get("type")), MediaRef)]
+        if not slots:
+            return
+        refs = [p[k] for p, k in slots]
+        await asyncio.gather(*(self._fetch_ref(r) for r in refs))
+        decoded = await asyncio.to_thread(self.decode_all, refs)
+        for (p, k), (value, extra) in zip(slots, decoded):
+            p[k] = value
+            p.update(extra)
+
+    async def resolve_messages(self, messages: list[dict]) -> None:
+        await self.resolve_parts([p for m in messages if isinstance(m.get("content"), list)
+                                  for p in m["content"]])
+
+    async def _fetch_ref(self, ref: MediaRef) -> None:
+        if is_url(ref.source):
+            ref.source = await self.fetcher.fetch(ref.source)
+        elif isinstance(ref.source, list):
+            ref.source = list(await asyncio.gather(*(self.fetcher.fetch(f) if is_url(f) else _same(f)
+                                                     for f in ref.source)))
+
+    def decode_all(self, refs: list[MediaRef]) -> list[tuple[Any, dict]]:
+        """Decode already-fetched refs with one request budget (call from a worker thread):
+        (value, extra part keys) per ref."""
+        budget = PixelBudget(self.cfg.limits.max_request_pixels)
+        return [self.decode(r, budget) for r in refs]
+
+    def decode(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
+        lim = self.cfg.limits
+        if ref.kind == "image":
+            return decode_image(ref.source, lim.max_side, budget=budget), {}
+        if ref.kind == "video":
+            return self._video(ref, budget)
+        return self._audio(ref), {}
+
+    def _video(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
+        lim, s = self.cfg.limits, self.cfg.sampling
+        src = ref.source
+        if isinstance(src, (bytes, bytearray, memoryview, str)):
+            src = to_bytes(src, "video")
+            if is_video_file(src):
+                sampling = VideoSampling(ref.fps, s.min_frames, s.max_frames, s.frame_multiple) if ref.fps else s
+                v = decode_video_file(src, sampling, lim.max_side, lim.max_frames, budget, lim.max_source_frames)
+                return v.frames, {"fps": v.sampled_fps}
+        frames = decode_video(src, lim.max_side, lim.max_frames, budget=budget)
+        return frames, ({"fps": float(ref.fps)} if ref.fps else {})
+
+    def _audio(self, ref: MediaRef):
+        lim = self.cfg.limits
+        if self.cfg.audio_rate is None:
+            raise MediaError("this model does not take audio; remove the audio part")
+        max_s = min(lim.max_audio_seconds, self.cfg.audio_max_seconds or lim.max_audio_seconds)
+        return decode_audio(ref.source, sample_rate=ref.sample_rate, target_rate=self.cfg.audio_rate,
+                            max_seconds=max_s, why=self.cfg.audio_window_note if max_s < lim.max_audio_seconds
+                            else "")
+
+
+async def _same(x):
+    return x
+
+
+# Families whose processor pads or *truncates* every clip to the encoder window (Ultravox's splits it).
+WINDOWED_AUDIO = ("qwen2-audio",)
+
+
+def config_for(adapter, limits: MediaLimits | None = None) -> MediaConfig:
+    """The media config a gateway serving `adapter` needs: its video sampling, audio rate, and for
+    windowed audio encoders the window (a longer clip would be cut by the processor, so it is refused)."""
+    limits = limits or MediaLimits()
+    rate = adapter.sampling_rate
+    window, note = None, ""
+    fe = getattr(adapter.processor, "feature_extractor", None)
+    if rate is not None and adapter.family in WINDOWED_AUDIO and fe is not None:
+        window = float(fe.n_samples) / float(fe.sampling_rate)
+        note = f" (the {adapter.family} audio encoder's window)"
+    sampling = VideoSampling.from_processor(adapter.processor) if "video" in adapter.modalities else VideoSampling()
+    return MediaConfig(limits=limits, sampling=sampling, audio_rate=rate, audio_max_seconds=window,
+                       audio_window_note=note)
