@@ -1,12 +1,13 @@
-"""`easerve.v1.Stage/Load`, served by every stage process: how much it holds, and where
-it lives (its node identity), so callers place work by load and pick transports."""
+"""`easerve.v1.Stage`, served by every stage process: how much it holds and where it lives
+(Load: callers place work by load and pick transports), and whether it can read a
+sender's shared-memory probe (ShmProbe)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from easerve.rpc.errors import grpc_errors
-from easerve.transport.node import NodeIdentity
+from easerve.transport.node import NodeIdentity, read_probe
 from easerve.v1 import stage_pb2, stage_pb2_grpc
 
 
@@ -31,6 +32,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                                      kv_total_tokens=ld.kv_total_tokens)
         self.node.to_proto(msg.node)
         return msg
+
+    @grpc_errors
+    async def ShmProbe(self, request, context):
+        return stage_pb2.ShmProbeResponse(readable=read_probe(request.name) == request.token != "")
 
 
 def adder(servicer: StageServicer):

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.control.placement import Candidate, LeastLoaded
 from easerve.rpc.errors import Unavailable, from_rpc_error
-from easerve.transport.node import NodeIdentity
+from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,24 @@ class Peers:
                 load = await p.load_stub.Load(stage_pb2.LoadRequest(), timeout=timeout)
                 p.node = NodeIdentity.from_proto(load.node)
         return p.node
+
+    async def shm_shared(self, addr: str, timeout: float = 5.0) -> bool:
+        """Can the instance read shared memory this process writes? (Tried with a probe.)"""
+        p = self._peers.get(addr)
+        if p is None:
+            return False
+        with shm_probe() as (name, token):
+            if name is None:
+                return False
+            try:
+                r = await p.load_stub.ShmProbe(stage_pb2.ShmProbeRequest(name=name, token=token), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                return False
+        return r.readable
+
+    async def reach_of(self, addr: str) -> tuple[NodeIdentity | None, bool]:
+        """(node identity, shares our /dev/shm) of an instance, for the transport choice."""
+        return await self.node_of(addr), await self.shm_shared(addr)
 
     # ---- placement -------------------------------------------------------------------------
     def pick(self, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> Peer:

@@ -1,9 +1,10 @@
 """KV handoff between prefill and decode through a transport, as KVTransfer messages.
 
 Prefill side: `KVSenders.send(addr, payload) -> (KVTransfer, sender)` picks the transport
-*per decode instance* from the two processes' node identities (`transport.node`):
-shared /dev/shm -> shm (or CUDA IPC when both ends are on GPUs), anything else -> the
-gRPC byte stream to that instance's KVStream service. A forced kind ("shm", "grpc", ...)
+*per decode instance* from where the two processes live (`transport.node`): when the
+instance reads a shared-memory probe this process wrote -> shm (or CUDA IPC when both
+ends are on GPUs of one host), anything else -> the gRPC byte stream to that instance's
+KVStream service. A forced kind ("shm", "grpc", ...)
 skips the choice. Decode side: `KVReceiver.fetch(msg) -> KVPayload` accepts every backend
 it can. The transport moves the codec parts (typed header + raw tensors, never pickle);
 the message carries only the handle (or the bytes, for inline).
@@ -18,36 +19,37 @@ from easerve.rpc.errors import InvalidRequest
 from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
-from easerve.transport.node import NodeIdentity, reach
+from easerve.transport.node import NodeIdentity
 from easerve.transport.shm import ShmTransport
 from easerve.types import KVPayload
 from easerve.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 KINDS = ("auto", "inline", "shm", "grpc", "cuda_ipc")
-NodeLookup = Callable[[str], Awaitable[NodeIdentity | None]]
+ReachLookup = Callable[[str], Awaitable[tuple[NodeIdentity | None, bool]]]
 
 
-def choose_kind(me: NodeIdentity, peer: NodeIdentity | None) -> tuple[str, str]:
-    """(transport kind, why) for sending from `me` to `peer` (None: identity unknown)."""
+def choose_kind(me: NodeIdentity, peer: NodeIdentity | None, shared_shm: bool) -> tuple[str, str]:
+    """(transport kind, why) for sending from `me` to `peer` (None: identity unknown),
+    given whether the peer read our shared-memory probe."""
     if peer is None:
         return "grpc", "the peer's node identity is unknown"
-    r = reach(me, peer)
-    if r.shared_shm and me.device.startswith("cuda") and peer.device.startswith("cuda"):
-        return "cuda_ipc", f"{r.summary}, both on GPU"
-    if r.shared_shm:
-        return "shm", r.summary
-    return "grpc", r.summary
+    same = me.host_id == peer.host_id
+    if shared_shm and same and me.device.startswith("cuda") and peer.device.startswith("cuda"):
+        return "cuda_ipc", "same host, shared /dev/shm, both on GPU"
+    if shared_shm:
+        return "shm", "shared /dev/shm"
+    return "grpc", "same host, separate /dev/shm" if same else "another host"
 
 
 class KVSenders:
     """One sender per kind (a single shm slab serves every decode instance of this host),
     one gRPC stream transport per remote decode instance."""
 
-    def __init__(self, me: NodeIdentity, node_of: NodeLookup, kind: str = "auto", channel_options=()):
+    def __init__(self, me: NodeIdentity, reach_of: ReachLookup, kind: str = "auto", channel_options=()):
         if kind not in KINDS:
             raise ValueError(f"--kv-transport {kind!r}: choose one of {', '.join(KINDS)}")
-        self.me, self.kind, self._node_of, self._opts = me, kind, node_of, list(channel_options)
+        self.me, self.kind, self._reach_of, self._opts = me, kind, reach_of, list(channel_options)
         self._by_addr: dict[str, KVTransport] = {}
         self._shared: dict[str, KVTransport] = {}
         self.choices: dict[str, tuple[str, str]] = {}  # addr -> (kind, why), for /metrics and logs
@@ -56,7 +58,7 @@ class KVSenders:
         t = self._by_addr.get(addr)
         if t is None:
             kind, why = (self.kind, "set by --kv-transport") if self.kind != "auto" else \
-                choose_kind(self.me, await self._node_of(addr))
+                choose_kind(self.me, *(await self._reach_of(addr)))
             t = self._make(kind, addr)
             self._by_addr[addr], self.choices[addr] = t, (kind, why)
             log.info("KV to %s over %s (%s)", addr, kind, why)

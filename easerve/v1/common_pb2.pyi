@@ -110,16 +110,12 @@ class DecodeTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class NodeIdentity(_message.Message):
-    __slots__ = ("host_id", "shm_probe", "shm_token", "device")
+    __slots__ = ("host_id", "device")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
-    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     host_id: str
-    shm_probe: str
-    shm_token: str
     device: str
-    def __init__(self, host_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., shm_token: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings")

@@ -27,3 +27,17 @@ class LoadResponse(_message.Message):
     kv_free_tokens: int
     kv_total_tokens: int
     def __init__(self, stage: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., queued: _Optional[int] = ..., node: _Optional[_Union[_common_pb2.NodeIdentity, _Mapping]] = ..., kv_free_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ...) -> None: ...
+
+class ShmProbeRequest(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: str
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class ShmProbeResponse(_message.Message):
+    __slots__ = ("readable",)
+    READABLE_FIELD_NUMBER: _ClassVar[int]
+    readable: bool
+    def __init__(self, readable: _Optional[bool] = ...) -> None: ...

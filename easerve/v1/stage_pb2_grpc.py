@@ -39,12 +39,23 @@ class StageStub:
                 request_serializer=easerve_dot_v1_dot_stage__pb2.LoadRequest.SerializeToString,
                 response_deserializer=easerve_dot_v1_dot_stage__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.ShmProbe = channel.unary_unary(
+                '/easerve.v1.Stage/ShmProbe',
+                request_serializer=easerve_dot_v1_dot_stage__pb2.ShmProbeRequest.SerializeToString,
+                response_deserializer=easerve_dot_v1_dot_stage__pb2.ShmProbeResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShmProbe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=easerve_dot_v1_dot_stage__pb2.LoadRequest.FromString,
                     response_serializer=easerve_dot_v1_dot_stage__pb2.LoadResponse.SerializeToString,
+            ),
+            'ShmProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShmProbe,
+                    request_deserializer=easerve_dot_v1_dot_stage__pb2.ShmProbeRequest.FromString,
+                    response_serializer=easerve_dot_v1_dot_stage__pb2.ShmProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class Stage:
             '/easerve.v1.Stage/Load',
             easerve_dot_v1_dot_stage__pb2.LoadRequest.SerializeToString,
             easerve_dot_v1_dot_stage__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShmProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/easerve.v1.Stage/ShmProbe',
+            easerve_dot_v1_dot_stage__pb2.ShmProbeRequest.SerializeToString,
+            easerve_dot_v1_dot_stage__pb2.ShmProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ import pytest
 from easerve import Client
 from easerve.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import Deployment, Worker
-from hasctl.launch import Stack
+from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow
@@ -26,11 +26,14 @@ ONE = {"threads": 1}
 
 
 def _multi(model: str, *, restart: bool = False) -> Stack:
+    cores = sorted(os.sched_getaffinity(0))
+    decode = tuple(Worker(f"cpu:{cores[i % len(cores)]}",
+                          flags={"num-slots": 8, "metrics-listen": f"127.0.0.1:{free_port()}"}) for i in range(2))
     d = Deployment(
         model=model, name="2x2",
         encode=(Worker(flags={"max-batch": 4, **ONE}),),
         prefill=(Worker(flags={"kv-transport": "shm", **ONE}), Worker(flags={"kv-transport": "grpc", **ONE})),
-        decode=(Worker(flags={"num-slots": 8, **ONE}), Worker(flags={"num-slots": 8, **ONE}))).with_gateway_ports(0, 0)
+        decode=decode).with_gateway_ports(0, 0)
     return Stack(d, restart=restart, env={"EASERVE_LOG_LEVEL": "WARNING"})
 
 
@@ -68,10 +71,17 @@ def _run_all(stack, reqs, workers: int = 6) -> list[list[int]]:
         return [f.result() for f in futs]
 
 
-def _count(stack, name: str, metric: str) -> float:
+def _kv_received(stack, name: str) -> dict[str, float]:
+    """Requests whose KV this decode instance took in, by transport (its /metrics)."""
+    import re
     import urllib.request
-    text = urllib.request.urlopen(stack.endpoints.http + "/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(metric))
+    argv = stack._procs[name].cmd.argv
+    addr = argv[argv.index("--metrics-listen") + 1]
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^easerve:kv_receive_seconds_count\{transport="(\w+)"\} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 def test_mixed_load_on_2x2_equals_one_instance(vl_multi, vl_stack):
@@ -84,6 +94,17 @@ def test_mixed_load_on_2x2_equals_one_instance(vl_multi, vl_stack):
     served = {n: _load(vl_multi, n) for n in ("decode-0", "decode-1", "prefill-0", "prefill-1", "encode-0")}
     assert all(s.inflight == 0 for s in served.values()), served
     assert {s.node.host_id for s in served.values()} == {served["encode-0"].node.host_id}
+    received = {n: _kv_received(vl_multi, n) for n in ("decode-0", "decode-1")}
+    assert all(sum(r.values()) > 0 for r in received.values()), received  # both decode instances decoded
+    assert sum(r.get("shm", 0) for r in received.values()) > 0, received    # prefill-0's KV over shm
+    assert sum(r.get("grpc", 0) for r in received.values()) > 0, received   # prefill-1's over the gRPC stream
+
+
+def test_cpu_core_devices_pin_the_stage(vl_multi):
+    cores = sorted(os.sched_getaffinity(0))
+    for i in range(2):
+        want = {cores[i % len(cores)]}
+        assert os.sched_getaffinity(vl_multi.pids[f"decode-{i}"]) == want
 
 
 def test_kv_goes_to_the_decode_that_holds_the_reservation(vl_multi):
@@ -132,3 +153,15 @@ def test_killing_one_decode_lets_new_requests_flow_to_the_other(vl_multi):
              for k in range(6)]
     assert all(o.usage.completion_tokens >= 1 for o in after)
     assert _load(vl_multi, "decode-1").inflight == 0
+
+
+def test_monolith_answers_like_the_one_instance_stack(vl_stack):
+    from hasctl.deployment import preset
+    reqs = _requests()[:5]
+    want = [list(Client(vl_stack.endpoints.grpc, timeout=180).generate(max_tokens=N, **kw).token_ids)
+            for _, kw in reqs]
+    d = preset("monolith").with_model(vl_stack.deployment.model).with_gateway_ports(0, 0)
+    with Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"}) as mono:
+        assert set(mono.pids) == {"monolith-0", "gateway"}
+        assert _run_all(mono, reqs, workers=3) == want
+        assert _load(mono, "monolith-0").inflight == 0

@@ -24,7 +24,7 @@ def test_stubs_import_as_package_and_declare_services():
     methods = {
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]: {"Generate", "ListModels"},
         decode_pb2.DESCRIPTOR.services_by_name["Decode"]: {"Open", "Submit", "Stats", "Cancel"},
-        stage_pb2.DESCRIPTOR.services_by_name["Stage"]: {"Load"},
+        stage_pb2.DESCRIPTOR.services_by_name["Stage"]: {"Load", "ShmProbe"},
         kv_pb2.DESCRIPTOR.services_by_name["KVStream"]: {"Push"},
     }
     for service, want in methods.items():
