@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from hasctl.deployment import PRESETS, Deployment, preset
+from hasctl.deployment import ALIASES, PRESETS, Deployment, preset
 
 DEFAULT_TINY_ROOT = "~/.cache/easerve/tiny"
 
@@ -19,7 +19,8 @@ DEFAULT_TINY_ROOT = "~/.cache/easerve/tiny"
 def add_parser(sub) -> None:
     p = sub.add_parser("up", help="launch a deployment on this host (default: the tiny model, preset 'default')")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a named deployment (default: default)")
+    src.add_argument("--preset", default=None, choices=sorted([*PRESETS, *ALIASES]),
+                     help="a named deployment (default: default)")
     src.add_argument("--deployment", default=None, help="a deployment file (.json / .yaml), e.g. from hasctl tune")
     p.add_argument("--model", default=None, help="checkpoint folder; default: the deployment's, else the tiny model")
     p.add_argument("--device", default=None, help="put every stage on this device (cpu, cuda:0, ...)")
