@@ -16,7 +16,8 @@ A family subclass declares *what* its checkpoint looks like; this class does the
 Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default handles
 `PreTrainedModel`s, parameters and plain modules without non-persistent buffers),
 `expected_tokens(modality, meta)` (per-item placeholder count, for validation),
-`prefill_positions(input_ids, req)` (positions + rope delta; default 1-D), `decode_position_ids`
+`prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
+batched prefill pads them, see `easerve.models.prefill_batch`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
 (occurrences of the placeholder string in each item's replacement text).
 
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from easerve.models import prefill_batch as pb
 from easerve.models.base import ModelAdapter
 from easerve.models.weights import (fast_init, get_submodule, held_parameters, load_into,
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
@@ -246,25 +248,37 @@ class HFAdapter(ModelAdapter):
                                  f"tokens but the {mod} embeddings have {rows} rows; the prompt and "
                                  f"media items must come from the same preprocess call")
 
+    def check_prefill(self, req: PrefillRequest) -> None:
+        """Raise ValueError naming what to change when `req` cannot be prefilled (empty
+        prompt, embeddings that do not fit its placeholders). Cheap: no forward; `prefill`
+        runs it too, so callers batching requests can fail one bad request alone first."""
+        if not req.input_ids:
+            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+        self._check_embeddings(req, torch.tensor(req.input_ids, dtype=torch.long))
+
+    def _place_items(self, embeds: torch.Tensor, ids: torch.Tensor, req: PrefillRequest) -> None:
+        """Write each media item's rows at its placeholders of `ids`, in `embeds` (in place)."""
+        for mod, tid in self.placeholder_ids.items():
+            rows = [e for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod]
+            if rows:
+                embeds[ids == tid] = torch.cat(rows).to(embeds.device, embeds.dtype)
+
     def scatter_embeddings(self, ids: torch.Tensor, req: PrefillRequest) -> torch.Tensor:
         """`get_input_embeddings()(ids)` with each item's rows at its placeholders, [1, L, H]."""
         self._check_embeddings(req, ids)
         embeds = self.embed_tokens(ids).clone()
-        for mod, tid in self.placeholder_ids.items():
-            rows = [e for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod]
-            if rows:
-                mask = (ids == tid)
-                embeds[mask] = torch.cat(rows).to(embeds.device, embeds.dtype)
+        self._place_items(embeds, ids, req)
         return embeds
 
     @torch.inference_mode()
     def prefill_one(self, req: PrefillRequest) -> PrefillResult:
+        """One request, one unpadded forward (the reference `prefill` must agree with)."""
         from transformers import DynamicCache
 
-        if not req.input_ids:
-            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+        self.check_prefill(req)
         ids = torch.tensor([req.input_ids], dtype=torch.long, device=self.device)
-        embeds = self.scatter_embeddings(ids, req)
+        embeds = self.embed_tokens(ids).clone()
+        self._place_items(embeds, ids, req)
         positions, delta = self.prefill_positions(ids, req)
         cache = DynamicCache(config=self.text_config)
         hidden = self.lm_hidden(embeds, positions, cache)
@@ -273,10 +287,37 @@ class HFAdapter(ModelAdapter):
         values = [layer.values[0] for layer in cache.layers]
         return PrefillResult(req.request_id, keys, values, logits.float(), ids.shape[1], int(delta))
 
+    @torch.inference_mode()
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
-        """One LM pass per request (exact, no padding)."""
+        """All requests in ONE right-padded LM forward (`easerve.models.prefill_batch`);
+        one request takes the exact `prefill_one` path. Every request is checked before
+        the forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
         self._need_model()
-        return [self.prefill_one(r) for r in reqs]
+        if len(reqs) <= 1:
+            return [self.prefill_one(r) for r in reqs]
+        for r in reqs:
+            self.check_prefill(r)
+        return self._prefill_padded(reqs)
+
+    def _prefill_padded(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+        from transformers import DynamicCache
+
+        ids, lens = pb.padded_ids([r.input_ids for r in reqs], self.device)
+        width, lens_list = ids.shape[1], [len(r.input_ids) for r in reqs]
+        embeds = self.embed_tokens(ids).clone()
+        positions, deltas = [], []
+        for b, (r, n) in enumerate(zip(reqs, lens_list)):
+            row = ids[b:b + 1, :n]
+            self._place_items(embeds[b:b + 1, :n], row, r)
+            pos, delta = self.prefill_positions(row, r)
+            positions.append(pb.pad_positions(pos, width))
+            deltas.append(delta)
+        cache = DynamicCache(config=self.text_config)
+        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-2), cache,
+                                attention_mask=pb.padding_mask(lens, width))
+        logits = self.lm_head(pb.last_rows(hidden, lens))
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return pb.split_results([r.request_id for r in reqs], layers, logits, lens_list, deltas)
 
     # ---- gateway -----------------------------------------------------------------------
     def split_items(self, out: Any, modality: str) -> list[tuple[dict, dict]]:
