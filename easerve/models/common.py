@@ -289,7 +289,7 @@ class HFAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
-        """All requests in ONE right-padded LM forward (`easerve.models.prefill_batch`);
+        """All requests in ONE packed LM forward (`easerve.models.prefill_batch`);
         one request takes the exact `prefill_one` path. Every request is checked before
         the forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
         self._need_model()
@@ -297,27 +297,26 @@ class HFAdapter(ModelAdapter):
             return [self.prefill_one(r) for r in reqs]
         for r in reqs:
             self.check_prefill(r)
-        return self._prefill_padded(reqs)
+        return self._prefill_packed(reqs)
 
-    def _prefill_padded(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+    def _prefill_packed(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         from transformers import DynamicCache
 
-        ids, lens = pb.padded_ids([r.input_ids for r in reqs], self.device)
-        width, lens_list = ids.shape[1], [len(r.input_ids) for r in reqs]
+        ids, starts = pb.packed_ids([r.input_ids for r in reqs], self.device)
         embeds = self.embed_tokens(ids).clone()
         positions, deltas = [], []
-        for b, (r, n) in enumerate(zip(reqs, lens_list)):
-            row = ids[b:b + 1, :n]
-            self._place_items(embeds[b:b + 1, :n], row, r)
-            pos, delta = self.prefill_positions(row, r)
-            positions.append(pb.pad_positions(pos, width))
+        for r, a, e in zip(reqs, starts, starts[1:]):
+            self._place_items(embeds[:, a:e], ids[:, a:e], r)
+            pos, delta = self.prefill_positions(ids[:, a:e], r)
+            positions.append(pos)
             deltas.append(delta)
+        mask = pb.block_causal_mask(self.language_model.config, embeds, pb.segment_ids(starts, self.device))
         cache = DynamicCache(config=self.text_config)
-        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-2), cache,
-                                attention_mask=pb.padding_mask(lens, width))
-        logits = self.lm_head(pb.last_rows(hidden, lens))
+        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-1), cache, attention_mask=mask)
+        ends = torch.tensor(starts[1:], device=self.device) - 1
+        logits = self.lm_head(hidden[0, ends])
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return pb.split_results([r.request_id for r in reqs], layers, logits, lens_list, deltas)
+        return pb.split_results([r.request_id for r in reqs], layers, logits, starts, deltas)
 
     # ---- gateway -----------------------------------------------------------------------
     def split_items(self, out: Any, modality: str) -> list[tuple[dict, dict]]:

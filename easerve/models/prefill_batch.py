@@ -1,11 +1,13 @@
 """Tensor plumbing of batched prefill: several prompts of different lengths in one LM forward.
 
-Layout: right padding. Prompt b (length T_b) fills row b of a [B, L] batch, L = max T_b;
-the pad slots hold token id 0 and positions that keep counting past the prompt. The
-forward gets a [B, L] padding mask, from which transformers builds the causal + padding
-4-D mask. A real query only ever sees its own row's keys at positions <= its own, so
-real rows compute exactly what a one-prompt forward computes; pad rows are thrown away
-(their KV is cut off, their logits never read).
+Layout: packing. The prompts are laid end to end in ONE row of S = sum(T_b) tokens (no
+padding, so the linear layers compute exactly the real tokens); each prompt keeps its own
+positions (restarting at 0; Qwen2.5-VL's M-RoPE rows come from its own `get_rope_index`),
+and a block-diagonal causal mask lets every token attend only to the earlier tokens of its
+own prompt. So each prompt's tokens compute what a one-prompt forward computes (up to
+float summation order). The mask is built by transformers' own `create_causal_mask` with
+a "same segment" AND-term, so it comes in the format of the LM's attention implementation
+(boolean for sdpa, additive for eager).
 
 `HFAdapter.prefill` uses these; each family only supplies its per-request positions
 (`prefill_positions`: [1, T] for 1-D RoPE, [4, 1, T] for Qwen2.5-VL's M-RoPE).
@@ -16,46 +18,45 @@ import torch
 
 from easerve.types import PrefillResult
 
-PAD_ID = 0  # any id inside the vocab: pad slots are masked and dropped
+
+def packed_ids(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """All prompts end to end, [1, S], and each prompt's start offset (plus S at the end)."""
+    starts = [0]
+    for p in prompts:
+        starts.append(starts[-1] + len(p))
+    flat = [t for p in prompts for t in p]
+    return torch.tensor([flat], dtype=torch.long, device=device), starts
 
 
-def padded_ids(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, L] and the lengths [B] (long, on `device`)."""
-    lens = [len(p) for p in prompts]
-    width = max(lens)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
+def segment_ids(starts: list[int], device: torch.device) -> torch.Tensor:
+    """[1, S] index of the prompt each packed slot belongs to."""
+    lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=device)
+    return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)[None]
 
 
-def pad_positions(pos: torch.Tensor, width: int) -> torch.Tensor:
-    """One prompt's positions (..., 1, T) -> (..., 1, width): pad slots continue from the
-    last position by +1 per slot (finite RoPE angles; their rows are dropped anyway)."""
-    extra = width - pos.shape[-1]
-    if extra == 0:
-        return pos
-    step = torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)
-    return torch.cat([pos, pos[..., -1:] + step], dim=-1)
+def block_causal_mask(lm_config, embeds: torch.Tensor, segments: torch.Tensor):
+    """Causal AND same-segment mask for the packed row, in the format the LM's attention
+    implementation takes (4-D). Raises ValueError for implementations that take no mask."""
+    from transformers.masking_utils import create_causal_mask
 
-
-def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width] long mask: 1 on each row's first lens[b] slots (transformers' 2-D format)."""
-    return (torch.arange(width, device=lens.device)[None, :] < lens[:, None]).long()
-
-
-def last_rows(hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """hidden [B, L, H] -> [B, H]: each row's last real position."""
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
+    same = lambda b, h, q, k: segments[b, q] == segments[b, k]  # noqa: E731
+    mask = create_causal_mask(config=lm_config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                              and_mask_function=same)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(f"batched prefill needs a mask-based attention implementation (sdpa, eager); "
+                         f"this LM uses {lm_config._attn_implementation!r}: load the adapter with "
+                         "attn_implementation='sdpa' or prefill one request per call")
+    return mask
 
 
 def split_results(request_ids: list[str], layers: list[tuple[torch.Tensor, torch.Tensor]],
-                  logits: torch.Tensor, lens: list[int], deltas: list[int]) -> list[PrefillResult]:
-    """Batched per-layer (keys, values) [B, kv_heads, L, d] -> one PrefillResult per row,
-    its KV cut to its own length (own contiguous memory, so one result can be freed alone)."""
+                  logits: torch.Tensor, starts: list[int], deltas: list[int]) -> list[PrefillResult]:
+    """Packed per-layer (keys, values) [1, kv_heads, S, d] -> one PrefillResult per prompt,
+    its KV its own slice (own contiguous memory, so one result can be freed alone)."""
     out = []
-    for b, (rid, n, delta) in enumerate(zip(request_ids, lens, deltas)):
-        keys = [k[b, :, :n].contiguous() for k, _ in layers]
-        values = [v[b, :, :n].contiguous() for _, v in layers]
-        out.append(PrefillResult(rid, keys, values, logits[b].float(), n, int(delta)))
+    for b, (rid, delta) in enumerate(zip(request_ids, deltas)):
+        a, e = starts[b], starts[b + 1]
+        keys = [k[0, :, a:e].contiguous() for k, _ in layers]
+        values = [v[0, :, a:e].contiguous() for _, v in layers]
+        out.append(PrefillResult(rid, keys, values, logits[b].float(), e - a, int(delta)))
     return out
