@@ -74,8 +74,16 @@ class HFAdapter(ModelAdapter):
         self.generation_eos = self._read_eos()
         self.placeholder_ids = {m: self._token_id(t) for m, t in self.placeholder_tokens.items()}
         self.model = self._load_model() if role != "processor" else None
+        self._use_packed_attention()
 
     # ---- loading ------------------------------------------------------------------------
+    def _use_packed_attention(self) -> None:
+        """An LM loaded with sdpa runs `prefill_batch.ATTN_IMPL`: sdpa, plus per-prompt
+        (varlen) attention when a packed prefill asks for it."""
+        if self.role in ("prefill", "decode", "full") and self.attn_implementation == "sdpa":
+            pb.register()
+            self.language_model.set_attn_implementation(pb.ATTN_IMPL)
+
     def _read_eos(self) -> tuple[int, ...]:
         from transformers import GenerationConfig
         try:
@@ -310,9 +318,9 @@ class HFAdapter(ModelAdapter):
             pos, delta = self.prefill_positions(ids[:, a:e], r)
             positions.append(pos)
             deltas.append(delta)
-        mask = pb.block_causal_mask(self.language_model.config, embeds, pb.segment_ids(starts, self.device))
+        attn = pb.attention_kwargs(self.language_model.config, embeds, starts)
         cache = DynamicCache(config=self.text_config)
-        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-1), cache, attention_mask=mask)
+        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-1), cache, **attn)
         ends = torch.tensor(starts[1:], device=self.device) - 1
         logits = self.lm_head(hidden[0, ends])
         layers = [(layer.keys, layer.values) for layer in cache.layers]

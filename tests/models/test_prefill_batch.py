@@ -74,3 +74,31 @@ def test_a_bad_request_fails_the_batch_before_the_forward(adapters, mixed_reques
         pre.check_prefill(PrefillRequest("bad", reqs[0].input_ids, reqs[0].embeddings * 2, reqs[0].items_meta))
     with pytest.raises(ValueError, match="empty prompt"):
         pre.prefill([reqs[1], PrefillRequest("bad", [], [], [])])
+
+
+def test_sdpa_adapters_prefill_with_per_prompt_attention(adapters):
+    from easerve.models.prefill_batch import ATTN_IMPL
+
+    for family in FAMILIES:
+        assert adapters(family, "prefill").language_model.config._attn_implementation == ATTN_IMPL
+
+
+@pytest.mark.parametrize("how", ["eager", "engine"])
+def test_mask_fallback_equals_one_at_a_time(tiny_checkpoint, mixed_requests, decode_greedy, how):
+    """LMs not on the packed attention (eager; or switched to the decode engine's attention,
+    as in the in-process pipeline) get a block-diagonal mask and the same results."""
+    from easerve.engine.attention import ATTN_IMPL as ENGINE_ATTN, use_engine_attention
+    from easerve.models.registry import adapter_class
+
+    cls = adapter_class("qwen2.5-vl")
+    pre = cls(str(tiny_checkpoint("qwen2.5-vl")), role="prefill",
+              attn_implementation="eager" if how == "eager" else "sdpa")
+    if how == "engine":
+        use_engine_attention(pre.language_model)
+    assert pre.language_model.config._attn_implementation == ("eager" if how == "eager" else ENGINE_ATTN)
+    reqs = mixed_requests("qwen2.5-vl")
+    for req, got in zip(reqs, pre.prefill(reqs)):
+        ref = pre.prefill_one(req)
+        torch.testing.assert_close(got.last_logits, ref.last_logits, **KV_TOL)
+        torch.testing.assert_close(got.keys[-1], ref.keys[-1], **KV_TOL)
+        assert decode_greedy(pre, got) == decode_greedy(pre, ref)
