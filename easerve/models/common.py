@@ -17,7 +17,7 @@ Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default 
 `PreTrainedModel`s, parameters and plain modules without non-persistent buffers),
 `expected_tokens(modality, meta)` (per-item placeholder count, for validation),
 `prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
-batched prefill pads them, see `easerve.models.prefill_batch`), `decode_position_ids`
+batched prefill lays them end to end, see `easerve.models.prefill_batch`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
 (occurrences of the placeholder string in each item's replacement text).
 
