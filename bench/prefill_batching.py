@@ -3,7 +3,7 @@
 N image requests (default 8) whose prompts differ in length (a different image size and a
 different amount of text each) are encoded once; then, `--repeats` times, the prefill
 adapter runs them (a) one at a time, `adapter.prefill([r])` for each r (the exact
-unpadded path), and (b) as one call `adapter.prefill(all)`: one right-padded LM forward.
+unpadded path), and (b) as one call `adapter.prefill(all)`: one packed LM forward.
 Both use the same torch thread count (`torch.set_num_threads(--threads)`, 1 by default).
 The per-request greedy first tokens of (a) and (b) are compared (they must be equal).
 
@@ -14,8 +14,13 @@ of all tokens), i.e. what batching can buy on this machine at all; prefill is mo
 matmuls. Last stdout line: one JSON object, "batched_over_single" first (median single time
 / median batched time; target >= 2).
 
+On a CPU a prompt of a few dozen tokens already keeps the matmuls near the core's peak, so
+there the ratio follows "linear_ceiling"; short prompts show more of the per-request cost
+(weight reads, Python per layer) that batching removes:
+
   python bench/prefill_batching.py                     # bench-scale qwen2.5-vl, built once into runs/
-  python bench/prefill_batching.py --model DIR         # any checkpoint easerve can load
+  python bench/prefill_batching.py --sides 56 --words 1,2,3,4,5,6,7,8    # short prompts
+  python bench/prefill_batching.py --model DIR         # any checkpoint of an image family
 """
 from __future__ import annotations
 
