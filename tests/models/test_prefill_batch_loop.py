@@ -188,3 +188,25 @@ def test_stop_fails_waiting_requests_and_prefill_needs_start(pre, reqs):
 
     outs, pending = asyncio.run(main())
     assert pending == 0 and all(isinstance(e, RuntimeError) and "stopped" in str(e) for e in outs)
+
+
+def test_a_given_executor_is_used_and_left_running(pre, reqs):
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mine")
+    names = []
+
+    @contextlib.contextmanager
+    def scope():
+        names.append(threading.current_thread().name)
+        yield
+
+    async def work(loop):
+        return await loop.prefill(reqs[0])
+
+    try:
+        one = run(pre, work, executor=pool, scope=scope)
+        assert one.batch_size == 1 and names and names[0].startswith("mine")
+        assert pool.submit(lambda: 7).result() == 7  # stop() did not shut it down
+    finally:
+        pool.shutdown()
