@@ -1,8 +1,121 @@
-"""TEMPORARY stand-in (the real planner is being written on another branch)."""
+"""Prefill batch planner: which queued requests go into the next prefill forward.
+
+Pure policy: no clock reads, no I/O, no torch. The caller passes `now` (from an injected
+`Clock`) and executes the `PrefillBatchPlan`s it gets back.
+
+Rule (first come, first served, like vLLM's `max_num_batched_tokens` for prefill):
+take requests from the head of the queue, in arrival order, while the batch stays within
+`max_batch_size` requests and `max_batched_tokens` prompt tokens in total (prefill packs
+the prompts end to end, so the sum is what one forward computes). The first request that
+does not fit ends the batch: nothing behind it jumps ahead. A request larger than the
+whole budget runs alone when it reaches the head (`oversized`), so it is never starved.
+"""
+from __future__ import annotations
+
+from collections import deque
 from dataclasses import dataclass
+from typing import Hashable, Iterable
 
 
 @dataclass(frozen=True)
 class PrefillBatchConfig:
+    """`max_batched_tokens`: prompt tokens one batched forward may hold (vLLM's
+    max_num_batched_tokens); `max_batch_size`: requests per forward."""
+
     max_batched_tokens: int = 2048
     max_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_batched_tokens", "max_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}; set it to a positive count "
+                                 "(1 for max_batch_size prefills one request per forward)")
+
+
+@dataclass(frozen=True)
+class PrefillBatchPlan:
+    """Prefill these requests now, in this order, as one forward."""
+
+    request_ids: tuple[Hashable, ...]
+    num_tokens: tuple[int, ...]
+    at: float              # the `now` the decision was made at
+    oldest_wait_s: float   # how long the first (oldest) request had waited
+
+    @property
+    def size(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def oversized(self, config: PrefillBatchConfig) -> bool:
+        """A lone request above the token budget (allowed so that it is never starved)."""
+        return self.total_tokens > config.max_batched_tokens
+
+
+def take_fcfs(num_tokens: Iterable[int], config: PrefillBatchConfig) -> int:
+    """How many requests from the head of a queue (their prompt token counts, in arrival
+    order) form the next batch: >= 1 for a non-empty queue, 0 for an empty one."""
+    total = taken = 0
+    for tokens in num_tokens:
+        if taken == config.max_batch_size or (taken and total + tokens > config.max_batched_tokens):
+            break
+        total += tokens
+        taken += 1
+    return taken
+
+
+class PrefillBatcher:
+    """FCFS queue of one prefill worker. Not thread-safe: call it from the worker's event loop."""
+
+    def __init__(self, config: PrefillBatchConfig | None = None) -> None:
+        self.config = config or PrefillBatchConfig()
+        self._queue: deque[tuple[Hashable, int, float]] = deque()
+        self._ids: set[Hashable] = set()
+        self._last_now = float("-inf")
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(n for _, n, _ in self._queue)
+
+    def add(self, request_id: Hashable, num_tokens: int, now: float) -> None:
+        """Queue one request of `num_tokens` prompt tokens."""
+        self._tick(now)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"request {request_id!r}: num_tokens must be an int >= 1, got {num_tokens!r}; "
+                             "send a prompt of at least one token")
+        if request_id in self._ids:
+            raise ValueError(f"request {request_id!r} is already queued; give every request its own id")
+        self._queue.append((request_id, num_tokens, now))
+        self._ids.add(request_id)
+
+    def remove(self, request_id: Hashable) -> bool:
+        """Drop a queued request (cancelled). True if it was queued."""
+        if request_id not in self._ids:
+            return False
+        self._ids.discard(request_id)
+        self._queue = deque(e for e in self._queue if e[0] != request_id)
+        return True
+
+    def next_batch(self, now: float) -> PrefillBatchPlan | None:
+        """Take the next batch off the queue (None while it is empty)."""
+        self._tick(now)
+        n = take_fcfs((tokens for _, tokens, _ in self._queue), self.config)
+        if n == 0:
+            return None
+        taken = [self._queue.popleft() for _ in range(n)]
+        self._ids.difference_update(rid for rid, _, _ in taken)
+        return PrefillBatchPlan(tuple(rid for rid, _, _ in taken), tuple(t for _, t, _ in taken), now,
+                                now - taken[0][2])
+
+    def _tick(self, now: float) -> None:
+        if not now >= self._last_now:  # also rejects NaN
+            raise ValueError(f"now must not go backwards: got {now} after {self._last_now}; "
+                             "pass times from one monotonic Clock")
+        self._last_now = now

@@ -68,7 +68,14 @@ class ModelAdapter(ABC):
     @abstractmethod
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         """Scatter each request's embeddings at its placeholders, run the LM over the
-        prompt, return per-layer KV [kv_heads, T, head_dim], last logits and rope_delta."""
+        prompts (one forward for the whole batch), return per request its per-layer KV
+        [kv_heads, T, head_dim], last logits and rope_delta, in request order."""
+
+    def check_prefill(self, req: PrefillRequest) -> None:
+        """Raise ValueError naming what to change when `req` cannot be prefilled, without
+        running the model (batching callers fail one bad request alone this way)."""
+        if not req.input_ids:
+            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
 
     # ---- decode hooks used by the engine ---------------------------------------------
     @abstractmethod

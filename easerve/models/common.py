@@ -16,7 +16,8 @@ A family subclass declares *what* its checkpoint looks like; this class does the
 Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default handles
 `PreTrainedModel`s, parameters and plain modules without non-persistent buffers),
 `expected_tokens(modality, meta)` (per-item placeholder count, for validation),
-`prefill_positions(input_ids, req)` (positions + rope delta; default 1-D), `decode_position_ids`
+`prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
+batched prefill lays them end to end, see `easerve.models.prefill_batch`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
 (occurrences of the placeholder string in each item's replacement text).
 
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from easerve.models import prefill_batch as pb
 from easerve.models.base import ModelAdapter
 from easerve.models.weights import (fast_init, get_submodule, held_parameters, load_into,
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
@@ -72,8 +74,16 @@ class HFAdapter(ModelAdapter):
         self.generation_eos = self._read_eos()
         self.placeholder_ids = {m: self._token_id(t) for m, t in self.placeholder_tokens.items()}
         self.model = self._load_model() if role != "processor" else None
+        self._use_packed_attention()
 
     # ---- loading ------------------------------------------------------------------------
+    def _use_packed_attention(self) -> None:
+        """An LM loaded with sdpa runs `prefill_batch.ATTN_IMPL`: sdpa, plus per-prompt
+        (varlen) attention when a packed prefill asks for it."""
+        if self.role in ("prefill", "decode", "full") and self.attn_implementation == "sdpa":
+            pb.register()
+            self.language_model.set_attn_implementation(pb.ATTN_IMPL)
+
     def _read_eos(self) -> tuple[int, ...]:
         from transformers import GenerationConfig
         try:
@@ -246,25 +256,37 @@ class HFAdapter(ModelAdapter):
                                  f"tokens but the {mod} embeddings have {rows} rows; the prompt and "
                                  f"media items must come from the same preprocess call")
 
+    def check_prefill(self, req: PrefillRequest) -> None:
+        """Raise ValueError naming what to change when `req` cannot be prefilled (empty
+        prompt, embeddings that do not fit its placeholders). Cheap: no forward; `prefill`
+        runs it too, so callers batching requests can fail one bad request alone first."""
+        if not req.input_ids:
+            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+        self._check_embeddings(req, torch.tensor(req.input_ids, dtype=torch.long))
+
+    def _place_items(self, embeds: torch.Tensor, ids: torch.Tensor, req: PrefillRequest) -> None:
+        """Write each media item's rows at its placeholders of `ids`, in `embeds` (in place)."""
+        for mod, tid in self.placeholder_ids.items():
+            rows = [e for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod]
+            if rows:
+                embeds[ids == tid] = torch.cat(rows).to(embeds.device, embeds.dtype)
+
     def scatter_embeddings(self, ids: torch.Tensor, req: PrefillRequest) -> torch.Tensor:
         """`get_input_embeddings()(ids)` with each item's rows at its placeholders, [1, L, H]."""
         self._check_embeddings(req, ids)
         embeds = self.embed_tokens(ids).clone()
-        for mod, tid in self.placeholder_ids.items():
-            rows = [e for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod]
-            if rows:
-                mask = (ids == tid)
-                embeds[mask] = torch.cat(rows).to(embeds.device, embeds.dtype)
+        self._place_items(embeds, ids, req)
         return embeds
 
     @torch.inference_mode()
     def prefill_one(self, req: PrefillRequest) -> PrefillResult:
+        """One request, one unpadded forward (the reference `prefill` must agree with)."""
         from transformers import DynamicCache
 
-        if not req.input_ids:
-            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+        self.check_prefill(req)
         ids = torch.tensor([req.input_ids], dtype=torch.long, device=self.device)
-        embeds = self.scatter_embeddings(ids, req)
+        embeds = self.embed_tokens(ids).clone()
+        self._place_items(embeds, ids, req)
         positions, delta = self.prefill_positions(ids, req)
         cache = DynamicCache(config=self.text_config)
         hidden = self.lm_hidden(embeds, positions, cache)
@@ -273,10 +295,36 @@ class HFAdapter(ModelAdapter):
         values = [layer.values[0] for layer in cache.layers]
         return PrefillResult(req.request_id, keys, values, logits.float(), ids.shape[1], int(delta))
 
+    @torch.inference_mode()
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
-        """One LM pass per request (exact, no padding)."""
+        """All requests in ONE packed LM forward (`easerve.models.prefill_batch`);
+        one request takes the exact `prefill_one` path. Every request is checked before
+        the forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
         self._need_model()
-        return [self.prefill_one(r) for r in reqs]
+        if len(reqs) <= 1:
+            return [self.prefill_one(r) for r in reqs]
+        for r in reqs:
+            self.check_prefill(r)
+        return self._prefill_packed(reqs)
+
+    def _prefill_packed(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+        from transformers import DynamicCache
+
+        ids, starts = pb.packed_ids([r.input_ids for r in reqs], self.device)
+        embeds = self.embed_tokens(ids).clone()
+        positions, deltas = [], []
+        for r, a, e in zip(reqs, starts, starts[1:]):
+            self._place_items(embeds[:, a:e], ids[:, a:e], r)
+            pos, delta = self.prefill_positions(ids[:, a:e], r)
+            positions.append(pos)
+            deltas.append(delta)
+        attn = pb.attention_kwargs(self.language_model.config, embeds, starts)
+        cache = DynamicCache(config=self.text_config)
+        hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-1), cache, **attn)
+        ends = torch.tensor(starts[1:], device=self.device) - 1
+        logits = self.lm_head(hidden[0, ends])
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return pb.split_results([r.request_id for r in reqs], layers, logits, starts, deltas)
 
     # ---- gateway -----------------------------------------------------------------------
     def split_items(self, out: Any, modality: str) -> list[tuple[dict, dict]]:

@@ -166,3 +166,69 @@ def legacy_copy(tmp_path_factory):
         return dst
 
     return make
+
+
+# media of the mixed prefill batches, per family: each entry is one prompt's parts
+# (("image", h, w) / ("video", frames, h, w) / ("audio", seconds)) plus its words of text;
+# lengths and media counts differ, and every family has a text-only prompt
+MIXED_PROMPTS = {
+    "llava-next": [([("image", 60, 90)], 3), ([], 20), ([("image", 64, 64), ("image", 33, 70)], 1),
+                   ([("image", 20, 20)], 9)],
+    "qwen2.5-vl": [([("image", 60, 90)], 3), ([("video", 4, 56, 56)], 1), ([], 20),
+                   ([("image", 30, 30), ("video", 2, 40, 60), ("image", 84, 56)], 6)],
+    "qwen2-audio": [([("audio", 0.5)], 2), ([], 20), ([("audio", 0.3), ("audio", 1.5)], 5), ([("audio", 1.0)], 9)],
+    "ultravox": [([("audio", 0.77)], 2), ([], 20), ([("audio", 0.3), ("audio", 2.5)], 5), ([("audio", 0.2)], 9)],
+}
+WORDS = "please describe what you can see or hear in this input in a few short and clear words".split()
+
+
+def _media_part(rng, spec) -> dict:
+    kind = spec[0]
+    if kind == "image":
+        return {"type": "image", "image": random_image(rng, *spec[1:])}
+    if kind == "video":
+        return {"type": "video", "video": random_video(rng, *spec[1:])}
+    return {"type": "audio", "audio": audio_clip(rng, spec[1])}
+
+
+@pytest.fixture(scope="session")
+def mixed_requests(adapters):
+    """`mixed_requests(family)` -> PrefillRequests of MIXED_PROMPTS[family] (embeddings from
+    the family's encode adapter), built once per family."""
+    from easerve.types import PrefillRequest
+
+    built: dict[str, list] = {}
+
+    def get(family: str) -> list:
+        if family not in built:
+            rng, full, enc = np.random.RandomState(1), adapters(family, "full"), adapters(family, "encode")
+            reqs = []
+            for k, (media, words) in enumerate(MIXED_PROMPTS[family]):
+                text = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(words))
+                prompt = full.preprocess(user(*[_media_part(rng, s) for s in media], text))
+                reqs.append(PrefillRequest(f"{family}-{k}", prompt.input_ids, enc.encode(prompt.items),
+                                           [(i.modality, i.meta) for i in prompt.items]))
+            built[family] = reqs
+        return list(built[family])
+
+    return get
+
+
+def greedy_from(pre, res, new_tokens: int = 6) -> list[int]:
+    """Greedy tokens decoded from a PrefillResult's KV with a plain DynamicCache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(res.keys, res.values)],
+                         config=pre.text_config)
+    tokens = [int(res.last_logits.argmax())]
+    for k in range(new_tokens - 1):
+        pos = pre.decode_position_ids(torch.tensor([res.prompt_len + k]), torch.tensor([res.rope_delta]))
+        logits = pre.lm_forward(pre.embed_tokens(torch.tensor([[tokens[-1]]])), pos, cache)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def decode_greedy():
+    """`decode_greedy(pre, result, n)`: greedy_from above, for test modules."""
+    return greedy_from
