@@ -257,8 +257,9 @@ def header(d: Deployment, opts: ComposeOptions, argv: list[str]) -> str:
         "#   docker compose -f THIS_FILE up [--build]      (podman-compose -f THIS_FILE up works too)",
         "# Host networking: the gateway serves gRPC on :${EASERVE_GRPC_PORT:-%d} and OpenAI HTTP on"
         % d.gateway.grpc_port,
-        "# :${EASERVE_HTTP_PORT:-%d}; stages listen on 127.0.0.1 only. Your checkpoint: EASERVE_MODEL_DIR=/path."
+        "# :${EASERVE_HTTP_PORT:-%d}; stages listen on 127.0.0.1 only. Your checkpoint: EASERVE_MODEL_DIR=/path;"
         % d.gateway.http_port,
+        "# the image: EASERVE_IMAGE. Start order, shared memory and GPU numbering: docs/deploy.md.",
         ("# GPUs: NVIDIA driver >= 580 (CUDA 13) and the NVIDIA container toolkit; see docs/deploy.md."
          if gpu else "# CPU only: no GPU reservations."),
         ""])

@@ -37,7 +37,8 @@ COMPOSE = ROOT / "docker-compose.cpu.yml"
 BASE = os.environ.get("EASERVE_TEST_BASE", "localhost/debian-base:bookworm")
 IMAGE = os.environ.get("EASERVE_TEST_IMAGE", "localhost/easerve:test")
 
-pytestmark = [pytest.mark.container, pytest.mark.slow]
+# the first test also builds (the fixture): up to ~10 min cold on 2 cores, past pyproject's 600 s
+pytestmark = [pytest.mark.container, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _engine_env() -> dict[str, str]:
