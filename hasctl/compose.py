@@ -30,6 +30,7 @@ replaces either).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     d, gpus = _one_host(d, "cpu" if opts.cpu else opts.device)
     model_src = _model_source(d.model)
     if not dict(d.gateway.flags).get("served-model-name"):
-        d = d.with_flags("gateway", served_model_name=_served_name(d.model))
+        d = d.with_flags("gateway", served_model_name=served_name(d.model))
     d = d.with_model(MODEL_DIR)
     ports = _ports(d, opts.base_port)
     port_vars = {p: port_var(n) for n, p in ports.items()}
@@ -186,22 +187,7 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     services = {}
     for cmd in cmds:
         stage, w = workers.get(cmd.name, ("gateway", None))
-        argv = list(cmd.argv)
-        if stage == "gateway":
-            for flag in ("--listen", "--http-listen"):
-                argv = replace_flag(argv, flag, opts.bind + ":" + flag_value(argv, flag).rpartition(":")[2])
-        svc: dict[str, Any] = {"image": f"${{EASERVE_IMAGE:-{opts.image}}}"}
-        if opts.build_context is not None:
-            svc["build"] = {"context": opts.build_context, "dockerfile": "docker/Dockerfile"}
-        svc.update({
-            "network_mode": "host", "ipc": "host",
-            "volumes": [f"${{EASERVE_MODEL_DIR:-{model_src}}}:{MODEL_DIR}", "/dev/shm:/dev/shm"],
-            "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}"},
-            "command": _interpolated(tuple(argv), port_vars),
-            "healthcheck": _health(cmd, port_vars),
-            "restart": "unless-stopped",
-            "stop_grace_period": f"{int(grace_s(w.flags if w else d.gateway.flags)) + 5}s",
-        })
+        svc = _service(cmd, w, opts, model_src, port_vars, grace_s(w.flags if w else d.gateway.flags))
         deps = _depends(stage, w, names)
         if deps:
             svc["depends_on"] = {n: {"condition": "service_healthy"} for n in deps}
@@ -219,6 +205,28 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     return doc
 
 
+def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: str, port_vars: dict[int, str],
+             grace: float) -> dict[str, Any]:
+    """What every service has: image, host network and /dev/shm, the model, argv, health, grace."""
+    argv = list(cmd.argv)
+    if w is None:  # the gateway: the one public listener
+        for flag in ("--listen", "--http-listen"):
+            argv = replace_flag(argv, flag, opts.bind + ":" + flag_value(argv, flag).rpartition(":")[2])
+    svc: dict[str, Any] = {"image": f"${{EASERVE_IMAGE:-{opts.image}}}"}
+    if opts.build_context is not None:
+        svc["build"] = {"context": opts.build_context, "dockerfile": "docker/Dockerfile"}
+    svc.update({
+        "network_mode": "host", "ipc": "host",
+        "volumes": [f"${{EASERVE_MODEL_DIR:-{model_src}}}:{MODEL_DIR}", "/dev/shm:/dev/shm"],
+        "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}"},
+        "command": _interpolated(tuple(argv), port_vars),
+        "healthcheck": _health(cmd, port_vars),
+        "restart": "unless-stopped",
+        "stop_grace_period": f"{math.ceil(grace) + 5}s",   # SIGKILL only after the stage's drain
+    })
+    return svc
+
+
 def _model_source(model: str) -> str:
     """What is mounted at /models: the deployment's folder, or the named volume `models`
     (docker and podman fill an empty named volume with the image's /models: the tiny model)."""
@@ -229,7 +237,8 @@ def _model_source(model: str) -> str:
     return model if model.startswith(("/", ".")) else f"./{model}"
 
 
-def _served_name(model: str) -> str:
+def served_name(model: str) -> str:
+    """The model id the gateway serves: the folder's name, or the tiny model's."""
     return model.rstrip("/").rpartition("/")[2] if model else TINY_MODEL_NAME
 
 

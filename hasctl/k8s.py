@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hasctl.compose import (MODEL_DIR, TINY_MODEL_NAME, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu,
-                            load_deployment, replace_flag)
+from hasctl.compose import (MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
+                            replace_flag, served_name)
 from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, to_commands
 
 STAGE_PORTS = {"encode": 50052, "prefill": 50053, "decode": 50054}  # a worker's port when its port is 0
@@ -120,8 +120,7 @@ def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str
     pod_d = dataclasses.replace(d, **{s: tuple(by_proc[f"{s}-{i}"].worker for i in range(len(getattr(d, s))))
                                       for s in STAGES}).with_model(MODEL_DIR)
     if not dict(d.gateway.flags).get("served-model-name"):
-        pod_d = pod_d.with_flags("gateway", served_model_name=d.model.rstrip("/").rpartition("/")[2]
-                                 if d.model else TINY_MODEL_NAME)
+        pod_d = pod_d.with_flags("gateway", served_model_name=served_name(d.model))
     ports = {n: g.port for n, g in by_proc.items()}
     ports.update(gateway=d.gateway.grpc_port or 50051, **{"gateway-http": d.gateway.http_port or 8000})
     names = _instance_names(gs, opts)

@@ -92,7 +92,8 @@ def _png() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def image() -> dict[str, float]:
+    """Builds the base (when absent) and the image; returns how long each took."""
     why = _why_no_engine()
     if why:
         pytest.skip(why)
@@ -105,6 +106,13 @@ def stack(tmp_path_factory):
     _run([str(ROOT / "scripts/build-image.sh")], {**env, "IMAGE": IMAGE, "BASE": BASE, "PYTHON": sys.executable},
          timeout=1800)
     timings["image_s"] = time.monotonic() - t0
+    return timings
+
+
+@pytest.fixture(scope="module")
+def stack(image):
+    env = _engine_env()
+    timings = dict(image)
 
     project = f"easerve-test-{os.getpid()}"
     ports = {name: free_port() for name in ("EASERVE_PORT_DECODE_0", "EASERVE_PORT_PREFILL_0",
@@ -142,6 +150,21 @@ def _wait_healthy(container: str, env: dict, timeout: float) -> None:
             raise AssertionError(f"{container} is {state}, not healthy ({r.stdout.strip()} {r.stderr.strip()}):\n"
                                  f"{logs.stdout}{logs.stderr}")
         time.sleep(2)
+
+
+def test_the_image_serves_its_tiny_model_with_no_volume(image):
+    env, port, name = _engine_env(), free_port(), f"easerve-test-novolume-{os.getpid()}"
+    _run(["podman", "run", "-d", "--rm", "--network", "host", "--name", name, IMAGE, "python", "-m",
+          "services.decode", "--model", "/models", "--device", "cpu", "--listen", f"127.0.0.1:{port}"], env, 120)
+    try:
+        from easerve.healthcheck import check
+        deadline, status = time.monotonic() + 300, ""
+        while time.monotonic() < deadline and status != "SERVING":
+            time.sleep(1)
+            status = check(f"127.0.0.1:{port}", "easerve.v1.Decode", timeout=2)
+        assert status == "SERVING", _run(["podman", "logs", name], env, 60, check=False).stderr[-2000:]
+    finally:
+        _run(["podman", "rm", "-f", "-t", "5", name], env, timeout=120, check=False)
 
 
 def _client(stack):
