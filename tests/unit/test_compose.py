@@ -63,7 +63,7 @@ def gpus_2x3x3(devices=range(8)) -> Deployment:
                       decode=tuple(Worker(device=d, flags={"max-running": 96}) for d in dev[5:8]))
 
 
-CASES = {**{n: p for n, p in PRESETS.items()}, "gpu-2x3x3": gpus_2x3x3()}
+CASES = {**PRESETS, "gpu-2x3x3": gpus_2x3x3(), "text-only": Deployment(name="text-only")}
 
 
 # ---- the committed files are what hasctl compose writes ------------------------------------------

@@ -28,7 +28,7 @@ def tuned_2x3x3() -> Deployment:
                       gateway=dataclasses.replace(Deployment().gateway, flags={"max-inflight": 256}))
 
 
-CASES = {**PRESETS, "2x3x3": tuned_2x3x3()}
+CASES = {**PRESETS, "2x3x3": tuned_2x3x3(), "text-only": Deployment(name="text-only")}
 
 
 def _by_kind(objs, kind):
