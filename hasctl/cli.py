@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hasctl import demo, tiny_cmd, up_cmd
+from hasctl import compose, demo, k8s, tiny_cmd, up_cmd
 
-COMMANDS = [tiny_cmd, demo, up_cmd]
+COMMANDS = [tiny_cmd, demo, up_cmd, compose, k8s]
 
 
 def build_parser() -> argparse.ArgumentParser:

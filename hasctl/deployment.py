@@ -270,13 +270,14 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
     peer = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     addr = {s: tuple(f"{peer}:{ports[f'{s}-{i}']}" for i in range(len(getattr(d, s)))) for s in STAGES}
     wiring = {"decode": {}, "prefill": {"decode": addr["decode"]}, "monolith": {},
-              "encode": {"prefill": addr["prefill"], "decode": addr["decode"]}}
+              "encode": {"prefill": addr["prefill"]}}
     out = []
     for stage in STAGES:
         for i, w in enumerate(getattr(d, stage)):
             name = f"{stage}-{i}"
+            local = {"decode": addr["decode"]} if stage == "encode" and w.flag("colocate-prefill") else {}
             cfg = _stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{ports[name]}",
-                                        **wiring[stage]}, w.flags, name)
+                                        **wiring[stage], **local}, w.flags, name)
             argv = (python, "-m", f"services.{stage}", *to_argv(cfg))
             out.append(Command(name, stage, argv, ports[name], HEALTH_SERVICES[stage]))
     mono = addr["monolith"]

@@ -301,11 +301,12 @@ def flag_kind(stage: str, flag: str) -> type:
 
 
 def to_argv(cfg: StageConfig) -> list[str]:
-    """The command line that parses back into `cfg` (non-default fields only)."""
+    """The command line that parses back into `cfg`: the wired fields (model, device,
+    addresses) always, the others where they differ from their default."""
     out: list[str] = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if v == f.default:
+        if v in ("", ()) or (v == f.default and not f.metadata.get("wired")):
             continue
         if isinstance(v, bool):
             out += [f"--{_flag(f.name)}"] if v else []

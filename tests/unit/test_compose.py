@@ -1,9 +1,11 @@
-"""docker-compose.yml (+ the CPU override) describes a stack the stages accept, and
-`python -m easerve.healthcheck` reports grpc health as an exit code."""
+"""`hasctl compose` and the committed compose files: one service per worker instance running the
+launcher's argv (hasctl.deployment.to_commands), health-gated start order, GPU reservations that
+let CUDA IPC work between containers, shm shared between containers; and
+`python -m easerve.healthcheck` reporting grpc health as an exit code."""
 from __future__ import annotations
 
+import dataclasses
 import re
-import shlex
 import shutil
 import subprocess
 from concurrent import futures
@@ -15,32 +17,20 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from easerve import healthcheck
+from hasctl.cli import main as hasctl_main
+from hasctl.compose import ComposeOptions, compose_dict
+from hasctl.deployment import HEALTH_SERVICES, PRESETS, STAGES, Deployment, Worker, to_commands
+from hasctl.launch import assign_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN, CPU = ROOT / "docker-compose.yml", ROOT / "docker-compose.cpu.yml"
-STAGES = ("decode", "prefill", "encode")
-HEALTH = {"decode": "easerve.v1.Decode", "prefill": "easerve.v1.Prefill", "encode": "easerve.v1.Encode",
-          "gateway": "easerve.v1.Gateway"}
-
-
-class _Reset:
-    pass
-
-
-class _Loader(yaml.SafeLoader):
-    """Understands compose's merge tags: !reset drops a key, !override replaces it."""
-
-
-_Loader.add_constructor("!reset", lambda loader, node: _Reset())
-_Loader.add_constructor("!override", lambda loader, node: (
-    loader.construct_sequence(node, deep=True) if isinstance(node, yaml.SequenceNode)
-    else loader.construct_mapping(node, deep=True)))
+GPU_FILE, CPU_FILE = ROOT / "docker-compose.yml", ROOT / "docker-compose.cpu.yml"
+ADDED = ("--kv-transport", "--served-model-name")  # flags compose sets when the deployment leaves them out
 
 
 def _interpolate(value):
     """${VAR:-default} -> default (no environment read: the file's own defaults are checked)."""
     if isinstance(value, str):
-        return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
+        return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value).replace("$$", "$")
     if isinstance(value, list):
         return [_interpolate(v) for v in value]
     if isinstance(value, dict):
@@ -48,110 +38,170 @@ def _interpolate(value):
     return value
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, _Reset):
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def load(*files: Path) -> dict:
-    doc: dict = {}
-    for f in files:
-        doc = _merge(doc, yaml.load(f.read_text(), Loader=_Loader))
-    return _interpolate(doc)
-
-
-def _flag(cmd: list[str], name: str) -> str | None:
+def _flag(cmd, name):
     return cmd[cmd.index(name) + 1] if name in cmd else None
 
 
-def _has_compose() -> bool:
-    if not shutil.which("docker"):
-        return False
-    return subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+def _without(cmd, *names):
+    out, skip = [], False
+    for a in cmd:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
-@pytest.mark.skipif(not _has_compose(), reason="docker compose is not installed; the YAML checks below still run")
-@pytest.mark.parametrize("files", [(MAIN,), (MAIN, CPU)], ids=["gpu", "cpu"])
-def test_docker_compose_config_accepts_the_files(files):
-    args = [a for f in files for a in ("-f", str(f))]
-    r = subprocess.run(["docker", "compose", *args, "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+def gpus_2x3x3(devices=range(8)) -> Deployment:
+    dev = [f"cuda:{i}" for i in devices]
+    return Deployment(name="gpu-2x3x3", encode=(Worker(device=dev[0], flags={"colocate-prefill": True,
+                                                                             "remote-fraction": 0.5}),
+                                                 Worker(device=dev[1], flags={"max-batch": 16})),
+                      prefill=tuple(Worker(device=d) for d in dev[2:5]),
+                      decode=tuple(Worker(device=d, flags={"max-running": 96}) for d in dev[5:8]))
+
+
+CASES = {**PRESETS, "gpu-2x3x3": gpus_2x3x3(), "text-only": Deployment(name="text-only")}
+
+
+# ---- the committed files are what hasctl compose writes ------------------------------------------
+@pytest.mark.parametrize("path,args", [(GPU_FILE, ["--device", "cuda:0"]), (CPU_FILE, ["--cpu"])], ids=["gpu", "cpu"])
+def test_committed_files_are_generated(path, args, capsys):
+    assert hasctl_main(["compose", "--preset", "default", *args, "--build-context", "."]) == 0
+    assert capsys.readouterr().out == path.read_text(), \
+        f"regenerate: hasctl compose --preset default {' '.join(args)} --build-context . > {path.name}"
+
+
+def _has_docker_compose() -> bool:
+    return bool(shutil.which("docker")) and subprocess.run(["docker", "compose", "version"],
+                                                          capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _has_docker_compose(), reason="docker compose is not installed; the checks below still run")
+@pytest.mark.parametrize("path", [GPU_FILE, CPU_FILE], ids=["gpu", "cpu"])
+def test_docker_compose_config_accepts_the_files(path):
+    r = subprocess.run(["docker", "compose", "-f", str(path), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("files", [(MAIN,), (MAIN, CPU)], ids=["gpu", "cpu"])
-def test_services_are_complete_and_wired(files):
-    svc = load(*files)["services"]
-    assert set(svc) == {"model-init", *STAGES, "gateway"}
-    for name, s in svc.items():
-        assert isinstance(s.get("command"), list) and s["command"], name
-        for dep in s.get("depends_on", {}):
-            assert dep in svc, f"{name} depends on unknown service {dep}"
-        if name == "model-init":
-            continue
-        assert s["depends_on"]["model-init"]["condition"] == "service_completed_successfully", name
-        assert any(v.endswith(":/models") for v in s["volumes"]), name
-        port = _flag(s["command"], "--listen").rpartition(":")[2]
-        test = s["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "easerve.healthcheck"], name
-        assert test[4:] == [f"127.0.0.1:{port}", HEALTH[name]], name
-    gw = svc["gateway"]
-    assert {d: c["condition"] for d, c in gw["depends_on"].items() if d != "model-init"} == \
-        {s: "service_healthy" for s in STAGES}
-    assert {p.rpartition(":")[2] for p in gw["ports"]} == {"50051", "8000"}
-    assert svc["prefill"]["depends_on"]["decode"]["condition"] == "service_healthy"
-    assert svc["encode"]["depends_on"]["prefill"]["condition"] == "service_healthy"
+# ---- any deployment -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_services_run_the_launchers_argv(name):
+    d = CASES[name]
+    svc = _interpolate(compose_dict(d, ComposeOptions(base_port=41000))["services"])
+    assert list(svc) == [f"{s}-{i}" for s in STAGES for i in range(len(getattr(d, s)))] + ["gateway"]
+    ports = assign_ports(d, base_port=41000)
+    gpus = sorted({int(w.device.partition(":")[2] or 0) for w in d.workers() if w.device.startswith("cuda")})
+    in_container = dataclasses.replace(d, **{s: tuple(
+        dataclasses.replace(w, device=f"cuda:{gpus.index(int(w.device[5:]))}") if w.device.startswith("cuda") else w
+        for w in getattr(d, s)) for s in STAGES})
+    for cmd in to_commands(in_container.with_model("/models"), "127.0.0.1", ports):
+        got = svc[cmd.name]["command"]
+        if cmd.name == "gateway":
+            assert _flag(got, "--listen") == f"0.0.0.0:{ports['gateway']}"
+            assert _flag(got, "--http-listen") == f"0.0.0.0:{ports['gateway-http']}"
+            got = [a.replace("0.0.0.0:", "127.0.0.1:") for a in got]
+        assert _without(got, *ADDED) == _without(list(cmd.argv), *ADDED), cmd.name
+        test = svc[cmd.name]["healthcheck"]["test"]
+        assert test == ["CMD", "python", "-m", "easerve.healthcheck", f"127.0.0.1:{cmd.port}",
+                        HEALTH_SERVICES[cmd.stage]]
 
 
-def test_peer_addresses_name_services_and_their_ports():
-    svc = load(MAIN)["services"]
-    listen = {n: _flag(svc[n]["command"], "--listen").rpartition(":")[2] for n in (*STAGES, "gateway")}
-    for name in (*STAGES, "gateway"):
-        cmd = svc[name]["command"]
-        for flag in ("--decode", "--prefill", "--encode"):
-            for addr in filter(None, (_flag(cmd, flag) or "").split(",")):
-                host, _, port = addr.rpartition(":")
-                assert host in svc and port == listen[host], f"{name} {flag} {addr}"
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_health_gates_the_start_order(name):
+    d = CASES[name]
+    svc = compose_dict(d)["services"]
+    names = {s: [f"{s}-{i}" for i in range(len(getattr(d, s)))] for s in STAGES}
+    for n, s in svc.items():
+        deps = s.get("depends_on", {})
+        assert all(c == {"condition": "service_healthy"} for c in deps.values()), n
+        stage = n.rpartition("-")[0] if n != "gateway" else "gateway"
+        want = {"decode": [], "monolith": [], "prefill": names["decode"],
+                "gateway": [x for s in STAGES for x in names[s]]}.get(stage)
+        if stage == "encode":
+            colocated = "--colocate-prefill" in s["command"]
+            want = names["prefill"] + (names["decode"] if colocated else [])
+        assert sorted(deps) == sorted(want), n
 
 
-def test_gpu_reservations_and_the_cpu_override():
-    gpu, cpu = load(MAIN)["services"], load(MAIN, CPU)["services"]
-    for name in STAGES:
-        (dev,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
-        assert _flag(gpu[name]["command"], "--device") == "cuda:0"
-        assert "deploy" not in cpu[name] and _flag(cpu[name]["command"], "--device") == "cpu"
-        same = [a for a in gpu[name]["command"] if a not in ("cuda:0", "cpu")]
-        assert same == [a for a in cpu[name]["command"] if a not in ("cuda:0", "cpu")], name
-    assert "deploy" not in gpu["gateway"] and "deploy" not in cpu["gateway"]
+def test_gpu_services_share_one_gpu_numbering_pid_and_shm():
+    d = gpus_2x3x3(devices=(3, 3, 5, 5, 6, 1, 1, 7))  # sparse and shared GPUs
+    svc = _interpolate(compose_dict(d)["services"])
+    union = ["1", "3", "5", "6", "7"]
+    for stage in STAGES:
+        for i, w in enumerate(getattr(d, stage)):
+            s = svc[f"{stage}-{i}"]
+            (dev,) = s["deploy"]["resources"]["reservations"]["devices"]
+            assert dev == {"driver": "nvidia", "device_ids": union, "capabilities": ["gpu"]}
+            assert _flag(s["command"], "--device") == f"cuda:{union.index(w.device[5:])}"
+            assert s["pid"] == s["ipc"] == s["network_mode"] == "host"
+            assert "/dev/shm:/dev/shm" in s["volumes"] and s["environment"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "deploy" not in svc["gateway"] and "pid" not in svc["gateway"]
 
 
-@pytest.mark.parametrize("files", [(MAIN,), (MAIN, CPU)], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("prefill,decode,want", [("cuda:0", "cuda:1", "cuda_ipc"), ("cuda:0", "cpu", "shm"),
+                                                 ("cpu", "cpu", "shm"), ("cpu", "cuda:0", "shm")])
+def test_kv_senders_are_told_the_one_host_transport(prefill, decode, want):
+    d = Deployment(encode=(Worker(device=prefill, flags={"colocate-prefill": True, "remote-fraction": 0.5}),
+                           Worker(device=prefill)),
+                   prefill=(Worker(device=prefill),), decode=(Worker(device=decode),))
+    svc = compose_dict(d)["services"]
+    assert _flag(svc["prefill-0"]["command"], "--kv-transport") == want
+    assert _flag(svc["encode-0"]["command"], "--kv-transport") == want       # co-located prefill sends KV
+    assert "--kv-transport" not in svc["encode-1"]["command"]                # only embeddings: nothing to set
+    mine = d.with_flags("prefill", kv_transport="grpc")
+    assert _flag(compose_dict(mine)["services"]["prefill-0"]["command"], "--kv-transport") == "grpc"
+
+
+def test_cpu_option_drops_the_gpus_and_keeps_shm_shared():
+    svc = compose_dict(gpus_2x3x3(), ComposeOptions(cpu=True))["services"]
+    assert all("deploy" not in s and _flag(s["command"], "--device") in (None, "cpu") for s in svc.values())
+    assert all(s["ipc"] == "host" and "/dev/shm:/dev/shm" in s["volumes"] for s in svc.values())
+
+
+def test_model_folder_is_a_volume_and_the_tiny_one_needs_none():
+    tiny = compose_dict(PRESETS["default"])
+    assert tiny["volumes"] == {"models": {}}
+    for s in tiny["services"].values():
+        assert "${EASERVE_MODEL_DIR:-models}:/models" in s["volumes"] and _flag(s["command"], "--model") == "/models"
+    assert _flag(tiny["services"]["gateway"]["command"], "--served-model-name") == "qwen2.5-vl-tiny-s0"
+    mine = compose_dict(PRESETS["default"].with_model("/data/Qwen2.5-VL-7B"))
+    assert "volumes" not in mine
+    assert "${EASERVE_MODEL_DIR:-/data/Qwen2.5-VL-7B}:/models" in mine["services"]["decode-0"]["volumes"]
+    assert _flag(mine["services"]["gateway"]["command"], "--served-model-name") == "Qwen2.5-VL-7B"
+
+
+def test_ports_move_with_environment_variables():
+    svc = compose_dict(PRESETS["default"])["services"]
+    assert _flag(svc["prefill-0"]["command"], "--decode") == "127.0.0.1:${EASERVE_PORT_DECODE_0:-50052}"
+    assert _flag(svc["gateway"]["command"], "--http-listen") == "0.0.0.0:${EASERVE_HTTP_PORT:-8000}"
+    assert svc["gateway"]["image"] == "${EASERVE_IMAGE:-easerve:latest}"
+
+
+@pytest.mark.parametrize("files", [GPU_FILE, CPU_FILE], ids=["gpu", "cpu"])
 def test_stage_commands_pass_the_stage_parsers(files):
-    svc = load(*files)["services"]
-    for name in (*STAGES, "gateway"):
-        cmd = svc[name]["command"]
-        assert cmd[:3] == ["python", "-m", f"services.{name}"]
+    svc = _interpolate(yaml.safe_load(files.read_text())["services"])
+    for name, s in svc.items():
+        stage = name.rpartition("-")[0] if name != "gateway" else "gateway"
+        cmd = s["command"]
+        assert cmd[:3] == ["python", "-m", f"services.{stage}"]
         from easerve.stages.configs import STAGE_CONFIGS, from_argv
-        cfg = from_argv(STAGE_CONFIGS[name], name, cmd[3:])  # SystemExit on a flag the stage does not know
+        cfg = from_argv(STAGE_CONFIGS[stage], stage, cmd[3:])  # SystemExit on a flag the stage does not know
         assert cfg.model == "/models"
 
 
-def test_model_init_makes_the_tiny_checkpoint_only_when_none_is_mounted():
-    init = load(MAIN)["services"]["model-init"]
-    script = init["command"][-1]
-    assert init["command"][:2] == ["sh", "-c"] and "[ -f /models/config.json ]" in script
-    make = shlex.split(script[script.index("hasctl make-tiny"):].split(";")[0])
-    from hasctl.cli import build_parser
-
-    args = build_parser().parse_args(make[1:])
-    assert args.command == "make-tiny" and args.out == "/models"
+def test_cli_writes_a_file_and_rejects_bad_options(tmp_path, capsys):
+    f = gpus_2x3x3().dump(tmp_path / "best.yaml")
+    out = tmp_path / "best.compose.yml"
+    assert hasctl_main(["compose", "--deployment", str(f), "--out", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert len(doc["services"]) == 9 and out.read_text().startswith("# EAServe deployment 'gpu-2x3x3'")
+    with pytest.raises(ValueError, match="base_port"):
+        ComposeOptions(base_port=80)
+    assert hasctl_main(["compose", "--deployment", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read the deployment file" in capsys.readouterr().err
 
 
 # ---- the healthcheck module ---------------------------------------------------------------------
