@@ -4,6 +4,7 @@ The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compo
 
     name: default
     model: ""                 # checkpoint folder or hub id; "" = the default tiny checkpoint
+    served_model_name: ""     # the model id clients send and /v1/models lists; "" = the folder name
     gateway: {grpc_port: 50051, http_port: 8000, flags: {}}
     encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
     prefill: [{device: cpu}]
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 STAGES = ("decode", "prefill", "encode")  # launch order; the gateway starts last
-_COMMON = ("grace-s", "threads", "log-level")
+_COMMON = ("grace-s", "threads", "log-level", "dtype")
 FLAGS = {  # what each stage's parser accepts besides the flags the launcher wires itself
     "decode": _COMMON + ("max-running", "max-waiting", "num-slots", "max-seq-len", "kv-capacity-tokens",
                          "block-size"),
@@ -112,10 +113,14 @@ class Deployment:
     decode: tuple[Worker, ...] = (Worker(),)
     gateway: GatewaySpec = GatewaySpec()
     name: str = "custom"
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ValueError(f"model must be a checkpoint path or '' (the default tiny one), got {self.model!r}")
+        if not isinstance(self.served_model_name, str):
+            raise ValueError(f"served_model_name must be a string ('' = the model folder's name), "
+                             f"got {self.served_model_name!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         for stage in STAGES:  # normalized once, while constructing
@@ -165,14 +170,14 @@ class Deployment:
         def worker(w: Worker) -> dict:
             return {"device": w.device, "port": w.port, "flags": dict(w.flags)}
         g = self.gateway
-        return {"name": self.name, "model": self.model,
+        return {"name": self.name, "model": self.model, "served_model_name": self.served_model_name,
                 "gateway": {"grpc_port": g.grpc_port, "http_port": g.http_port, "flags": dict(g.flags)},
                 **{s: [worker(w) for w in getattr(self, s)] for s in ("encode", "prefill", "decode")}}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "deployment") -> Deployment:
-        data = _mapping(data, where, {"name", "model", "gateway", "encode", "prefill", "decode"})
-        kw: dict[str, Any] = {k: data[k] for k in ("name", "model") if k in data}
+        data = _mapping(data, where, {"name", "model", "served_model_name", "gateway", "encode", "prefill", "decode"})
+        kw: dict[str, Any] = {k: data[k] for k in ("name", "model", "served_model_name") if k in data}
         if "gateway" in data:
             kw["gateway"] = GatewaySpec(**_mapping(data["gateway"], "gateway", {"grpc_port", "http_port", "flags"}))
         for stage in STAGES:
@@ -286,7 +291,8 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
             out.append(Command(f"{stage}-{i}", stage, tuple(argv), ports[f"{stage}-{i}"], HEALTH_SERVICES[stage]))
     gw = [python, "-m", "services.gateway", "--model", d.model, "--listen", f"{host}:{ports['gateway']}",
           "--http-listen", f"{host}:{ports['gateway-http']}", "--prefill", addr["prefill"],
-          *(["--encode", addr["encode"]] if d.encode else []), *_flag_args(d.gateway.flags)]
+          *(["--encode", addr["encode"]] if d.encode else []),
+          *(["--served-model-name", d.served_model_name] if d.served_model_name else []), *_flag_args(d.gateway.flags)]
     out.append(Command("gateway", "gateway", tuple(gw), ports["gateway"], HEALTH_SERVICES["gateway"]))
     return out
 

@@ -6,6 +6,7 @@ import logging
 import os
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
 
 
@@ -20,9 +21,21 @@ def base_parser(stage: str, default_listen: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--listen", default=default_listen, help="gRPC address to bind, host:port (port 0 = any)")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     p.add_argument("--log-level", default=os.environ.get("EASERVE_LOG_LEVEL", "INFO"))
     return p
+
+
+def dtype_of(name: str):
+    """A --dtype value -> torch dtype, or None for auto (the adapter's default for its device)."""
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {DTYPES}, got {name!r}")
+    if name == "auto":
+        return None
+    import torch
+    return getattr(torch, name)
 
 
 def addrs(value: str) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import sys
 from easerve.engine.engine import DecodeEngine, EngineConfig
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages.cli import base_parser, default_max_len, setup_process, write_port_file
+from easerve.stages.cli import base_parser, default_max_len, dtype_of, setup_process, write_port_file
 from easerve.stages.engine_loop import AsyncEngine
 from easerve.stages.kv_io import KVReceiver
 from easerve.stages.transports import receivers
@@ -40,7 +40,7 @@ def engine_config(args, max_len: int) -> EngineConfig:
 
 
 async def main(args) -> None:
-    adapter = load_adapter(args.model, role="decode", device=args.device)
+    adapter = load_adapter(args.model, role="decode", device=args.device, dtype=dtype_of(args.dtype))
     engine = AsyncEngine(DecodeEngine(adapter, engine_config(args, default_max_len(adapter.text_config))))
     opts = ServerOptions(grace_s=args.grace_s)
     kv_in, extra = receivers(args.device, opts)

@@ -10,7 +10,7 @@ from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.control.router import DeficitRouter
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages.cli import addrs, base_parser, setup_process, write_port_file
+from easerve.stages.cli import addrs, base_parser, dtype_of, setup_process, write_port_file
 from easerve.stages.kv_io import KVSender
 from easerve.stages.metrics_http import start_metrics_server
 from easerve.stages.prefill_stage import PrefillStage
@@ -59,7 +59,7 @@ class Encoder:
     def __init__(self, args):
         self.args = args
         self.opts = ServerOptions(grace_s=args.grace_s)
-        self.adapter = load_adapter(args.model, role="encode", device=args.device)
+        self.adapter = load_adapter(args.model, role="encode", device=args.device, dtype=dtype_of(args.dtype))
         self.metrics = EncodeMetrics(args.remote_fraction)
         self.encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.prefill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-prefill")
@@ -88,7 +88,7 @@ class Encoder:
         decode = addrs(a.decode)
         if not decode:
             raise ValueError("--colocate-prefill needs --decode addresses for its KV")
-        lm = self.local_lm = load_adapter(a.model, role="prefill", device=a.device)
+        lm = self.local_lm = load_adapter(a.model, role="prefill", device=a.device, dtype=dtype_of(a.dtype))
         sender = KVSender(sender_for(a.kv_transport, a.device, decode[0], self.opts))
         share = lambda: _prefill_share(self.controller.last)  # noqa: E731
         return PrefillStage(lm, decode, sender, self.opts.channel_options(), self.prefill_pool,

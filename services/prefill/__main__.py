@@ -6,7 +6,7 @@ import sys
 
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages.cli import addrs, base_parser, setup_process, write_port_file
+from easerve.stages.cli import addrs, base_parser, dtype_of, setup_process, write_port_file
 from easerve.stages.kv_io import KVSender
 from easerve.stages.prefill_stage import PrefillStage
 from easerve.stages.transports import sender_for
@@ -25,7 +25,7 @@ def parse(argv):
 
 
 async def main(args) -> None:
-    adapter = load_adapter(args.model, role="prefill", device=args.device)
+    adapter = load_adapter(args.model, role="prefill", device=args.device, dtype=dtype_of(args.dtype))
     opts = ServerOptions(grace_s=args.grace_s)
     decode = addrs(args.decode)
     sender = KVSender(sender_for(args.kv_transport, args.device, decode[0], opts))
