@@ -47,11 +47,25 @@ def tiny_notice(path: str | Path) -> str:
             "hasctl up --model /models/Qwen2.5-VL-7B-Instruct --device cuda:0")
 
 
-def cached_tiny(family: str, root: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
-    """make_tiny into root/<family>-<scale>-s<seed>, reusing a complete earlier build."""
-    out = Path(root) / f"{family}-{scale}-s{seed}"
+LAYOUTS = ("default", "published")
+
+
+def make_layout(family: str, out: str | Path, seed: int = 0, scale: str = "tiny", layout: str = "default") -> Path:
+    """make_tiny (`default`: what transformers 5 saves) or the published hub layout of the same weights
+    (`published`: see `easerve.models.tiny.published`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown --layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "published":
+        from easerve.models.tiny.published import make_published
+        return make_published(family, out, seed=seed, scale=scale)
+    return make_tiny(family, out, seed=seed, scale=scale)
+
+
+def cached_tiny(family: str, root: str | Path, seed: int = 0, scale: str = "tiny", layout: str = "default") -> Path:
+    """make_layout into root/<family>-<scale>-s<seed>[-<layout>], reusing a complete earlier build."""
+    out = Path(root) / (f"{family}-{scale}-s{seed}" + ("" if layout == "default" else f"-{layout}"))
     marker = out / ".complete"
     if not marker.exists():
-        make_tiny(family, out, seed=seed, scale=scale)
+        make_layout(family, out, seed=seed, scale=scale, layout=layout)
         marker.write_text("ok\n")
     return out
