@@ -96,7 +96,7 @@ def run(args) -> int:
 def _print_endpoints(stack) -> None:
     e = stack.endpoints
     print(f"EAServe is up ({stack.deployment.model})\n"
-          f"  OpenAI HTTP : {e.openai_base_url}   (/v1/chat/completions, /v1/models, /health, /metrics)\n"
+          f"  OpenAI HTTP : {e.openai_base_url}   (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)\n"
           f"  gRPC        : {e.grpc}   (easerve.Client)", flush=True)
     for name, addr in e.stages.items():
         print(f"  {name:<12}: {addr}", flush=True)
