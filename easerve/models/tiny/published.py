@@ -187,9 +187,35 @@ def make_published(family: str, out: str | Path, seed: int = 0, scale: str = "ti
             write_sharded({published_key(family, k): v for k, v in state.items()}, out)
             (out / "config.json").write_text(json.dumps(CONFIGS[family](config), indent=2) + "\n")
             _copy_side_files(src, out)
+            legacy_processor_files(out)
     (out / MARKER).write_text(json.dumps({"family": family, "seed": seed, "scale": scale,
                                           "layout": "published"}) + "\n")
     return out
+
+
+# sub-processor entry of a transformers-5 processor_config.json -> its file in the published repos
+_SUB_FILES = {"image_processor": "preprocessor_config.json", "feature_extractor": "preprocessor_config.json",
+              "video_processor": "video_preprocessor_config.json"}
+
+
+def legacy_processor_files(out: Path) -> None:
+    """Rewrite a transformers-5 processor folder as the published repos keep it: each sub-processor
+    in its own file (`preprocessor_config.json`, ...) naming `processor_class`, Qwen's pixel budget as
+    `min_pixels` / `max_pixels`, and the chat template in `chat_template.json`."""
+    proc = json.loads((out / "processor_config.json").read_text())
+    cls = proc["processor_class"]
+    for key, name in _SUB_FILES.items():
+        if key in proc:
+            sub = {**proc.pop(key), "processor_class": cls}
+            size = sub.get("size", {})
+            if "min_pixels" not in sub and {"shortest_edge", "longest_edge"} <= set(size):
+                sub.update(min_pixels=sub.pop("size")["shortest_edge"], max_pixels=size["longest_edge"])
+            (out / name).write_text(json.dumps(sub, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps(proc, indent=2) + "\n")
+    template = out / "chat_template.jinja"
+    if template.is_file():
+        (out / "chat_template.json").write_text(json.dumps({"chat_template": template.read_text()}) + "\n")
+        template.unlink()
 
 
 def _write_ultravox(src: Path, config: dict, out: Path) -> None:
