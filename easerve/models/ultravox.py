@@ -31,9 +31,10 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
     lm_head_path = "language_model.lm_head"
     placeholder_tokens = {"audio": AUDIO_PLACEHOLDER}
     assemble_full = True  # the published layout keeps the LM (and maybe the encoder) in other folders
-    # referenced folder's names -> ours (None: not ours, e.g. Whisper's decoder)
+    # referenced folder's name prefixes -> ours (other names, e.g. Whisper's decoder, are no role's)
     REFERENCED = {"text": (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
                   "audio": (("model.encoder.", "audio_tower."),)}
+    REFERENCED_PART = {"text": "language_model", "audio": "audio_tower"}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,7 +49,7 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
         tensors = read_tensors(self.path, wanted, dtype=self.dtype, device=self.device)
         for kind, rules in self.REFERENCED.items():
             model_id = getattr(self.config, f"{kind}_model_id", None)
-            if model_id is None or not any(p.startswith(r[1].split(".")[0]) for p in parts for r in rules):
+            if model_id is None or self.REFERENCED_PART[kind] not in parts:
                 continue
             folder = referenced_folder(model_id, kind)
             tensors.update(read_tensors(folder, _referenced_map(rules, wanted, set(tensors)),

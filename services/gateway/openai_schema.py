@@ -142,7 +142,7 @@ class SamplingBody(_Model):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1)] | None = None
-    timeout: Annotated[float, Field(gt=0.0)] | None = None
+    timeout: Annotated[float, Field(gt=0.0, le=86400.0)] | None = None  # seconds (an EAServe extension)
     user: str | None = None
     # accepted in the schema, refused by `refuse_unsupported` unless neutral
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

@@ -92,7 +92,7 @@ BAD = {  # field -> strategy of values that must be refused
     "stream": not_("bool"),
     "stream_options": st.one_of(not_("dict"), st.fixed_dictionaries({"include_usage": not_("bool")})),
     "n": st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=2)),
-    "timeout": st.one_of(not_("float"), st.floats(max_value=0.0)),
+    "timeout": st.one_of(not_("float"), st.floats(max_value=0.0), st.floats(min_value=86400.001)),
     "presence_penalty": st.one_of(not_("float"), st.floats(-2, 2).filter(lambda f: f != 0)),
     "frequency_penalty": st.floats(-2, 2).filter(lambda f: f != 0),
 }
