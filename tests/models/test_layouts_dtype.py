@@ -63,3 +63,24 @@ def test_every_stage_takes_dtype(stage):
     assert dtype_of(args.dtype) is torch.bfloat16
     default = importlib.import_module(f"services.{stage}.__main__").parse(["--model", "m", *extra])
     assert default.dtype == "auto" and dtype_of(default.dtype) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("family", ["llava-next", "qwen2.5-vl", "qwen2-audio", "ultravox"])
+def test_half_precision_on_gpu_split_equals_generate(tiny_checkpoint, mm, family, dtype):
+    """On a GPU, in bf16 and fp16: split E -> P -> D greedy equals the unsplit model's generate."""
+    from easerve.models.registry import load_adapter
+
+    path = tiny_checkpoint(family)
+    full, enc, pre = (load_adapter(path, role=r, device="cuda:0", dtype=dtype) for r in ("full", "encode", "prefill"))
+    assert {p.dtype for p in pre.parameters()} == {getattr(torch, dtype)}
+    assert all(p.device.type == "cuda" for p in enc.parameters())
+    messages = messages_for(family, mm, np.random.RandomState(1))
+    inputs = full.processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                                add_generation_prompt=True).to("cuda:0")
+    with torch.inference_mode():
+        out = full.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    ref = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ref and mm.split_greedy(enc, pre, full.preprocess(messages), 6)[:len(ref)] == ref
