@@ -30,12 +30,8 @@ def base_parser(stage: str, default_listen: str) -> argparse.ArgumentParser:
 
 def dtype_of(name: str):
     """A --dtype value -> torch dtype, or None for auto (the adapter's default for its device)."""
-    if name not in DTYPES:
-        raise ValueError(f"--dtype must be one of {DTYPES}, got {name!r}")
-    if name == "auto":
-        return None
-    import torch
-    return getattr(torch, name)
+    from easerve.models.registry import torch_dtype
+    return torch_dtype(name)
 
 
 def addrs(value: str) -> tuple[str, ...]:
