@@ -215,3 +215,13 @@ def test_upstream_output_with_bad_start_indexes_is_rejected(loaded, mm):
         full.from_upstream(up)
     with pytest.raises(ValueError, match="lack"):
         full.from_upstream({"input_ids": up["input_ids"]})
+
+
+def test_make_tiny_cli_writes_the_published_layout(tmp_path, capsys):
+    from hasctl.cli import main
+
+    assert main(["make-tiny", "--family", "qwen2-audio", "--layout", "published", "--out", str(tmp_path / "q")]) == 0
+    assert "published layout" in capsys.readouterr().out
+    assert _keys(tmp_path / "q") and json.loads((tmp_path / "q" / "config.json").read_text())["audio_token_index"]
+    with pytest.raises(SystemExit):  # argparse: --layout must be one of the choices
+        main(["make-tiny", "--family", "qwen2-audio", "--layout", "hub", "--out", str(tmp_path / "x")])
