@@ -48,11 +48,12 @@ def run(args) -> int:
 
 def run_stack(args) -> int:
     from easerve import Client
-    from easerve.models.tiny import DEFAULT_FAMILY, cached_tiny
+    from easerve.models.tiny import DEFAULT_FAMILY, cached_tiny, tiny_notice
     from hasctl.deployment import preset
     from hasctl.launch import Stack
 
     model = str(cached_tiny(DEFAULT_FAMILY, args.cache))
+    print(tiny_notice(model), flush=True)
     with Stack(preset(args.preset).with_model(model).with_gateway_ports(0, 0)) as stack:
         ep = stack.endpoints
         print(f"stack up: gRPC {ep.grpc}, HTTP {ep.http} (logs in {stack.run_dir})", flush=True)
@@ -60,6 +61,7 @@ def run_stack(args) -> int:
                                                     max_tokens=args.max_tokens)
         print(f"[SDK image] {len(out.token_ids)} tokens ({out.finish_reason}): {out.text!r}")
         print(f"[HTTP video, streamed] {_stream_video(ep.http, args.max_tokens)!r}")
+    print("(random weights: the answers above are noise; hasctl up --model DIR serves a real checkpoint)")
     return 0
 
 
@@ -94,13 +96,15 @@ def demo_requests() -> list[tuple[str, str, dict]]:
 
 
 def run_in_process(args) -> int:
-    from easerve.models.tiny import cached_tiny
+    from easerve.models.tiny import cached_tiny, tiny_notice
     from easerve.pipeline import InProcessPipeline
 
     pipes: dict[str, InProcessPipeline] = {}
     for family, label, part in demo_requests():
         if family not in pipes:
-            pipes[family] = InProcessPipeline(str(cached_tiny(family, args.cache)))
+            path = cached_tiny(family, args.cache)
+            print(tiny_notice(path), flush=True)
+            pipes[family] = InProcessPipeline(str(path))
         msgs = [{"role": "user", "content": [part, {"type": "text", "text": f"Describe the {label}."}]}]
         out = pipes[family].run([(msgs, SamplingParams(max_tokens=args.max_tokens))])[0]
         print(f"[{family} {label}] {len(out.token_ids)} tokens ({out.finish_reason}): {out.text!r}")

@@ -4,6 +4,7 @@ The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compo
 
     name: default
     model: ""                 # checkpoint folder or hub id; "" = the default tiny checkpoint
+    served_model_name: ""     # the model id clients send and /v1/models lists; "" = the folder name
     gateway: {grpc_port: 50051, http_port: 8000, flags: {}}
     encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
     prefill: [{device: cpu}]
@@ -92,10 +93,14 @@ class Deployment:
     monolith: tuple[Worker, ...] = ()
     gateway: GatewaySpec = GatewaySpec()
     name: str = "custom"
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ValueError(f"model must be a checkpoint path or '' (the default tiny one), got {self.model!r}")
+        if not isinstance(self.served_model_name, str):
+            raise ValueError(f"served_model_name must be a string ('' = the model folder's name), "
+                             f"got {self.served_model_name!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         for stage in STAGES:  # normalized once, while constructing
@@ -154,14 +159,14 @@ class Deployment:
         def worker(w: Worker) -> dict:
             return {"device": w.device, "port": w.port, "flags": dict(w.flags)}
         g = self.gateway
-        return {"name": self.name, "model": self.model,
+        return {"name": self.name, "model": self.model, "served_model_name": self.served_model_name,
                 "gateway": {"grpc_port": g.grpc_port, "http_port": g.http_port, "flags": dict(g.flags)},
                 **{s: [worker(w) for w in getattr(self, s)] for s in ("encode", "prefill", "decode", "monolith")}}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "deployment") -> Deployment:
-        data = _mapping(data, where, {"name", "model", "gateway", *STAGES})
-        kw: dict[str, Any] = {k: data[k] for k in ("name", "model") if k in data}
+        data = _mapping(data, where, {"name", "model", "served_model_name", "gateway", *STAGES})
+        kw: dict[str, Any] = {k: data[k] for k in ("name", "model", "served_model_name") if k in data}
         if "gateway" in data:
             kw["gateway"] = GatewaySpec(**_mapping(data["gateway"], "gateway", {"grpc_port", "http_port", "flags"}))
         for stage in STAGES:
@@ -281,7 +286,8 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
             argv = (python, "-m", f"services.{stage}", *to_argv(cfg))
             out.append(Command(name, stage, argv, ports[name], HEALTH_SERVICES[stage]))
     mono = addr["monolith"]
-    gw = _stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}",
+    served = {"served_model_name": d.served_model_name} if d.served_model_name else {}
+    gw = _stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}", **served,
                                    "http_listen": f"{host}:{ports['gateway-http']}", "encode": addr["encode"] + mono,
                                    "prefill": addr["prefill"] + mono, "decode": addr["decode"] + mono},
                        d.gateway.flags, "gateway")

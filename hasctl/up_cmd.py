@@ -11,7 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from hasctl.deployment import ALIASES, PRESETS, Deployment, preset
+import dataclasses
+
+from easerve.stages.configs import DTYPES
+from hasctl.deployment import ALIASES, PRESETS, STAGES, Deployment, preset
 
 DEFAULT_TINY_ROOT = "~/.cache/easerve/tiny"
 
@@ -23,7 +26,11 @@ def add_parser(sub) -> None:
                      help="a named deployment (default: default)")
     src.add_argument("--deployment", default=None, help="a deployment file (.json / .yaml), e.g. from hasctl tune")
     p.add_argument("--model", default=None, help="checkpoint folder; default: the deployment's, else the tiny model")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: the deployment's, else the folder name)")
     p.add_argument("--device", default=None, help="put every stage on this device (cpu, cuda:0, ...)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="every stage's weights dtype (default: the deployment's, else auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--host", default="127.0.0.1", help="address every process binds")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (default: deployment's, 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (default: deployment's, 50051)")
@@ -38,6 +45,11 @@ def resolve(args) -> Deployment:
     d = Deployment.load(args.deployment) if args.deployment else preset(args.preset or "default")
     if args.device:
         d = d.with_device(args.device)
+    if args.dtype:
+        for stage in STAGES:
+            d = d.with_flags(stage, dtype=args.dtype)
+    if args.served_model_name is not None:
+        d = dataclasses.replace(d, served_model_name=args.served_model_name)
     g = d.gateway
     d = d.with_gateway_ports(g.grpc_port if args.grpc_port is None else args.grpc_port,
                              g.http_port if args.http_port is None else args.http_port)
@@ -50,16 +62,24 @@ def resolve(args) -> Deployment:
     return d.with_model(model)
 
 
+def _notice_if_tiny(model: str) -> None:
+    from easerve.models.tiny import is_tiny, tiny_notice
+    if is_tiny(model):
+        print(tiny_notice(model), flush=True)
+
+
 def run(args) -> int:
     from hasctl.launch import Stack, StageExited
 
     stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir)
+    _notice_if_tiny(stack.deployment.model)
     print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
     done = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
         stack.start(timeout=args.startup_timeout)
         _print_endpoints(stack)
+        _notice_if_tiny(stack.deployment.model)
         _wait(done, stack)
     except (StageExited, TimeoutError) as e:
         print(f"hasctl up: {e}", file=sys.stderr)
@@ -77,7 +97,7 @@ def run(args) -> int:
 def _print_endpoints(stack) -> None:
     e = stack.endpoints
     print(f"EAServe is up ({stack.deployment.model})\n"
-          f"  OpenAI HTTP : {e.openai_base_url}   (/v1/chat/completions, /v1/models, /health, /metrics)\n"
+          f"  OpenAI HTTP : {e.openai_base_url}   (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)\n"
           f"  gRPC        : {e.grpc}   (easerve.Client)", flush=True)
     for name, addr in e.stages.items():
         print(f"  {name:<12}: {addr}", flush=True)

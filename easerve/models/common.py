@@ -22,7 +22,8 @@ batched prefill lays them end to end, see `easerve.models.prefill_batch`), `deco
 (occurrences of the placeholder string in each item's replacement text).
 
 Roles: "processor" loads no weights; "encode" loads `encoder_parts`; "prefill"/"decode" load
-`lm_parts` (a tied lm_head is tied to the loaded embedding); "full" is plain `from_pretrained`.
+`lm_parts` (a tied lm_head is tied to the loaded embedding); "full" is plain `from_pretrained`
+(or, with `assemble_full`, every part through `read_part_tensors`, for weights in several folders).
 Partial roles build the whole model on the meta device and swap in real parts, so HF methods
 such as `get_image_features` or `get_rope_index` work unchanged on `self.model`.
 """
@@ -57,6 +58,7 @@ class HFAdapter(ModelAdapter):
     lm_head_path: ClassVar[str] = "lm_head"
     legacy_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     placeholder_tokens: ClassVar[dict[str, str]] = {}
+    assemble_full: ClassVar[bool] = False  # role "full" built from parts (weights in several folders)
 
     def __init__(self, path: str, role: str = "full", device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
@@ -106,10 +108,12 @@ class HFAdapter(ModelAdapter):
         """Submodule / parameter paths whose weights this role holds."""
         if self.role == "encode":
             return self.encoder_parts
+        if self.role == "full":
+            return self.encoder_parts + self.lm_parts
         return self.lm_parts
 
     def _load_model(self) -> nn.Module:
-        if self.role == "full":
+        if self.role == "full" and not self.assemble_full:
             model = self.model_class.from_pretrained(
                 self.path, dtype=self.dtype, attn_implementation=self.attn_implementation)
             return model.to(self.device).eval()
@@ -118,12 +122,16 @@ class HFAdapter(ModelAdapter):
             getattr(self.config, sub)._attn_implementation = self.attn_implementation
         skel = meta_skeleton(self.model_class, self.config)
         parts = self.role_parts()
-        tensors = read_tensors(self.path, under(parts, renamer(self.legacy_renames)),
-                               dtype=self.dtype, device=self.device)
+        tensors = self.read_part_tensors(parts)
         for p in parts:
             self._install_part(skel, p, tensors)
         self._tie_weights(skel, parts, tensors)
         return skel.eval()
+
+    def read_part_tensors(self, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """{module name: tensor} of the checkpoint tensors under `parts` (legacy names renamed)."""
+        return read_tensors(self.path, under(parts, renamer(self.legacy_renames)), dtype=self.dtype,
+                            device=self.device)
 
     def _install_part(self, skel: nn.Module, path: str, tensors: dict[str, torch.Tensor]) -> None:
         meta_obj = get_submodule(skel, path)

@@ -63,7 +63,23 @@ def adapter_class(family: str):
     return getattr(importlib.import_module(mod), cls)
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(dtype):
+    """None / "auto" (the device's default: float32 on CPU, bfloat16 on GPU), a name in DTYPES or a
+    torch.dtype -> torch.dtype or None."""
+    import torch
+
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return None if dtype == "auto" else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose auto or one of {DTYPES}")
+    return getattr(torch, dtype)
+
+
 def load_adapter(path: str | Path, role: str = "full", device: str = "cpu", dtype=None):
-    """Build the adapter for `path`, loading only the weights `role` uses."""
+    """Build the adapter for `path`, loading only the weights `role` uses, in `dtype`
+    (see `torch_dtype`; None = float32 on CPU, bfloat16 on GPU)."""
     family = detect_family(path)
-    return adapter_class(family)(str(path), role=role, device=device, dtype=dtype)
+    return adapter_class(family)(str(path), role=role, device=device, dtype=torch_dtype(dtype))

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from easerve.models.common import HFAdapter
 from easerve.models.qwen2_audio import AudioPreprocess, check_items
-from easerve.models.ultravox_hf import AUDIO_PLACEHOLDER, UltravoxModel, audio_token_lengths
-from easerve.types import MMItem
+from easerve.models.ultravox_hf import (AUDIO_PLACEHOLDER, UltravoxModel, audio_token_lengths, referenced_folder,
+                                       upstream_to_native)
+from easerve.models.weights import read_tensors, under
+from easerve.types import MMItem, ProcessedPrompt
 
 
 class UltravoxAdapter(AudioPreprocess, HFAdapter):
@@ -28,8 +30,51 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
     lm_path = "language_model.model"
     lm_head_path = "language_model.lm_head"
     placeholder_tokens = {"audio": AUDIO_PLACEHOLDER}
+    assemble_full = True  # the published layout keeps the LM (and maybe the encoder) in other folders
+    # referenced folder's name prefixes -> ours (other names, e.g. Whisper's decoder, are no role's)
+    REFERENCED = {"text": (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+                  "audio": (("model.encoder.", "audio_tower."),)}
+    REFERENCED_PART = {"text": "language_model", "audio": "audio_tower"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # upstream v0.5 configs carry no (or a stale default) audio_token_index; prompts use the processor's
+        self.config.audio_token_index = self.placeholder_ids["audio"]
+
+    # ---- loading ------------------------------------------------------------------------
+    def read_part_tensors(self, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """This folder's tensors, then what is still missing from the folders the config names
+        by `text_model_id` / `audio_model_id` (upstream v0.5 keeps the LM weights there)."""
+        wanted = under(parts)
+        tensors = read_tensors(self.path, wanted, dtype=self.dtype, device=self.device)
+        for kind, rules in self.REFERENCED.items():
+            model_id = getattr(self.config, f"{kind}_model_id", None)
+            if model_id is None or self.REFERENCED_PART[kind] not in parts:
+                continue
+            folder = referenced_folder(model_id, kind)
+            tensors.update(read_tensors(folder, _referenced_map(rules, wanted, set(tensors)),
+                                        dtype=self.dtype, device=self.device))
+        return tensors
 
     # ---- gateway ------------------------------------------------------------------------
+    def _to_prompt(self, out: Any) -> ProcessedPrompt:
+        """Our processor's outputs, or upstream UltravoxProcessor's (`audio_token_start_idx`)."""
+        if "audio_token_start_idx" not in out:
+            return super()._to_prompt(out)
+        native = upstream_to_native(out, self.placeholder_ids["audio"])
+        items = [MMItem("audio", pixels, meta, int(meta["audio_token_len"].sum()))
+                 for pixels, meta in self.split_items(native, "audio")]
+        return ProcessedPrompt(input_ids=native["input_ids"][0].tolist(), items=items)
+
+    def from_upstream(self, out: Any) -> ProcessedPrompt:
+        """A ProcessedPrompt from upstream UltravoxProcessor outputs (one sample: `input_ids` with EOS
+        at the audio positions, `audio_values`, `audio_lens`, `audio_token_len`, `audio_token_start_idx`)."""
+        missing = [k for k in ("input_ids", "audio_values", "audio_lens", "audio_token_len",
+                               "audio_token_start_idx") if k not in out]
+        if missing:
+            raise ValueError(f"upstream Ultravox processor outputs lack {missing}; pass them unchanged")
+        return self._to_prompt(out)
+
     def split_items(self, out: Any, modality: str) -> list[tuple[dict, dict]]:
         counts = out["audio_num_chunks"].tolist()
         ends = torch.tensor(counts).cumsum(0).tolist()
@@ -79,3 +124,14 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
         lens = torch.cat([i.pixels["audio_lens"] for i in items]).to(self.device)
         token_len = audio_token_lengths(lens, self.config.stack_factor)
         return values.to(self.device, self.dtype), lens, token_len
+
+
+def _referenced_map(rules, wanted, have: set[str]):
+    """Key map for a referenced folder: rename by `rules`, keep what `wanted` keeps and `have` lacks."""
+    def key_map(key: str) -> str | None:
+        for old, new in rules:
+            if key.startswith(old):
+                target = wanted(new + key[len(old):])
+                return None if target is None or target in have else target
+        return None
+    return key_map

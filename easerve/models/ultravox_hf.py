@@ -16,6 +16,7 @@ encodes to the same rows whether it is batched with longer clips or alone.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,10 @@ from transformers.processing_utils import ProcessorMixin
 
 AUDIO_PLACEHOLDER = "<|audio|>"
 AUDIO_KEYS = ("audio_values", "audio_lens", "audio_token_len", "audio_num_chunks")
+# what upstream's UltravoxProcessor returns besides input_ids / attention_mask / audio_values / audio_lens /
+# audio_token_len: where each chunk's tokens start, and chunks per sample (its input_ids hold the
+# tokenizer's EOS token at the audio positions instead of an audio token)
+UPSTREAM_KEYS = ("audio_token_start_idx", "audio_batch_size")
 
 
 class UltravoxConfig(PreTrainedConfig):
@@ -60,19 +65,26 @@ class UltravoxConfig(PreTrainedConfig):
     tie_word_embeddings: bool | None = None
 
     def __post_init__(self, **kwargs):
-        for kind in ("text", "audio"):
+        for kind in ("text", "audio"):  # published v0.5 layout: the sub-models by reference
             model_id = getattr(self, f"{kind}_model_id")
             if getattr(self, f"{kind}_config") is None and model_id is not None:
-                raise ValueError(
-                    f"this Ultravox config names {kind}_model_id={model_id!r} but has no {kind}_config: "
-                    "EAServe loads offline, so save a merged checkpoint (with audio_config/text_config "
-                    "and the audio_tower.* / language_model.* weights) and point --model at it")
+                setattr(self, f"{kind}_config", AutoConfig.from_pretrained(referenced_folder(model_id, kind)))
         super().__post_init__(**kwargs)
         text = self.text_config
         self.vocab_size = text.vocab_size if self.vocab_size is None else self.vocab_size
         self.initializer_range = self.initializer_range or text.initializer_range
         if self.tie_word_embeddings is None:
             self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
+
+
+def referenced_folder(model_id: str, kind: str) -> str:
+    """The local folder an Ultravox config's `audio_model_id` / `text_model_id` names."""
+    if not Path(model_id, "config.json").is_file():
+        raise ValueError(
+            f"this Ultravox config names {kind}_model_id={model_id!r}, which is not a local checkpoint folder: "
+            f"EAServe loads offline, so download that model to a folder and set {kind}_model_id in the "
+            "Ultravox config.json to its path")
+    return str(model_id)
 
 
 class UltravoxWhisperEncoder(WhisperEncoder):
@@ -155,6 +167,36 @@ class UltravoxProjector(nn.Module):
         return self.ln_post(self.linear_2(self.ln_mid(self.act(h))))
 
 
+def upstream_audio_mask(input_ids: torch.Tensor, start_idx: torch.Tensor, token_len: torch.Tensor) -> torch.Tensor:
+    """[1, L] mask of the audio positions upstream's processor marks by start index and length."""
+    if input_ids.shape[0] != 1:
+        raise ValueError("upstream Ultravox processor outputs hold one sample; send one prompt at a time")
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for start, n in zip(start_idx.tolist(), token_len.tolist()):
+        if start < 0 or start + n > input_ids.shape[1]:
+            raise ValueError(f"audio_token_start_idx {start} + audio_token_len {n} lies outside the "
+                             f"{input_ids.shape[1]}-token prompt; pass the processor's outputs unchanged")
+        mask[0, start:start + n] = True
+    return mask
+
+
+def upstream_to_native(out, audio_token_id: int) -> dict:
+    """Upstream UltravoxProcessor outputs (one sample) -> this module's: the audio positions get
+    `audio_token_id`, and chunks whose tokens follow each other form one clip (`audio_num_chunks`)."""
+    start, n = out["audio_token_start_idx"].reshape(-1), out["audio_token_len"].reshape(-1)
+    ids = out["input_ids"].clone()
+    ids[upstream_audio_mask(ids, start, n)] = audio_token_id
+    counts = []
+    for k in range(len(start)):
+        follows = k > 0 and int(start[k]) == int(start[k - 1] + n[k - 1])
+        if follows:
+            counts[-1] += 1
+        else:
+            counts.append(1)
+    return {"input_ids": ids, "audio_values": out["audio_values"], "audio_lens": out["audio_lens"].reshape(-1),
+            "audio_token_len": n, "audio_num_chunks": torch.tensor(counts)}
+
+
 def audio_token_lengths(audio_lens: torch.Tensor, stack_factor: int) -> torch.Tensor:
     """Upstream's rule: ceil(mel frames / (2 * stack_factor)) tokens per chunk."""
     return torch.div(audio_lens + 2 * stack_factor - 1, 2 * stack_factor, rounding_mode="floor")
@@ -204,10 +246,14 @@ class UltravoxModel(PreTrainedModel):
         return [e[: int(n)] for e, n in zip(embeds, audio_token_len)]
 
     def embed_prompt(self, input_ids: torch.Tensor, audio_values=None, audio_lens=None,
-                     audio_token_len=None, **_: object) -> torch.Tensor:
-        """Token embeddings with every audio chunk's rows at the `audio_token_index` positions."""
-        tid = self.config.audio_token_index
-        mask = input_ids == tid if tid is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+                     audio_token_len=None, audio_token_start_idx=None, **_: object) -> torch.Tensor:
+        """Token embeddings with every audio chunk's rows at the `audio_token_index` positions, or
+        (upstream processor outputs, one sample) at `audio_token_start_idx` + `audio_token_len`."""
+        if audio_token_start_idx is not None:
+            mask = upstream_audio_mask(input_ids, audio_token_start_idx, audio_token_len)
+        else:
+            tid = self.config.audio_token_index
+            mask = input_ids == tid if tid is not None else torch.zeros_like(input_ids, dtype=torch.bool)
         safe_ids = input_ids.masked_fill(mask, 0)  # the audio token may lie past the LM's vocab
         embeds = self.get_input_embeddings()(safe_ids)
         if audio_values is None or len(audio_values) == 0:
@@ -219,18 +265,20 @@ class UltravoxModel(PreTrainedModel):
         return embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
 
     def forward(self, input_ids=None, audio_values=None, audio_lens=None, audio_token_len=None,
-                inputs_embeds=None, attention_mask=None, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in AUDIO_KEYS}
+                inputs_embeds=None, attention_mask=None, audio_token_start_idx=None, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in AUDIO_KEYS + UPSTREAM_KEYS}
         if inputs_embeds is None:
-            inputs_embeds = self.embed_prompt(input_ids, audio_values, audio_lens, audio_token_len)
+            inputs_embeds = self.embed_prompt(input_ids, audio_values, audio_lens, audio_token_len,
+                                              audio_token_start_idx)
         return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, audio_values=None, audio_lens=None,
-                 audio_token_len=None, **kwargs):
-        """Like upstream: embed the prompt with its audio, then the LM's `generate`."""
-        kwargs = {k: v for k, v in kwargs.items() if k not in AUDIO_KEYS}
-        embeds = self.embed_prompt(input_ids, audio_values, audio_lens, audio_token_len)
+                 audio_token_len=None, audio_token_start_idx=None, **kwargs):
+        """Like upstream: embed the prompt with its audio, then the LM's `generate` (our
+        processor's outputs or upstream's, with `audio_token_start_idx`)."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in AUDIO_KEYS + UPSTREAM_KEYS}
+        embeds = self.embed_prompt(input_ids, audio_values, audio_lens, audio_token_len, audio_token_start_idx)
         return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds, **kwargs)
 
 
@@ -243,7 +291,11 @@ class UltravoxProcessor(ProcessorMixin):
 
     def __init__(self, feature_extractor=None, tokenizer=None, chat_template=None,
                  stack_factor: int = 8, audio_context_size: int = 3000,
-                 audio_placeholder: str = AUDIO_PLACEHOLDER):
+                 audio_placeholder: str = AUDIO_PLACEHOLDER, audio_padding: str = "longest",
+                 encoder_ds_factor: int = 2):
+        if audio_padding != "longest" or encoder_ds_factor != 2:  # upstream's processor_config fields
+            raise ValueError(f"audio_padding={audio_padding!r}, encoder_ds_factor={encoder_ds_factor} are not "
+                             "supported; Whisper-encoder Ultravox checkpoints use 'longest' and 2")
         self.stack_factor, self.audio_context_size = stack_factor, audio_context_size
         self.audio_placeholder = self.audio_token = audio_placeholder
         if tokenizer.convert_tokens_to_ids(audio_placeholder) in (None, tokenizer.unk_token_id):

@@ -9,6 +9,7 @@ lazily and reads only the keys it is asked for. Nothing else is materialised.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 KeyMap = Callable[[str], str | None]
+log = logging.getLogger("easerve.models.weights")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -49,15 +51,27 @@ def read_tensors(path: str | Path, key_map: KeyMap, dtype: torch.dtype | None = 
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Read only the tensors whose mapped name is not None; returns {mapped: tensor}."""
     out: dict[str, torch.Tensor] = {}
+    total = 0
     for f in checkpoint_files(path):
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for key in sf.keys():
+                total += 1
                 target = key_map(key)
                 if target is None:
                     continue
                 t = sf.get_tensor(key)
                 out[target] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    log.info("read %d of %d tensors (%d parameters) from %s: %s", len(out), total,
+             sum(t.numel() for t in out.values()), path, ", ".join(module_prefixes(out)) or "-")
     return out
+
+
+def module_prefixes(names: Iterable[str]) -> list[str]:
+    """The top modules `names` lie under ('model.visual', 'lm_head', 'audio_tower', ...)."""
+    def top(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if parts[0] == "model" and len(parts) >= 2 else parts[0]
+    return sorted({top(n) for n in names})
 
 
 def under(prefixes: Iterable[str], rename: Callable[[str], str] = lambda k: k) -> KeyMap:

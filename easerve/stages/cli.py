@@ -41,8 +41,6 @@ def write_port_file(path: str | None, port: int) -> None:
 
 
 def dtype_of(name: str):
-    """--dtype -> a torch dtype, or None for auto (the adapter's device default)."""
-    if name == "auto":
-        return None
-    import torch
-    return getattr(torch, name)
+    """--dtype -> a torch dtype, or None for auto (the adapter's default for its device)."""
+    from easerve.models.registry import torch_dtype
+    return torch_dtype(name)

@@ -62,6 +62,7 @@ class Job:
     messages: list[dict] | None = None
     prompt: str | None = None
     media: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
     internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
@@ -92,6 +93,8 @@ class GatewayCore:
     def _preprocess_sync(self, job: Job) -> ProcessedPrompt:
         if job.messages is not None:
             return self.adapter.preprocess(job.messages)
+        if job.prompt_ids is not None:
+            return ProcessedPrompt(input_ids=list(job.prompt_ids))
         by_kind = {k: [m[k] for m in job.media if k in m] for k in ("image", "video", "audio")}
         return self.adapter.preprocess_prompt(job.prompt or "", images=by_kind["image"],
                                               videos=by_kind["video"], audios=by_kind["audio"])
@@ -103,10 +106,14 @@ class GatewayCore:
             prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        total = len(prompt.input_ids) + job.sampling.max_tokens
-        if total > self.max_model_len:
-            raise BadRequest(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({job.sampling.max_tokens}) "
-                             f"exceeds the context length {self.max_model_len}; shorten the prompt or lower max_tokens")
+        n, limit = len(prompt.input_ids), self.max_model_len
+        if n >= limit:
+            raise BadRequest(f"the prompt has {n} tokens but this model's context length (max_model_len) "
+                             f"is {limit}; shorten the prompt to under {limit} tokens")
+        if n + job.sampling.max_tokens > limit:
+            raise BadRequest(f"prompt ({n} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the "
+                             f"context length (max_model_len) {limit}; lower max_tokens to at most "
+                             f"{limit - n} or shorten the prompt")
         return prompt
 
     # ---- downstream ---------------------------------------------------------------------

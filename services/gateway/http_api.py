@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front of the gateway (aiohttp).
 
-POST /v1/chat/completions (stream: true -> SSE ending in [DONE]), GET /v1/models,
-GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
+POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
+[DONE]), GET /v1/models, GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
 503 when a stage is unavailable, 504 past the deadline; the server keeps serving.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ class HttpApi:
     def __init__(self, core: GatewayCore, max_body_bytes: int, ready):
         self.core, self.ready = core, ready
         self.app = web.Application(client_max_size=max_body_bytes)
-        self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.get("/v1/models", self.models),
+        self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
+                             web.get("/v1/models", self.models),
                              web.get("/health", self.health), web.get("/metrics", self.metrics)])
 
     async def health(self, _req: web.Request) -> web.Response:
@@ -44,8 +45,14 @@ class HttpApi:
             raise oa.BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise oa.BadRequest("request body is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
             raise oa.BadRequest(f"request body is not valid JSON: {e}") from None
+
+    def _bad(self, e: oa.BadRequest) -> web.Response:
+        self.core.m.requests.inc(api="http", code="400")
+        return _error(400, str(e))
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
         try:
@@ -54,14 +61,41 @@ class HttpApi:
             chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
                                          self.core.cfg.default_max_tokens)
         except oa.BadRequest as e:
-            self.core.m.requests.inc(api="http", code="400")
-            return _error(400, str(e))
+            return self._bad(e)
         job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
-        if chat.stream:
-            return await self._stream(req, chat, job)
-        return await self._unary(chat, job)
+        return await self._answer(req, job, _ChatShape(chat), chat.stream, chat.include_usage)
 
-    async def _unary(self, chat: oa.ChatRequest, job: Job) -> web.Response:
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            comp = oa.parse_completion_request(body, self.core.cfg.served_model, self._vocab_size())
+            job = Job(comp.sampling, comp.request_id, timeout_s=comp.timeout_s)
+            if isinstance(comp.prompt, str):
+                job.prompt = comp.prompt
+            else:
+                self._check_ids(comp.prompt)
+                job.prompt_ids = comp.prompt
+        except oa.BadRequest as e:
+            return self._bad(e)
+        return await self._answer(req, job, _TextShape(comp), comp.stream, comp.include_usage)
+
+    def _vocab_size(self) -> int:
+        a = self.core.adapter
+        return min(len(a.tokenizer), int(getattr(a.text_config, "vocab_size", None) or len(a.tokenizer)))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        media = {tid: mod for mod, tid in getattr(self.core.adapter, "placeholder_ids", {}).items()}
+        hit = next((t for t in ids if t in media), None)
+        if hit is not None:
+            raise oa.BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
+                                "take no media, send the media through /v1/chat/completions")
+
+    async def _answer(self, req: web.Request, job: Job, shape, stream: bool, usage: bool) -> web.StreamResponse:
+        if stream:
+            return await self._stream(req, job, shape, usage)
+        return await self._unary(job, shape)
+
+    async def _unary(self, job: Job, shape) -> web.Response:
         text, last = [], None
         try:
             async for d in self.core.generate(job):
@@ -70,15 +104,15 @@ class HttpApi:
         except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
-        return web.json_response(oa.completion_json(chat, "".join(text), last.finish_reason,
-                                                    last.prompt_tokens, last.completion_tokens))
+        return web.json_response(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
+                                             last.completion_tokens))
 
     def _fail(self, e: Exception) -> web.Response:
         status = http_status(e)
         self.core.m.requests.inc(api="http", code=str(status))
         return _error(status, str(e) or type(e).__name__)
 
-    async def _stream(self, req: web.Request, chat: oa.ChatRequest, job: Job) -> web.StreamResponse:
+    async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
         gen = self.core.generate(job)
         created = int(time.time())
         try:  # fail before the 200 header when the request is bad or the pipeline refuses it
@@ -87,17 +121,19 @@ class HttpApi:
             return self._fail(e)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(req)
-        await self._sse(resp, oa.chunk_json(chat, created, {"role": "assistant", "content": ""}, None))
+        opening = shape.opening(created)
+        if opening is not None:
+            await self._sse(resp, opening)
         try:
             d = first
             while True:
-                await self._sse(resp, oa.chunk_json(chat, created, {"content": d.text}, d.finish_reason))
+                await self._sse(resp, shape.chunk(created, d.text, d.finish_reason))
                 if d.finish_reason is not None:
                     break
                 d = await gen.__anext__()
-            if chat.include_usage:
+            if include_usage:
                 usage = oa.usage_json(d.prompt_tokens, d.completion_tokens)
-                await self._sse(resp, {**oa.chunk_json(chat, created, {}, None), "choices": [], "usage": usage})
+                await self._sse(resp, {**shape.chunk(created, "", None), "choices": [], "usage": usage})
             self.core.m.requests.inc(api="http", code="200")
         except (ConnectionResetError, StopAsyncIteration):
             pass
@@ -114,3 +150,35 @@ class HttpApi:
     @staticmethod
     async def _sse(resp: web.StreamResponse, obj: dict) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+class _ChatShape:
+    """chat.completion / chat.completion.chunk bodies of one request."""
+
+    def __init__(self, chat: oa.ChatRequest):
+        self.r = chat
+
+    def opening(self, created: int) -> dict:
+        return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None)
+
+    def chunk(self, created: int, text: str, finish: str | None) -> dict:
+        return oa.chunk_json(self.r, created, {"content": text}, finish)
+
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens)
+
+
+class _TextShape:
+    """text_completion bodies of one /v1/completions request (no opening event)."""
+
+    def __init__(self, comp: oa.CompletionRequest):
+        self.r = comp
+
+    def opening(self, created: int) -> None:
+        return None
+
+    def chunk(self, created: int, text: str, finish: str | None) -> dict:
+        return oa.text_chunk_json(self.r, created, text, finish)
+
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens)

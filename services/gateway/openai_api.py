@@ -1,4 +1,6 @@
-"""OpenAI chat-completions schema <-> EAServe domain objects (pure, no I/O).
+"""OpenAI chat-completions and completions bodies <-> EAServe domain objects (pure, no I/O).
+
+Bodies are validated by the typed models of `openai_schema` (400 naming the field).
 
 Accepted content parts (vLLM's names): text, image_url ({"url": data: URI, base64, http(s)://
 or file:// URL}), video_url ({"url": ..., "fps": optional sampling rate} of an MP4 / WebM / MKV /
@@ -14,12 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from easerve import media
-from easerve.rpc.errors import InvalidRequest
 from easerve.types import SamplingParams
-
-
-class BadRequest(InvalidRequest):
-    """Client error: HTTP 400 / INVALID_ARGUMENT, message says what to change."""
+from services.gateway import openai_schema as osc
+from services.gateway.openai_schema import BadRequest
 
 
 @dataclass
@@ -98,89 +97,85 @@ def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = 
     return {"type": need, need: ref}
 
 
-def convert_messages(raw, modalities: tuple[str, ...], sampling_rate: int | None) -> list[dict]:
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("'messages' must be a non-empty list")
+def convert_messages(messages: list[osc.Message], modalities: tuple[str, ...],
+                     sampling_rate: int | None) -> list[dict]:
+    """Validated messages -> HF-style messages with media decoded; a part's error names its path."""
     out = []
-    for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest("each message needs a 'role' of system, user or assistant")
-        content = m.get("content")
-        if isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, list):
-            parts = [convert_part(p, modalities, sampling_rate) for p in content]
-        else:
-            raise BadRequest("message 'content' must be a string or a list of content parts")
-        out.append({"role": m["role"], "content": parts})
+    for i, m in enumerate(messages):
+        parts = []
+        for j, part in enumerate(m.content):
+            try:
+                parts.append(convert_part(part.model_dump(), modalities, sampling_rate))
+            except BadRequest as e:
+                raise BadRequest(f"messages[{i}].content[{j}]: {e}") from None
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
     return out
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise BadRequest("'stop' must be a string or a list of strings")
-
-
-def _opt(body: dict, key: str, default):
-    val = body.get(key)
-    return default if val is None else val
-
-
-def sampling_from(body: dict, default_max_tokens: int) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingParams:
+    """Validated body -> SamplingParams (OpenAI defaults; max_completion_tokens wins over max_tokens)."""
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(_opt(body, "temperature", 1.0)),
-            top_p=float(_opt(body, "top_p", 1.0)),
-            top_k=int(body.get("top_k") or 0),
-            seed=body.get("seed"),
-            stop=_stop(body),
-            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            seed=None if body.seed is None else body.seed % (1 << 64),
+            stop=tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
         )
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None
 
 
-# Options that would change the answer: refused unless absent or at their neutral value.
-_NEUTRAL = {"tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "logit_bias": ({},),
-            "response_format": ({"type": "text"},), "logprobs": (False,), "top_logprobs": (0,),
-            "presence_penalty": (0,), "frequency_penalty": (0,)}
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and value not in neutral:
-            raise BadRequest(f"'{key}' is not supported by this server; remove it")
+def _check_model(body: osc.SamplingBody, served_model: str) -> str:
+    model = served_model if body.model is None else body.model
+    if model != served_model:
+        raise BadRequest(f"model: {model!r} is not served here; GET /v1/models lists {served_model!r}")
+    return model
 
 
 def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
                        sampling_rate: int | None, default_max_tokens: int = 256) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise BadRequest(f"model {model!r} is not served here; GET /v1/models lists {served_model!r}")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported")
-    _refuse_unsupported(body)
-    opts = body.get("stream_options") or {}
+    """A decoded JSON body of POST /v1/chat/completions -> ChatRequest, or BadRequest."""
+    chat = osc.validate(osc.ChatBody, body)
+    model = _check_model(chat, served_model)
+    osc.refuse_unsupported(chat)
+    opts = chat.stream_options or osc.StreamOptions()
     return ChatRequest(model=model,
-                       messages=convert_messages(body.get("messages"), modalities, sampling_rate),
-                       sampling=sampling_from(body, default_max_tokens),
-                       stream=bool(body.get("stream", False)),
-                       include_usage=bool(opts.get("include_usage", False)),
-                       timeout_s=body.get("timeout"))
+                       messages=convert_messages(chat.messages, modalities, sampling_rate),
+                       sampling=sampling_from(chat, default_max_tokens),
+                       stream=bool(chat.stream), include_usage=opts.include_usage,
+                       timeout_s=chat.timeout)
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]         # text, or token ids
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    timeout_s: float | None = None
+
+
+def parse_completion_request(body, served_model: str, vocab_size: int,
+                             default_max_tokens: int = 16) -> CompletionRequest:
+    """A decoded JSON body of POST /v1/completions -> CompletionRequest, or BadRequest."""
+    comp = osc.validate(osc.CompletionBody, body)
+    model = _check_model(comp, served_model)
+    osc.refuse_unsupported(comp)
+    if isinstance(comp.prompt, list):
+        bad = [t for t in comp.prompt if t >= vocab_size]
+        if bad:
+            raise BadRequest(f"prompt: token id {bad[0]} is out of range; this model's vocabulary "
+                             f"has ids 0..{vocab_size - 1}")
+    opts = comp.stream_options or osc.StreamOptions()
+    return CompletionRequest(model=model, prompt=comp.prompt, sampling=sampling_from(comp, default_max_tokens),
+                             stream=bool(comp.stream), include_usage=opts.include_usage, timeout_s=comp.timeout)
 
 
 def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None) -> dict:
@@ -198,7 +193,19 @@ def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_toke
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason}],
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_json(prompt_tokens, completion_tokens)}
+
+
+def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None) -> dict:
+    """One SSE event of a streamed /v1/completions answer."""
+    return {"id": req.request_id, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, prompt_tokens: int,
+                         completion_tokens: int) -> dict:
+    return {**text_chunk_json(req, int(time.time()), text, finish_reason),
             "usage": usage_json(prompt_tokens, completion_tokens)}
 
 

@@ -61,34 +61,106 @@ def test_audio_part_is_resampled_to_the_model_rate():
     assert req.messages[0]["content"][0]["audio"].shape == (16000,)
 
 
+M = [{"role": "user", "content": "x"}]
+
+
 @pytest.mark.parametrize("body, needle", [
     ([], "JSON object"),
-    ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "not served here"),
-    ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "needs"),
+    ({"model": "other", "messages": M}, "model: 'other' is not served here"),
+    ({"model": 5, "messages": M}, r"^model: Input should be a valid string"),
+    ({}, r"^messages: required field missing"),
+    ({"messages": []}, r"^messages: List should have at least 1 item"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"^messages\[0\]\.role: "),
+    ({"messages": [{"role": "user", "content": 5}]}, r"^messages\[0\]\.content: must be a string or a list"),
+    ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, r"^messages\[0\]\.content\[0\]\.type: required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     r"^messages\[0\]\.content\[0\]: .*needs"),
     ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x", "fps": -1}}]}]},
-     "fps must be a positive number"),
+     r"^messages\[0\]\.content\[0\]: .*fps must be a positive number"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA=="}}]}]},
      "takes image, video"),
     ({"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "https://x/a.mp3"}}]}]},
      "takes image, video"),
     ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, "unsupported content part"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": M, "max_tokens": 0}, r"^max_tokens: .*greater than or equal to 1 \(got 0\)"),
+    ({"messages": M, "max_tokens": True}, r"^max_tokens: Input should be a valid integer \(got True\)"),
+    ({"messages": M, "max_completion_tokens": 1.5}, r"^max_completion_tokens: "),
+    ({"messages": M, "max_tokens": 1 << 40}, r"^max_tokens: .*less than or equal"),
+    ({"messages": M, "temperature": -1}, r"^temperature: .*greater than or equal to 0"),
+    ({"messages": M, "temperature": "1"}, r"^temperature: Input should be a valid number \(got '1'\)"),
+    ({"messages": M, "temperature": float("nan")}, r"^temperature: Input should be a finite number"),
+    ({"messages": M, "top_p": 0}, r"^top_p: "),
+    ({"messages": M, "top_k": -2}, r"^top_k: "),
+    ({"messages": M, "seed": "x"}, r"^seed: Input should be a valid integer \(got 'x'\)"),
+    ({"messages": M, "seed": 1 << 64}, r"^seed: "),
+    ({"messages": M, "stop": [1, 2]}, r"^stop\[0\]: .*; stop\[1\]: "),
+    ({"messages": M, "stop": [""]}, r"^stop\[0\]: String should have at least 1 character"),
+    ({"messages": M, "stop_token_ids": [-1]}, r"^stop_token_ids\[0\]: "),
+    ({"messages": M, "stream": "true"}, r"^stream: Input should be a valid boolean"),
+    ({"messages": M, "stream_options": {"include_usage": "yes"}}, r"^stream_options\.include_usage: "),
+    ({"messages": M, "timeout": 0}, r"^timeout: "),
+    ({"messages": M, "tool_choice": 5}, r"^tool_choice: .*; tool_choice: "),
+    ({"messages": M, "n": 2}, r"^n: n > 1 is not supported \(got 2\); send 2 requests"),
+    ({"messages": M, "n": "2"}, r"^n: Input should be a valid integer"),
+    ({"messages": M, "tools": [{"type": "function"}]}, r"^tools: not supported"),
+    ({"messages": M, "logprobs": True}, "logprobs are not supported yet"),
+    ({"messages": M, "top_logprobs": 2}, "logprobs are not supported yet"),
+    ({"messages": M, "top_logprobs": 99}, r"^top_logprobs: "),
+    ({"messages": M, "presence_penalty": 0.5}, r"^presence_penalty: not supported"),
+    ({"messages": M, "repetition_penalty": 1.2}, r"^repetition_penalty: not supported"),
+    ({"messages": M, "response_format": {"type": "json_object"}}, r"^response_format: not supported"),
+    ({"messages": [{"role": "user", "content": "ok \ud800"}]}, r"^messages\[0\]\.content: invalid unicode"),
+    ({"messages": M, "stop": ["\udfff"]}, r"^stop\[0\]: invalid unicode"),
 ])
 def test_bad_requests_say_what_to_change(body, needle):
     with pytest.raises(oa.BadRequest, match=needle):
         parse(body)
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_developer_is_system():
+    req = parse({"messages": [{"role": "developer", "content": "be brief"}, *M],
+                 "max_tokens": 5, "max_completion_tokens": 9})
+    assert req.sampling.max_tokens == 9
+    assert parse({"messages": M, "max_tokens": 5}).sampling.max_tokens == 5
+    assert req.messages[0]["role"] == "system"
+
+
+def test_unknown_fields_are_ignored_and_sampling_is_mapped():
+    req = parse({"messages": M, "user": "u1", "metadata": {"k": "v"}, "parallel_tool_calls": True,
+                 "top_k": -1, "seed": -1, "n": 1, "stop": "END", "stream_options": None})
+    assert req.sampling.top_k == 0 and req.sampling.seed == (1 << 64) - 1 and req.sampling.stop == ("END",)
+
+
+def parse_completion(body, vocab=100):
+    return oa.parse_completion_request(body, "m", vocab, default_max_tokens=16)
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5])])
+def test_completion_prompt_forms(prompt, expected):
+    req = parse_completion({"prompt": prompt, "max_tokens": 3})
+    assert req.prompt == expected and req.sampling.max_tokens == 3
+    assert req.request_id.startswith("cmpl-")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({}, r"^prompt: required field missing"),
+    ({"prompt": ""}, r"^prompt: must not be empty"),
+    ({"prompt": ["a", "b"]}, r"^prompt: 2 prompts in one request are not supported"),
+    ({"prompt": [1, "a"]}, r"^prompt: must be a non-empty string, or a non-empty list of token ids"),
+    ({"prompt": [1, -1]}, r"^prompt: "),
+    ({"prompt": []}, r"^prompt: "),
+    ({"prompt": [100]}, r"^prompt: token id 100 is out of range; .* ids 0\.\.99"),
+    ({"prompt": "x", "echo": True}, r"^echo: not supported"),
+    ({"prompt": "x", "best_of": 2}, r"^best_of: not supported"),
+    ({"prompt": "x", "suffix": "y"}, r"^suffix: not supported"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs are not supported yet"),
+    ({"prompt": "x", "n": 3}, r"^n: n > 1 is not supported"),
+    ({"prompt": "x\ud800"}, r"^prompt: invalid unicode"),
+])
+def test_bad_completion_requests_name_the_field(body, needle):
+    with pytest.raises(oa.BadRequest, match=needle):
+        parse_completion(body)
 
 
 def test_neutral_values_of_unsupported_options_are_accepted():

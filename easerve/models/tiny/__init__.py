@@ -3,6 +3,7 @@ transformers config classes (no hub needed). Same family + seed + scale -> same 
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 from easerve.models.tiny.common import scale as _scale, seed_everything
@@ -14,6 +15,7 @@ BUILDERS = {
     "ultravox": "easerve.models.tiny.ultravox",
 }
 DEFAULT_FAMILY = "qwen2.5-vl"
+MARKER = "easerve-tiny.json"  # written into every tiny checkpoint: {"family", "seed", "scale"}
 
 
 def make_tiny(family: str, out: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
@@ -28,14 +30,42 @@ def make_tiny(family: str, out: str | Path, seed: int = 0, scale: str = "tiny") 
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
     importlib.import_module(BUILDERS[family]).build(out, seed, sc)
+    (out / MARKER).write_text(json.dumps({"family": family, "seed": seed, "scale": scale}) + "\n")
     return out
 
 
-def cached_tiny(family: str, root: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
-    """make_tiny into root/<family>-<scale>-s<seed>, reusing a complete earlier build."""
-    out = Path(root) / f"{family}-{scale}-s{seed}"
+def is_tiny(path: str | Path) -> bool:
+    """Whether `path` is a checkpoint written by `make_tiny` (random weights)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def tiny_notice(path: str | Path) -> str:
+    """What to tell a user who is about to serve a tiny random-weight checkpoint."""
+    return (f"NOTE: {path} is a tiny EAServe test checkpoint with RANDOM weights: it serves every API, "
+            "but its text is noise. To serve a real model, point --model at a local checkpoint folder of a "
+            f"supported family ({', '.join(sorted(BUILDERS))}), e.g. "
+            "hasctl up --model /models/Qwen2.5-VL-7B-Instruct --device cuda:0")
+
+
+LAYOUTS = ("default", "published")
+
+
+def make_layout(family: str, out: str | Path, seed: int = 0, scale: str = "tiny", layout: str = "default") -> Path:
+    """make_tiny (`default`: what transformers 5 saves) or the published hub layout of the same weights
+    (`published`: see `easerve.models.tiny.published`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown --layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "published":
+        from easerve.models.tiny.published import make_published
+        return make_published(family, out, seed=seed, scale=scale)
+    return make_tiny(family, out, seed=seed, scale=scale)
+
+
+def cached_tiny(family: str, root: str | Path, seed: int = 0, scale: str = "tiny", layout: str = "default") -> Path:
+    """make_layout into root/<family>-<scale>-s<seed>[-<layout>], reusing a complete earlier build."""
+    out = Path(root) / (f"{family}-{scale}-s{seed}" + ("" if layout == "default" else f"-{layout}"))
     marker = out / ".complete"
     if not marker.exists():
-        make_tiny(family, out, seed=seed, scale=scale)
+        make_layout(family, out, seed=seed, scale=scale, layout=layout)
         marker.write_text("ok\n")
     return out

@@ -1,0 +1,223 @@
+"""The real aiohttp app of the gateway over a real GatewayCore (tiny Qwen2.5-VL processor, a
+prefill address nothing listens on): every malformed body gets a 4xx naming the field, never
+a 5xx (hypothesis), and the rules a body must follow each get their own 400."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.gateway import openai_api as oa
+
+SERVED = "tiny"
+DEAD = "127.0.0.1:1"  # nothing listens here: a valid body ends in 503, never a hang
+CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from easerve.models.registry import load_adapter
+    from easerve.models.tiny import cached_tiny
+
+    root = os.environ.get("EASERVE_TINY_CACHE") or tmp_path_factory.mktemp("tiny")
+    return load_adapter(cached_tiny("qwen2.5-vl", root), role="processor")
+
+
+@pytest.fixture(scope="module")
+def client(loop, adapter):
+    """An aiohttp test client of HttpApi(GatewayCore(...)) on 127.0.0.1."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.gateway.core import GatewayConfig, GatewayCore
+    from services.gateway.http_api import HttpApi
+    from services.gateway.metrics import GatewayMetrics
+
+    cfg = GatewayConfig(served_model=SERVED, encode_addrs=(DEAD,), prefill_addrs=(DEAD,), max_model_len=256)
+
+    async def start():  # gRPC channels bind to the running loop
+        api = HttpApi(GatewayCore(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
+        c = TestClient(TestServer(api.app, host="127.0.0.1"), loop=loop)
+        await c.start_server()
+        return c
+
+    c = loop.run_until_complete(start())
+    yield c
+    loop.run_until_complete(c.close())
+
+
+def post(loop, client, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+    async def go():
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with client.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.json(content_type=None)
+    return loop.run_until_complete(go())
+
+
+# ---- invalid values per field ---------------------------------------------------------------
+def not_(*kinds):
+    """JSON values of every type except `kinds` (int counts as number; bool is not int)."""
+    options = {"str": st.text(max_size=5), "int": st.integers(-5, 5), "float": st.floats(-3, 3).filter(
+        lambda f: not f.is_integer()), "bool": st.booleans(), "list": st.lists(st.integers(0, 3), max_size=2),
+        "dict": st.dictionaries(st.sampled_from("ab"), st.integers(0, 3), max_size=1)}
+    drop = set(kinds) | ({"int"} if "float" in kinds else set())
+    return st.one_of(*[s for k, s in options.items() if k not in drop])
+
+
+positive_int_bad = st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=1 << 32))
+BAD = {  # field -> strategy of values that must be refused
+    "model": st.one_of(not_("str"), st.text(max_size=8).filter(lambda s: s != SERVED)),
+    "max_tokens": positive_int_bad,
+    "max_completion_tokens": positive_int_bad,
+    "temperature": st.one_of(not_("float"), st.floats(max_value=-1e-6), st.floats(min_value=2.001),
+                             st.just(math.nan), st.just(math.inf)),
+    "top_p": st.one_of(not_("float"), st.floats(max_value=0.0), st.floats(min_value=1.0001)),
+    "top_k": st.one_of(not_("int"), st.integers(max_value=-2)),
+    "seed": st.one_of(not_("int"), st.integers(min_value=1 << 64), st.integers(max_value=-(1 << 63) - 1)),
+    "stop": st.one_of(not_("str", "list"), st.lists(st.one_of(st.just(""), st.integers()), min_size=1, max_size=3)),
+    "stop_token_ids": st.one_of(not_("list"), st.lists(st.integers(max_value=-1), min_size=1, max_size=2)),
+    "ignore_eos": not_("bool"),
+    "stream": not_("bool"),
+    "stream_options": st.one_of(not_("dict"), st.fixed_dictionaries({"include_usage": not_("bool")})),
+    "n": st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=2)),
+    "timeout": st.one_of(not_("float"), st.floats(max_value=0.0), st.floats(min_value=86400.001)),
+    "presence_penalty": st.one_of(not_("float"), st.floats(-2, 2).filter(lambda f: f != 0)),
+    "frequency_penalty": st.floats(-2, 2).filter(lambda f: f != 0),
+}
+ROLE = st.one_of(not_("str"), st.text(max_size=6).filter(lambda r: r not in ("system", "developer", "user", "assistant")))
+BAD_MESSAGES = st.one_of(
+    not_("list"), st.just([]), st.lists(not_("dict"), min_size=1, max_size=2),
+    st.builds(lambda r: [{"role": r, "content": "hi"}], ROLE),
+    st.builds(lambda c: [{"role": "user", "content": c}], st.one_of(not_("str", "list"), st.just([]))),
+    st.builds(lambda p: [{"role": "user", "content": [p]}],
+              st.one_of(not_("dict", "str"), st.fixed_dictionaries({"type": not_("str")}),
+                        st.fixed_dictionaries({"type": st.text(max_size=6).filter(
+                            lambda t: t not in ("text", "image_url", "video_url", "input_audio"))}),
+                        st.fixed_dictionaries({"type": st.just("text"), "text": not_("str")}),
+                        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": not_("dict", "str")}))),
+    st.builds(lambda s: [{"role": "user", "content": "ok " + s}], st.sampled_from(["\ud800", "a\udfffb"])),
+)
+BAD_PROMPT = st.one_of(
+    not_("str", "list"), st.just(""), st.just([]), st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
+    st.lists(st.text(min_size=1, max_size=3), min_size=2, max_size=3), st.lists(st.floats(0.5, 9), min_size=1),
+    st.lists(st.integers(min_value=10_000, max_value=1 << 40), min_size=1, max_size=2),
+    st.sampled_from(["x\ud800", ["\udc00"]]))
+
+
+def check_4xx_naming(status: int, answer: dict, field: str) -> None:
+    assert 400 <= status < 500, (status, answer)
+    assert answer["error"]["code"] == status and answer["error"]["type"] == "invalid_request_error"
+    assert field in answer["error"]["message"], (field, answer["error"]["message"])
+
+
+PROPERTY = settings(max_examples=int(os.environ.get("EASERVE_HYPOTHESIS_EXAMPLES", 200)), deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@PROPERTY
+@given(case=st.one_of(
+    st.sampled_from(sorted(BAD)).flatmap(lambda f: st.tuples(st.just(f), BAD[f])),
+    st.tuples(st.just("messages"), BAD_MESSAGES)))
+def test_malformed_chat_body_is_a_4xx_naming_the_field(loop, client, case):
+    field, value = case
+    status, answer = post(loop, client, "/v1/chat/completions", {**CHAT, field: value})
+    check_4xx_naming(status, answer, field)
+
+
+@PROPERTY
+@given(case=st.one_of(
+    st.sampled_from(sorted(set(BAD) - {"presence_penalty"})).flatmap(lambda f: st.tuples(st.just(f), BAD[f])),
+    st.tuples(st.just("prompt"), BAD_PROMPT),
+    st.tuples(st.just("echo"), st.one_of(not_("bool"), st.just(True))),
+    st.tuples(st.just("best_of"), st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=2)))))
+def test_malformed_completion_body_is_a_4xx_naming_the_field(loop, client, case):
+    field, value = case
+    status, answer = post(loop, client, "/v1/completions", {**COMPLETION, field: value})
+    check_4xx_naming(status, answer, field)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                        st.sampled_from(["model", "messages", "prompt", "role", "content", "type", "text",
+                                         "max_tokens", "stop", "n", "x"]), inner, max_size=4), max_leaves=12)
+
+
+@PROPERTY
+@given(body=JSON, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_any_json_body_is_never_a_server_error(loop, client, body, path):
+    """Arbitrary JSON: a 400, unless the parser accepts it; then the dead prefill gives 503."""
+    status, answer = post(loop, client, path, body)
+    try:
+        if path == "/v1/chat/completions":
+            oa.parse_chat_request(body, SERVED, ("image", "video"), None)
+        else:
+            oa.parse_completion_request(body, SERVED, vocab_size=10_000)
+        valid = True
+    except oa.BadRequest:
+        valid = False
+    assert status == (503 if valid else 400), (body, status, answer)
+
+
+@PROPERTY
+@given(raw=st.binary(max_size=64))
+def test_any_bytes_are_never_a_server_error(loop, client, raw):
+    try:
+        json.loads(raw)
+        return  # valid JSON is the property above
+    except ValueError:
+        pass
+    status, answer = post(loop, client, "/v1/completions", raw=raw)
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+
+
+# ---- one test per rule ------------------------------------------------------------------------
+def test_deeply_nested_body_is_a_400(loop, client):
+    status, answer = post(loop, client, "/v1/chat/completions", raw=b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nested too deeply" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "cat dog " * 400}]}),
+    ("/v1/completions", {**COMPLETION, "prompt": "cat dog " * 400}),
+    ("/v1/completions", {**COMPLETION, "prompt": [7] * 300}),
+])
+def test_prompt_over_the_context_is_a_400_with_both_numbers(loop, client, path, body):
+    status, answer = post(loop, client, path, body)
+    msg = answer["error"]["message"]
+    assert status == 400, answer
+    n = int(msg.split("the prompt has ")[1].split()[0])
+    assert n > 256 and "max_model_len) is 256" in msg
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_a_400_saying_how_much_fits(loop, client):
+    status, answer = post(loop, client, "/v1/completions", {**COMPLETION, "prompt": [7] * 200, "max_tokens": 100})
+    assert status == 400
+    assert "prompt (200 tokens) + max_tokens (100)" in answer["error"]["message"]
+    assert "at most 56" in answer["error"]["message"]
+
+
+def test_placeholder_token_ids_are_refused(loop, client, adapter):
+    ids = [5, adapter.placeholder_ids["image"], 6]
+    status, answer = post(loop, client, "/v1/completions", {**COMPLETION, "prompt": ids})
+    assert status == 400 and "image placeholder" in answer["error"]["message"]
+
+
+def test_valid_bodies_pass_validation_and_reach_the_pipeline(loop, client):
+    """The dead prefill address is what answers (503): validation let the body through."""
+    for path, body in (("/v1/chat/completions", {**CHAT, "max_completion_tokens": 3, "stream": True}),
+                       ("/v1/completions", {**COMPLETION, "prompt": [[5, 6, 7]], "seed": -3}),
+                       ("/v1/completions", {**COMPLETION, "prompt": ["Hello"], "stream": True, "n": 1})):
+        status, answer = post(loop, client, path, body)
+        assert status == 503, (path, answer)
