@@ -53,15 +53,16 @@ def test_unknown_dtype_is_refused(tiny_checkpoint):
 
 @pytest.mark.parametrize("stage", ["decode", "prefill", "encode", "gateway"])
 def test_every_stage_takes_dtype(stage):
-    import importlib
 
     from easerve.stages.cli import dtype_of
 
+    from easerve.stages.configs import STAGE_CONFIGS, from_argv
+
     extra = {"decode": [], "prefill": ["--decode", "h:1"], "encode": ["--prefill", "h:1"],
-             "gateway": ["--prefill", "h:1"]}[stage]
-    args = importlib.import_module(f"services.{stage}.__main__").parse(["--model", "m", "--dtype", "bfloat16", *extra])
+             "gateway": ["--prefill", "h:1", "--decode", "h:2"]}[stage]
+    args = from_argv(STAGE_CONFIGS[stage], stage, ["--model", "m", "--dtype", "bfloat16", *extra])
     assert dtype_of(args.dtype) is torch.bfloat16
-    default = importlib.import_module(f"services.{stage}.__main__").parse(["--model", "m", *extra])
+    default = from_argv(STAGE_CONFIGS[stage], stage, ["--model", "m", *extra])
     assert default.dtype == "auto" and dtype_of(default.dtype) is None
 
 

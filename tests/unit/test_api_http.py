@@ -45,7 +45,8 @@ def client(loop, adapter):
     from services.gateway.http_api import HttpApi
     from services.gateway.metrics import GatewayMetrics
 
-    cfg = GatewayConfig(served_model=SERVED, encode_addrs=(DEAD,), prefill_addrs=(DEAD,), max_model_len=256)
+    cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
+                        max_model_len=256)
 
     async def start():  # gRPC channels bind to the running loop
         api = HttpApi(GatewayCore(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
