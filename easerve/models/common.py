@@ -367,10 +367,10 @@ class HFAdapter(ModelAdapter):
         parts = [p.get("type") for m in messages if not isinstance(m.get("content"), str)
                  for p in m.get("content", [])]
         self._check_modalities([p for p in parts if p in MEDIA_KWARGS])
+        kwargs = {"return_text_replacement_offsets": True, **_video_metadata(messages)}
         out = self.processor.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_tensors="pt",
-            add_generation_prompt=add_generation_prompt,
-            processor_kwargs={"return_text_replacement_offsets": True})
+            add_generation_prompt=add_generation_prompt, processor_kwargs=kwargs)
         return self._to_prompt(out)
 
     def preprocess_prompt(self, prompt: str, images=(), videos=(), audios=()) -> ProcessedPrompt:
@@ -387,3 +387,18 @@ class HFAdapter(ModelAdapter):
                              return_text_replacement_offsets=True, **kwargs)
         return self._to_prompt(out)
 
+
+
+def _video_metadata(messages: list[dict]) -> dict:
+    """`video_metadata` for the processor when every video part says the rate of its frames
+    (`"fps"`: the media decoder's sampling rate). Without it HF assumes 24 fps for decoded
+    frames, which squeezes Qwen2.5-VL's temporal positions (second_per_grid_ts)."""
+    videos = [p for m in messages if not isinstance(m.get("content"), str)
+              for p in m.get("content", []) if p.get("type") == "video"]
+    if not videos or any(not p.get("fps") for p in videos):
+        return {}
+    meta = []
+    for p in videos:
+        n = len(p["video"])
+        meta.append({"total_num_frames": n, "fps": float(p["fps"]), "frames_indices": list(range(n))})
+    return {"video_metadata": meta}

@@ -100,6 +100,17 @@ def test_gateway_decoded_frames_feed_the_processor(mm, rng, full, enc):
     assert enc.encode([item])[0].shape[0] == item.num_tokens
 
 
+@pytest.mark.parametrize("fps, seconds_per_grid", [(2.0, 1.0), (4.0, 0.5)])
+def test_the_frames_rate_reaches_the_temporal_positions(mm, rng, full, fps, seconds_per_grid):
+    """Frames sampled at `fps` by the media decoder: Qwen2.5-VL's temporal grid spans
+    temporal_patch_size / fps seconds (HF would assume 24 fps for bare frames)."""
+    frames = [mm.image(rng, 40, 60) for _ in range(4)]
+    with_rate = full.preprocess(mm.user({"type": "video", "video": frames, "fps": fps}, "Hi")).items[0]
+    bare = full.preprocess(mm.user({"type": "video", "video": frames}, "Hi")).items[0]
+    assert float(with_rate.meta["second_per_grid_ts"]) == pytest.approx(seconds_per_grid)
+    assert float(bare.meta["second_per_grid_ts"]) == pytest.approx(2 / 24)
+
+
 @pytest.mark.parametrize("n_videos", [0, 2])
 def test_video_placeholder_mismatch_is_rejected(mm, rng, full, n_videos):
     prompt = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Describe<|im_end|>\n"
