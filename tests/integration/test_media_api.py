@@ -76,7 +76,8 @@ def media_gw(vl_stack, tmp_path_factory):
     stages = vl_stack.endpoints.stages
     log = run / "gateway.log"
     cmd = [sys.executable, "-m", "services.gateway", "--model", vl_stack.deployment.model,
-           "--encode", stages["encode-0"], "--prefill", stages["prefill-0"], "--threads", "1",
+           "--encode", stages["encode-0"], "--prefill", stages["prefill-0"], "--decode", stages["decode-0"],
+           "--threads", "1",
            "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
            "--port-file", str(run / "grpc.port"), "--http-port-file", str(run / "http.port"),
            "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(root),
@@ -118,7 +119,7 @@ def test_mp4_file_and_url_images_get_200_and_the_same_tokens(vl_stack, media_gw)
     clip = encode_video(smooth_frames(16, 56, 56), "mp4-h264", fps=8)  # 2 s: 4 frames at 2 fps
     r = _chat(media_gw.http, {"type": "video_url", "video_url": {"url": data_uri(clip, "video/mp4")}})
     frames = [data_uri(_png(f)) for f in decode_all_frames(clip)[[0, 4, 8, 12]]]
-    want = _chat(vl_stack.endpoints.http, {"type": "video_url", "video_url": {"frames": frames}})
+    want = _chat(vl_stack.endpoints.http, {"type": "video_url", "video_url": {"frames": frames, "fps": 2}})
     assert r.usage.completion_tokens > 0
     assert r.choices[0].message.content == want.choices[0].message.content
     assert r.usage.prompt_tokens == want.usage.prompt_tokens
@@ -135,7 +136,7 @@ def test_grpc_takes_a_video_file_and_an_image_url(vl_stack, media_gw):
     clip = encode_video(smooth_frames(16, 56, 56, seed=3), "webm-vp9", fps=8)
     got = Client(media_gw.grpc, timeout=120).generate(PROMPT, video=clip, max_tokens=N)
     frames = [_png(f) for f in decode_all_frames(clip)[[0, 4, 8, 12]]]
-    want = Client(vl_stack.endpoints.grpc, timeout=120).generate(PROMPT, video=frames, max_tokens=N)
+    want = Client(vl_stack.endpoints.grpc, timeout=120).generate(PROMPT, video=frames, video_fps=2.0, max_tokens=N)
     assert list(got.token_ids) == list(want.token_ids) and len(got.token_ids) > 0
 
     img = png_bytes(40, 40, seed=9)
