@@ -27,7 +27,8 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class PrefillMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, queued: Callable[[], int] | None = None):
+        """`queued()`: requests waiting for a prefill batch (read when scraped)."""
         r = registry
         self.batch_size = Histogram("easerve:prefill_batch_size",
                                     "Size of the prefill batch each request ran in", buckets=SIZE_BUCKETS, registry=r)
@@ -36,6 +37,9 @@ class PrefillMetrics:
         self.kv_transfer = Histogram("easerve:kv_transfer_seconds", "Prefill -> decode KV handoff",
                                      ["transport"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("easerve:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        if queued is not None:
+            Gauge("easerve:prefill_queue_depth", "Requests waiting for a prefill batch",
+                  registry=r).set_function(queued)
 
     def on_batch(self, start: float, end: float) -> None:
         self.batch_time.observe(end - start)

@@ -74,7 +74,7 @@ class Encoder:
             self.metrics.on_prefill(t0, t1, share())
             self.prefill_metrics.on_batch(t0, t1)
 
-        self.prefill_metrics = PrefillMetrics(self.metrics.registry)
+        self.prefill_metrics = PrefillMetrics(self.metrics.registry, queued=lambda: self.local.loop.queued)
         return build_prefill_stage(self.cfg, self.local_lm, self.opts.channel_options(), self.node,
                                    executor=self.prefill_pool, scope=self.controller.prefill_scope,
                                    on_busy=on_busy, metrics=self.prefill_metrics)

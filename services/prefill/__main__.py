@@ -23,7 +23,8 @@ async def main(cfg: PrefillConfig) -> None:
     opts = ServerOptions(grace_s=cfg.grace_s)
     node = local_identity(cfg.torch_device)
     registry = new_registry()
-    metrics = PrefillMetrics(registry)
+    stage = None
+    metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0)
     stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
                                 metrics=metrics)
 

@@ -32,7 +32,8 @@ def _multi(model: str, *, restart: bool = False) -> Stack:
     d = Deployment(
         model=model, name="2x2",
         encode=(Worker(flags={"max-batch": 4, **ONE}),),
-        prefill=(Worker(flags={"kv-transport": "shm", **ONE}), Worker(flags={"kv-transport": "grpc", **ONE})),
+        prefill=tuple(Worker(flags={"kv-transport": kind, "metrics-listen": f"127.0.0.1:{free_port()}", **ONE})
+                      for kind in ("shm", "grpc")),
         decode=decode).with_gateway_ports(0, 0)
     return Stack(d, restart=restart, env={"EASERVE_LOG_LEVEL": "WARNING"})
 
@@ -71,13 +72,17 @@ def _run_all(stack, reqs, workers: int = 6) -> list[list[int]]:
         return [f.result() for f in futs]
 
 
-def _kv_received(stack, name: str) -> dict[str, float]:
-    """Requests whose KV this decode instance took in, by transport (its /metrics)."""
-    import re
+def _scrape(stack, name: str) -> str:
     import urllib.request
     argv = stack._procs[name].cmd.argv
     addr = argv[argv.index("--metrics-listen") + 1]
-    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    return urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+
+
+def _kv_received(stack, name: str) -> dict[str, float]:
+    """Requests whose KV this decode instance took in, by transport (its /metrics)."""
+    import re
+    text = _scrape(stack, name)
     out: dict[str, float] = {}
     for m in re.finditer(r'^easerve:kv_receive_seconds_count\{transport="(\w+)"\} (\S+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
@@ -98,6 +103,12 @@ def test_mixed_load_on_2x2_equals_one_instance(vl_multi, vl_stack):
     assert all(sum(r.values()) > 0 for r in received.values()), received  # both decode instances decoded
     assert sum(r.get("shm", 0) for r in received.values()) > 0, received    # prefill-0's KV over shm
     assert sum(r.get("grpc", 0) for r in received.values()) > 0, received   # prefill-1's over the gRPC stream
+    for name, kind in (("prefill-0", "shm"), ("prefill-1", "grpc")):  # prefill's own metrics say the same
+        text = _scrape(vl_multi, name)
+        assert f'easerve:kv_transfer_seconds_count{{transport="{kind}"}}' in text, text
+        assert "easerve:prefill_batch_size_count" in text and "easerve:prefill_queue_depth 0.0" in text
+    decode = _scrape(vl_multi, "decode-0")
+    assert "easerve:kv_cache_usage_perc" in decode and "easerve:decode_batch_size_count" in decode
 
 
 def test_cpu_core_devices_pin_the_stage(vl_multi):
