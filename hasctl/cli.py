@@ -1,7 +1,8 @@
 """`hasctl`: Hybrid Auto Selection and operations for EAServe deployments.
 
 Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
-default tiny model), up (launch a deployment). Each subcommand lives in its own
+default tiny model), up (launch a deployment), bench (open-loop load
+against an OpenAI-compatible endpoint). Each subcommand lives in its own
 module and registers itself through `add_parser(subparsers)`.
 """
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hasctl import demo, tiny_cmd, up_cmd
+from hasctl import bench, demo, tiny_cmd, up_cmd
 
-COMMANDS = [tiny_cmd, demo, up_cmd]
+COMMANDS = [tiny_cmd, demo, up_cmd, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

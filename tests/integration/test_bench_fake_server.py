@@ -1,0 +1,98 @@
+"""`hasctl bench` against a real fake OpenAI server process whose delays are known and recorded
+on the server's own clock (tests/fake_openai.py).
+
+Tolerances (client-side minus server-side, the gap being localhost transit and event-loop
+wake-ups on a shared 2-core machine): TTFT within 25 ms per request and 5 ms on average; TPOT
+within 3 ms per request; the goodput count is exact (the limits, 120 ms / 20 ms, sit far from
+both classes: 50 ms / 10 ms and 200 ms / 30 ms), so goodput = that count / the run's duration.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hasctl.cli import main
+from hasctl.workload import WorkloadSpec, synthesize
+from tests.fake_openai import request_class
+
+ROOT = Path(__file__).resolve().parents[2]
+N, TOKENS = 60, 10
+
+
+@pytest.fixture()
+def fake_server():
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_bench_agrees_with_the_servers_own_count(fake_server, tmp_path):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--url", fake_server, "--modality", "text", "--rate", "20", "--requests", str(N),
+               "--input-tokens", "12", "--output-tokens", str(TOKENS), "--ttft-ms", "120", "--tpot-ms", "20",
+               "--seed", "11", "--label", "fake", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    truth = {t["text"]: t for t in json.load(urllib.request.urlopen(fake_server + "/truth"))}
+    texts = [r.messages[0]["content"][-1]["text"]
+             for r in synthesize(WorkloadSpec(modality="text", input_tokens=12, output_tokens=TOKENS), N, 11)]
+    assert len(truth) == N and set(truth) == set(texts)
+    classes = [request_class(t) for t in texts]
+    assert {"fast", "slow", "reject"} <= set(classes)  # the seed exercises every class
+
+    recs = res["records"]
+    d_ttft, d_tpot = [], []
+    for r, text, kind in zip(recs, texts, classes):
+        if kind == "reject":
+            assert r["error_kind"] == "http_429"
+            continue
+        t = truth[text]
+        assert r["error"] is None and r["output_tokens"] == TOKENS == len(r["chunk_s"])
+        ttft = r["chunk_s"][0] - r["sent_s"]
+        tpot = (r["chunk_s"][-1] - r["chunk_s"][0]) / (TOKENS - 1)
+        d_ttft.append(ttft - t["ttft_s"])
+        d_tpot.append(tpot - t["tpot_s"])
+    assert max(abs(x) for x in d_ttft) < 0.025 and sum(abs(x) for x in d_ttft) / len(d_ttft) < 0.005
+    assert max(abs(x) for x in d_tpot) < 0.003
+
+    good = sum(1 for text, k in zip(texts, classes)
+               if k != "reject" and truth[text]["ttft_s"] <= 0.120 and truth[text]["tpot_s"] <= 0.020)
+    assert good == classes.count("fast")
+    assert res["slo_met"] == good
+    assert res["request_goodput"] == pytest.approx(good / res["duration"])
+    assert res["slo_attainment"] == pytest.approx(good / N)
+    assert res["completed"] == N - classes.count("reject") and res["errors_by_kind"] == {"http_429": classes.count("reject")}
+    assert res["model_id"] == "fake-model" and res["label"] == "fake" and res["request_rate"] == 20
+    # vLLM-named fields are present and consistent with the records
+    for key in ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "request_throughput",
+                "output_throughput", "request_goodput", "mean_e2el_ms"):
+        assert res[key] is not None, key
+    assert res["output_throughput"] == pytest.approx(res["completed"] * TOKENS / res["duration"])
+    assert res["max_send_lag_ms"] < 50  # the open loop kept its schedule
+
+
+@pytest.mark.slow
+def test_the_hard_timeout_cancels_open_requests_and_counts_them(fake_server, tmp_path, capsys):
+    import asyncio
+
+    from hasctl.bench import BenchConfig, run_bench
+    cfg = BenchConfig(url=fake_server, rate=50.0, num_requests=20, seed=11, timeout_s=0.25, progress=True,
+                      workload=WorkloadSpec(modality="text", input_tokens=12, output_tokens=40))
+    res = asyncio.run(run_bench(cfg))
+    # 40 tokens at >= 10 ms each cannot end within 0.25 s: sent requests are cut, later ones never sent
+    assert any(r.error_kind == "run_timeout" and r.sent_s is not None for r in res.records)
+    assert any(r.error_kind == "run_timeout" and r.sent_s is None for r in res.records)
+    assert "no_tokens" not in res.metrics["errors_by_kind"]
+    assert res.metrics["completed"] + res.metrics["failed"] == len(res.records) <= 20
+    assert "bench 50 req/s" in capsys.readouterr().err  # the progress bar is on stderr
