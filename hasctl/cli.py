@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hasctl import bench, demo, profile, screen, tiny_cmd, up_cmd
+from hasctl import bench, demo, profile, report, screen, tiny_cmd, up_cmd
 
-COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench]
+COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench, report]
 
 
 def build_parser() -> argparse.ArgumentParser:
