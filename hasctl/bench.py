@@ -87,13 +87,14 @@ class BenchResult:
     metrics: dict
     records: list[RequestRecord] = field(repr=False)
     max_send_lag_ms: float = 0.0       # how late the client sent its most delayed request
+    client_cpu_s: float = 0.0          # CPU time this process spent during the open loop
 
     def to_dict(self) -> dict:
         c = self.config
         return {"format": FORMAT, "label": c.label, "model_id": self.model, "endpoint": c.endpoint,
                 "modality": "dataset" if c.dataset else c.workload.modality,
                 "request_rate": c.rate, "burstiness": c.burstiness, "num_prompts": len(self.records),
-                **self.metrics, "max_send_lag_ms": self.max_send_lag_ms,
+                **self.metrics, "max_send_lag_ms": self.max_send_lag_ms, "client_cpu_s": self.client_cpu_s,
                 "slo": c.slo.to_dict() if c.slo else None, "config": c.to_dict(),
                 "records": [r.to_dict() for r in self.records]}
 
@@ -116,13 +117,15 @@ async def run_bench(config: BenchConfig, requests: Sequence[ChatRequest] | None 
         bodies = [json.dumps(r.body(model, config.ignore_eos)).encode() for r in reqs]
         records = [RequestRecord(r.index, r.modality, t) for r, t in zip(reqs, times)]
         bar = _bar(config, len(records))
+        cpu0 = time.process_time()
         try:
             await _open_loop(session, config, bodies, records, bar)
         finally:
+            cpu = time.process_time() - cpu0
             if bar is not None:
                 bar.close()
     lag = max((r.sent_s - r.scheduled_s for r in records if r.sent_s is not None), default=0.0)
-    return BenchResult(config, model, compute_metrics(records, config.slo), records, lag * 1e3)
+    return BenchResult(config, model, compute_metrics(records, config.slo), records, lag * 1e3, cpu)
 
 
 def _requests(config: BenchConfig, n: int, given: Sequence[ChatRequest] | None) -> list[ChatRequest]:

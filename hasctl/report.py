@@ -36,7 +36,8 @@ def load_result(path: str | Path) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); pass files written by hasctl bench --out") from None
     if not isinstance(data, dict) or data.get("format") != BENCH_FORMAT:
-        raise ValueError(f"{path} is not a hasctl bench result (format {BENCH_FORMAT!r}); pass hasctl bench --out files")
+        raise ValueError(f"{path} is not a hasctl bench result (format {BENCH_FORMAT!r}); "
+                         "pass files written by hasctl bench --out")
     data.setdefault("label", "")
     data["label"] = data["label"] or data.get("endpoint", path.stem)
     return data

@@ -2,8 +2,8 @@
 on the server's own clock (tests/fake_openai.py).
 
 Tolerances (client-side minus server-side, the gap being localhost transit and event-loop
-wake-ups on a shared 2-core machine): TTFT within 25 ms per request and 5 ms on average; TPOT
-within 3 ms per request; the goodput count is exact (the limits, 120 ms / 20 ms, sit far from
+wake-ups on a shared 2-core machine): TTFT within 5 ms on average and 50 ms for any one request;
+TPOT within 1 ms on average and 5 ms for any one request; the goodput count is exact (the limits, 120 ms / 20 ms, sit far from
 both classes: 50 ms / 10 ms and 200 ms / 30 ms), so goodput = that count / the run's duration.
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def test_bench_agrees_with_the_servers_own_count(fake_server, tmp_path):
         tpot = (r["chunk_s"][-1] - r["chunk_s"][0]) / (TOKENS - 1)
         d_ttft.append(ttft - t["ttft_s"])
         d_tpot.append(tpot - t["tpot_s"])
-    assert max(abs(x) for x in d_ttft) < 0.025 and sum(abs(x) for x in d_ttft) / len(d_ttft) < 0.005
-    assert max(abs(x) for x in d_tpot) < 0.003
+    assert sum(abs(x) for x in d_ttft) / len(d_ttft) < 0.005 and max(abs(x) for x in d_ttft) < 0.050
+    assert sum(abs(x) for x in d_tpot) / len(d_tpot) < 0.001 and max(abs(x) for x in d_tpot) < 0.005
 
     good = sum(1 for text, k in zip(texts, classes)
                if k != "reject" and truth[text]["ttft_s"] <= 0.120 and truth[text]["tpot_s"] <= 0.020)
@@ -72,14 +72,16 @@ def test_bench_agrees_with_the_servers_own_count(fake_server, tmp_path):
     assert res["slo_met"] == good
     assert res["request_goodput"] == pytest.approx(good / res["duration"])
     assert res["slo_attainment"] == pytest.approx(good / N)
-    assert res["completed"] == N - classes.count("reject") and res["errors_by_kind"] == {"http_429": classes.count("reject")}
+    rejected = classes.count("reject")
+    assert res["completed"] == N - rejected and res["errors_by_kind"] == {"http_429": rejected}
     assert res["model_id"] == "fake-model" and res["label"] == "fake" and res["request_rate"] == 20
     # vLLM-named fields are present and consistent with the records
     for key in ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "request_throughput",
                 "output_throughput", "request_goodput", "mean_e2el_ms"):
         assert res[key] is not None, key
     assert res["output_throughput"] == pytest.approx(res["completed"] * TOKENS / res["duration"])
-    assert res["max_send_lag_ms"] < 50  # the open loop kept its schedule
+    assert res["max_send_lag_ms"] < 250  # open loop: sends kept their schedule (closed loop: seconds late)
+    assert 0 < res["client_cpu_s"] < 0.5 * res["duration"]  # a light client: well under one core
 
 
 @pytest.mark.slow

@@ -48,6 +48,6 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
 
     assert main(["screen", "--profile", str(out), "--rate", "1", "--devices", "3", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert len(res["kept"]) + len(res["removed"]) == 4  # E1-P1-D1, with and without co-location, E1-P0-D2, E2-P0-D1
+    assert len(res["kept"]) + len(res["removed"]) == 4  # E1-P1-D1 (+coloc), E1-P0-D2, E2-P0-D1 (+coloc)
     slo = slo_from_args(Namespace(slo="tight", profile=str(out), ttft_ms=None, tpot_ms=None))
     assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
