@@ -96,7 +96,14 @@ class BenchResult:
                 "request_rate": c.rate, "burstiness": c.burstiness, "num_prompts": len(self.records),
                 **self.metrics, "max_send_lag_ms": self.max_send_lag_ms, "client_cpu_s": self.client_cpu_s,
                 "slo": c.slo.to_dict() if c.slo else None, "config": c.to_dict(),
-                "records": [r.to_dict() for r in self.records]}
+                **self._vllm_lists(), "records": [r.to_dict() for r in self.records]}
+
+    def _vllm_lists(self) -> dict:
+        """The per-request lists `vllm bench serve` saves (seconds; 0 / [] / "" for a failed request)."""
+        rs = self.records
+        return {"ttfts": [r.ttft_s if r.ok else 0.0 for r in rs], "itls": [r.itl_s if r.ok else [] for r in rs],
+                "input_lens": [r.prompt_tokens or 0 for r in rs], "output_lens": [r.tokens if r.ok else 0 for r in rs],
+                "errors": [r.error or "" for r in rs]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
@@ -247,7 +254,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, required=True, help="mean arrival rate, requests/s")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape K (1 = Poisson, < 1 burstier)")
     bound = p.add_mutually_exclusive_group()
-    bound.add_argument("--requests", type=int, default=None, help="number of requests (default 100)")
+    bound.add_argument("--requests", type=int, default=None,
+                       help="number of requests (default: 100, or each --dataset line once)")
     bound.add_argument("--duration", type=float, default=None, help="send for this many seconds instead")
     p.add_argument("--image-size", default="224x224", help="WxH of synthetic images")
     p.add_argument("--video-frames", type=int, default=8)
@@ -292,7 +300,12 @@ def config_from_args(args) -> BenchConfig:
                         video_frames=args.video_frames, video_size=parse_size(args.video_size, "--video-size"),
                         video_format=args.video_format, audio_s=args.audio_s, input_tokens=args.input_tokens,
                         output_tokens=args.output_tokens, mix=tuple(m for m in args.mix.split(",") if m))
-    n = None if args.duration is not None else (args.requests or 100)
+    if args.duration is not None:
+        n = None
+    elif args.requests is None and args.dataset:
+        n = len(load_dataset(args.dataset))  # each dataset request once
+    else:
+        n = args.requests or 100
     return BenchConfig(url=args.url, rate=args.rate, burstiness=args.burstiness, num_requests=n,
                        duration_s=args.duration, seed=args.seed, workload=spec, dataset=args.dataset,
                        model=args.model, ignore_eos=args.ignore_eos, slo=slo_from_args(args),

@@ -1,9 +1,10 @@
 """`hasctl`: Hybrid Auto Selection and operations for EAServe deployments.
 
 Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
-default tiny model), up (launch a deployment), bench (open-loop load
-against an OpenAI-compatible endpoint). Each subcommand lives in its own
-module and registers itself through `add_parser(subparsers)`.
+default tiny model), up (launch a deployment), profile (each stage's capacity alone, into a
+profile file), screen (drop allocations that cannot carry a rate), bench (open-loop load
+against an OpenAI-compatible endpoint), report (plots and a table from bench results). Each
+subcommand lives in its own module and registers itself through `add_parser(subparsers)`.
 """
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ class Profiler:
         from easerve.types import KVPayload
         plan, out = self.plan, []
         ctx = plan.decode_context
-        [req] = self._prefill_reqs(ctx, 1, max_tokens=2 + plan.decode_steps * (plan.repeats + 1))
+        [req] = self._prefill_reqs(ctx, 1, max_tokens=8 + plan.decode_steps * (plan.repeats + 1))
         res = self.lm.prefill([req])[0]
         for b in plan.decode_batches:
             engine = self._engine(b, ctx + req.sampling.max_tokens)
@@ -226,7 +226,7 @@ class Profiler:
         sp = SamplingParams(max_tokens=n_out, ignore_eos=True)
         content = ([] if size is None else [media_part(modality, size, seed)]) + [
             {"type": "text", "text": text_of(32, seed)}]
-        engine = self._engine(1, 4096 + n_out)
+        engine = self._engine(1, 16384)
         t0 = time.perf_counter()
         prompt = self.enc.preprocess([{"role": "user", "content": content}])
         embeds = self.enc.encode(prompt.items) if prompt.items else []

@@ -98,3 +98,20 @@ def test_the_hard_timeout_cancels_open_requests_and_counts_them(fake_server, tmp
     assert "no_tokens" not in res.metrics["errors_by_kind"]
     assert res.metrics["completed"] + res.metrics["failed"] == len(res.records) <= 20
     assert "bench 50 req/s" in capsys.readouterr().err  # the progress bar is on stderr
+
+
+@pytest.mark.slow
+def test_dataset_replay_sends_each_line_once(fake_server, tmp_path):
+    prompts = [f"replayed prompt number {k}" for k in range(7)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 3 + k % 2}) for k, p in enumerate(prompts)))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--url", fake_server + "/v1", "--dataset", str(data), "--rate", "30", "--no-progress",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    truth = json.load(urllib.request.urlopen(fake_server + "/truth"))
+    assert sorted(t["text"] for t in truth) == sorted(prompts)
+    ok = [k for k, p in enumerate(prompts) if request_class(p) != "reject"]
+    assert res["num_prompts"] == 7 and res["completed"] == len(ok)
+    assert [res["output_lens"][k] for k in ok] == [3 + k % 2 for k in ok]  # each line's own max_tokens
+    assert all(res["ttfts"][k] > 0.04 for k in ok) and len(res["itls"]) == 7 and res["modality"] == "dataset"
