@@ -147,11 +147,16 @@ def _requests(config: BenchConfig, n: int, given: Sequence[ChatRequest] | None) 
 
 
 async def _first_model(session, url: str) -> str:
+    import aiohttp
+
     base = url.rstrip("/").removesuffix("/chat/completions").removesuffix("/v1")
-    async with session.get(base + "/v1/models") as resp:
-        if resp.status != 200:
-            raise ValueError(f"GET {base}/v1/models answered {resp.status}; pass --model NAME")
-        data = (await resp.json()).get("data") or []
+    try:
+        async with session.get(base + "/v1/models") as resp:
+            if resp.status != 200:
+                raise ValueError(f"GET {base}/v1/models answered {resp.status}; pass --model NAME")
+            data = (await resp.json()).get("data") or []
+    except aiohttp.ClientError as e:
+        raise ValueError(f"cannot reach {base} ({type(e).__name__}: {e}); is the server up at --url?") from None
     if not data:
         raise ValueError(f"{base}/v1/models lists no model; pass --model NAME")
     return data[0]["id"]

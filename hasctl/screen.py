@@ -143,7 +143,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("screen", help="drop allocations in which some stage cannot carry --rate")
     p.add_argument("--profile", required=True, help="a profile file from hasctl profile")
     p.add_argument("--rate", type=float, required=True, help="target arrival rate, requests/s")
-    p.add_argument("--devices", type=int, default=None, help="devices to allocate (default: the profile's)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to allocate: GPUs, or core groups like the profiled one (default: the profile's)")
     p.add_argument("--modality", default=None, help="workload modality (default: the profile's reference)")
     p.add_argument("--items-per-request", type=float, default=None)
     p.add_argument("--prompt-tokens", type=float, default=None, help="default: the profile's unloaded request")
@@ -161,6 +162,10 @@ def run(args) -> int:
                          args.output_tokens)
     devices = args.devices or len(prof.hardware.devices)
     verdicts = screen(prof, demand, devices, args.max_batch, args.max_running, args.max_utilization)
+    if not verdicts:
+        raise ValueError(f"{devices} device(s) hold no allocation (one instance per device; the smallest is "
+                         f"encode with co-located prefill + decode); pass --devices N (GPUs, or core groups "
+                         f"like the profiled {prof.hardware.device})")
     if args.json:
         print(json.dumps({"demand": asdict(demand), "devices": devices, "kept": [_js(v) for v in verdicts if v.kept],
                           "removed": [_js(v) for v in verdicts if not v.kept]}, indent=1))

@@ -75,3 +75,19 @@ def test_record_round_trips_and_validation():
         BenchConfig(url="localhost:8000")
     assert BenchConfig(url="http://h:1/v1").endpoint == "http://h:1/v1/chat/completions"
     assert BenchConfig(url="http://h:1/").endpoint == "http://h:1/v1/chat/completions"
+
+
+def test_cli_errors_say_what_to_change(tmp_path, capsys):
+    from hasctl.cli import main
+    from hasctl.launch import free_port
+    base = ["bench", "--url", f"http://127.0.0.1:{free_port()}", "--rate", "1", "--requests", "1",
+            "--no-progress", "--out", str(tmp_path / "r.json")]
+    assert main(base) == 2
+    assert "is the server up at --url?" in capsys.readouterr().err
+    assert main(base + ["--slo", "tight"]) == 2
+    assert "add --profile PROFILE.json" in capsys.readouterr().err
+    assert main(base + ["--ttft-ms", "100"]) == 2
+    assert "--ttft-ms and --tpot-ms go together" in capsys.readouterr().err
+    assert main(base + ["--burstiness", "0"]) == 2
+    assert "burstiness K must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

@@ -74,5 +74,7 @@ def test_cli_prints_kept_and_removed_with_reasons(tmp_path, capsys):
     assert main(["screen", "--profile", str(path), "--rate", "15", "--devices", "3"]) == 0
     text = capsys.readouterr().out
     assert "kept (" in text and "removed (" in text and "encode: capacity 10 items/s < demand 15" in text
+    assert main(["screen", "--profile", str(path), "--rate", "15", "--devices", "1"]) == 2
+    assert "1 device(s) hold no allocation" in capsys.readouterr().err
     assert main(["screen", "--profile", str(tmp_path / "none.json"), "--rate", "1"]) == 2
     assert "cannot read the profile" in capsys.readouterr().err
