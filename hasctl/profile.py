@@ -57,10 +57,6 @@ class Plan:
         if self.repeats < 1 or self.decode_steps < 1 or self.output_tokens < 2:
             raise ValueError("repeats and decode_steps must be >= 1, output_tokens >= 2")
 
-    @property
-    def reference_index(self) -> int:
-        return min(1, len(self.image_sizes) - 1)
-
 
 QUICK = Plan(encode_batches=(1, 2), shares=(0.5, 1.0), image_sizes=((56, 56),), video_sizes=((2, 56, 56),),
              audio_seconds=(0.5,), size_batches=(1,), prompt_lens=(16, 48), prefill_batches=(1, 2),
@@ -90,6 +86,12 @@ def media_part(modality: str, size, seed: int = 0) -> dict:
 
 def sizes_of(plan: Plan, modality: str) -> tuple:
     return {"image": plan.image_sizes, "video": plan.video_sizes, "audio": plan.audio_seconds}[modality]
+
+
+def reference_size(plan: Plan, modality: str):
+    """The media size of the encode grid and the unloaded request: the second size if there is one."""
+    sizes = sizes_of(plan, modality)
+    return sizes[min(1, len(sizes) - 1)]
 
 
 class Profiler:
@@ -128,7 +130,7 @@ class Profiler:
     def measure_encode(self) -> pf.EncodeProfile:
         from easerve.control.sm_backends import select_backend
         plan, ref = self.plan, self.modalities[0]
-        ref_size = sizes_of(plan, ref)[min(plan.reference_index, len(sizes_of(plan, ref)) - 1)]
+        ref_size = reference_size(plan, ref)
         backend = select_backend("auto", self.device, plan.shares)
         split = backend.name in ("green_contexts", "cpu_affinity")
         shares = backend.levels if split else (1.0,)
@@ -208,8 +210,7 @@ class Profiler:
     def measure_unloaded(self) -> list[pf.Unloaded]:
         out = []
         for mod in self.modalities + ("text",):
-            size = None if mod == "text" else sizes_of(self.plan, mod)[min(self.plan.reference_index,
-                                                                          len(sizes_of(self.plan, mod)) - 1)]
+            size = None if mod == "text" else reference_size(self.plan, mod)
             runs = [self._one_request(mod, size, seed) for seed in range(self.plan.repeats + 1)][1:]  # 1st: warm-up
             ttft = statistics.median(r[0] for r in runs)
             tpot = statistics.median(r[1] for r in runs)

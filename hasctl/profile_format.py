@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from hasctl.metrics import SLO
+from hasctl.bench_metrics import SLO
 
 FORMAT = "easerve.profile/v1"
 TIERS = ("tight", "moderate", "loose")

@@ -9,7 +9,7 @@ from PIL import Image
 from easerve.control.trace import UtilizationTrace
 from hasctl.bench import BenchConfig, BenchResult
 from hasctl.cli import main
-from hasctl.metrics import SLO, RequestRecord, compute_metrics
+from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
 
 
 def result_file(tmp_path, label: str, rate: float, ttft: float) -> str:
