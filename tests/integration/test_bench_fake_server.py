@@ -2,9 +2,10 @@
 on the server's own clock (tests/fake_openai.py).
 
 Tolerances (client-side minus server-side, the gap being localhost transit and event-loop
-wake-ups on a shared 2-core machine): TTFT within 5 ms on average and 50 ms for any one request;
-TPOT within 1 ms on average and 5 ms for any one request; the goodput count is exact (the limits, 120 ms / 20 ms, sit far from
-both classes: 50 ms / 10 ms and 200 ms / 30 ms), so goodput = that count / the run's duration.
+wake-ups on a shared 2-core machine): TTFT within 5 ms on average and 50 ms for any one
+request; TPOT within 1 ms on average and 5 ms for any one request; the goodput count is exact
+(the limits, 120 ms / 20 ms, sit far from both classes: 50 ms / 10 ms and 200 ms / 30 ms), so
+goodput = that count / the run's duration.
 """
 from __future__ import annotations
 
