@@ -9,7 +9,7 @@ the decode role's LM, as in `easerve.pipeline`):
   slicing, one core) only share 1.0 is measured and `encode.backend_note` says so. Then each
   modality's media sizes at share 1.0.
 - prefill: `adapter.prefill` of text-only prompts over prompt lengths x batch sizes.
-- decode: `DecodeEngine.step` with 1..N running requests of a fixed context.
+- decode: `DecodeEngine.step` with 1..N running requests, at a few context lengths.
 - unloaded TTFT / TPOT per modality (and text): one request alone through preprocess ->
   encode -> prefill -> first token (TTFT), then the engine until `--output-tokens` (TPOT).
 - SLO tiers: multiples (--tiers, default 2,4,8) of those unloaded latencies.
@@ -44,13 +44,14 @@ class Plan:
     prompt_lens: tuple[int, ...] = (64, 256, 1024)
     prefill_batches: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 4, 16, 64)
-    decode_context: int = 128
+    decode_contexts: tuple[int, ...] = (128, 1024)
     decode_steps: int = 8
     output_tokens: int = 32
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("encode_batches", "size_batches", "prompt_lens", "prefill_batches", "decode_batches"):
+        for name in ("encode_batches", "size_batches", "prompt_lens", "prefill_batches", "decode_batches",
+                     "decode_contexts"):
             v = getattr(self, name)
             if not v or any(x < 1 for x in v):
                 raise ValueError(f"{name} must be a non-empty list of ints >= 1, got {v}")
@@ -60,7 +61,7 @@ class Plan:
 
 QUICK = Plan(encode_batches=(1, 2), shares=(0.5, 1.0), image_sizes=((56, 56),), video_sizes=((2, 56, 56),),
              audio_seconds=(0.5,), size_batches=(1,), prompt_lens=(16, 48), prefill_batches=(1, 2),
-             decode_batches=(1, 4), decode_context=32, decode_steps=2, output_tokens=4, repeats=1)
+             decode_batches=(1, 4), decode_contexts=(32,), decode_steps=2, output_tokens=4, repeats=1)
 
 
 def media_label(modality: str, size) -> str:
@@ -187,24 +188,26 @@ class Profiler:
                                                   kv_capacity_tokens=batch * blocks * 16, device=self.device))
 
     def measure_decode(self) -> list[pf.DecodePoint]:
+        return [self._decode_point(b, ctx) for ctx in self.plan.decode_contexts for b in self.plan.decode_batches]
+
+    def _decode_point(self, batch: int, ctx: int) -> pf.DecodePoint:
+        """`batch` requests with `ctx` prompt tokens of KV each (one prefill, its KV shared), all
+        admitted by the first step; then the timed steps (the batch stays full throughout)."""
         from easerve.types import KVPayload
-        plan, out = self.plan, []
-        ctx = plan.decode_context
+        plan = self.plan
         [req] = self._prefill_reqs(ctx, 1, max_tokens=8 + plan.decode_steps * (plan.repeats + 1))
         res = self.lm.prefill([req])[0]
-        for b in plan.decode_batches:
-            engine = self._engine(b, ctx + req.sampling.max_tokens)
-            for i in range(b):
-                engine.add(KVPayload(f"d{i}", res.keys, res.values, res.prompt_len, res.rope_delta, 11,
-                                     req.sampling, req.input_ids[-8:]))
-            engine.step()  # admit every request, write its KV, first decode step
-            running = engine.stats().running
-            if running != b:
-                raise RuntimeError(f"decode batch {b}: only {running} requests admitted; the KV sizing is off")
-            step = self._time(lambda: [engine.step() for _ in range(plan.decode_steps)]) / plan.decode_steps
-            out.append(pf.DecodePoint(b, step, ctx))
-            self.tick(f"decode b={b}")
-        return out
+        engine = self._engine(batch, ctx + req.sampling.max_tokens)
+        for i in range(batch):
+            engine.add(KVPayload(f"d{i}", res.keys, res.values, res.prompt_len, res.rope_delta, 11,
+                                 req.sampling, req.input_ids[-8:]))
+        engine.step()
+        running = engine.stats().running
+        if running != batch:
+            raise RuntimeError(f"decode batch {batch}: only {running} requests admitted; the KV sizing is off")
+        step = self._time(lambda: [engine.step() for _ in range(plan.decode_steps)]) / plan.decode_steps
+        self.tick(f"decode b={batch} ctx={ctx}")
+        return pf.DecodePoint(batch, step, ctx)
 
     # ---- unloaded single request ------------------------------------------------------------------
     def measure_unloaded(self) -> list[pf.Unloaded]:
@@ -322,7 +325,8 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
     try:
         prof = Profiler(model, device.split(":", 1)[0] if device.startswith("cpu") else device, plan, tick)
         sizes = sum(len(sizes_of(plan, m)) for m in prof.modalities) * len(plan.size_batches)
-        bar.total = (n_enc + sizes + len(plan.prompt_lens) * len(plan.prefill_batches) + len(plan.decode_batches)
+        bar.total = (n_enc + sizes + len(plan.prompt_lens) * len(plan.prefill_batches)
+                     + len(plan.decode_batches) * len(plan.decode_contexts)
                      + len(prof.modalities) + 1)
         encode = prof.measure_encode() if prof.modalities else None
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()

@@ -259,12 +259,19 @@ class Profile:
         """Prompt tokens/s of one prefill instance at its best profiled batch, for this prompt length."""
         return max(prompt_len * b / self.prefill_latency(prompt_len, b) for b in {p.batch_size for p in self.prefill})
 
-    def decode_step_s(self, batch_size: int) -> float:
-        return _interp(sorted((p.batch_size, p.step_s) for p in self.decode), batch_size)
+    def _decode_at(self, context_len: int | None) -> list[DecodePoint]:
+        """The decode points of the measured context nearest `context_len` (None: the smallest)."""
+        ctxs = sorted({p.context_len for p in self.decode})
+        ctx = ctxs[0] if context_len is None else min(ctxs, key=lambda c: (abs(c - context_len), c))
+        return sorted((p for p in self.decode if p.context_len == ctx), key=lambda p: p.batch_size)
 
-    def decode_capacity(self, max_batch: int | None = None) -> float:
+    def decode_step_s(self, batch_size: int, context_len: int | None = None) -> float:
+        return _interp([(p.batch_size, p.step_s) for p in self._decode_at(context_len)], batch_size)
+
+    def decode_capacity(self, max_batch: int | None = None, context_len: int | None = None) -> float:
         """Output tokens/s of one decode instance at its best profiled batch (<= max_batch)."""
-        pts = [p for p in self.decode if max_batch is None or p.batch_size <= max_batch] or self.decode[:1]
+        at = self._decode_at(context_len)
+        pts = [p for p in at if max_batch is None or p.batch_size <= max_batch] or at[:1]
         return max(p.tokens_per_s for p in pts)
 
     def unloaded_for(self, modality: str) -> Unloaded:

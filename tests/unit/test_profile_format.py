@@ -1,11 +1,12 @@
 """The profile file: round trip, validation that names the field, and the lookups a simulator uses."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from hasctl.profile_format import FORMAT, Profile, dump, load
+from hasctl.profile_format import FORMAT, DecodePoint, Profile, dump, load
 from tests.profiles import make_profile
 
 
@@ -32,6 +33,11 @@ def test_lookups_give_service_times_and_capacities():
     assert p.prefill_capacity(100) == pytest.approx(1000)
     assert p.decode_step_s(16) == pytest.approx(16 / 2000)
     assert p.decode_capacity(max_batch=8) == pytest.approx(2000)
+    # a second measured context: lookups take the points of the nearest one
+    long = dataclasses.replace(p, decode=p.decode + tuple(DecodePoint(b, 2 * b / 2000, 1024) for b in (1, 8)))
+    assert long.decode_step_s(4) == pytest.approx(4 / 2000)  # default: the smallest context (128)
+    assert long.decode_step_s(4, context_len=900) == pytest.approx(8 / 2000)
+    assert long.decode_capacity(context_len=2000) == pytest.approx(1000)
     slo = p.slo("moderate")
     assert slo.limits("image") == pytest.approx((0.2 * 4e3, 0.01 * 4e3))
     assert slo.limits("text") == pytest.approx((0.05 * 4e3, 0.01 * 4e3))
