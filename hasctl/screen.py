@@ -14,7 +14,8 @@ Capacity model (per stage, from the profile alone; demand = rate x the workload'
   tokens/s at the workload's prompt length, rho_E = encode demand / (e x C_E) the fraction of
   time encode keeps its device busy (co-located prefill gets the rest: a time-sharing bound);
   demand = rate x prompt tokens.
-- decode: d x C_D, C_D = the profile's best tokens/s over batches <= max_running;
+- decode: d x C_D, C_D = the profile's best tokens/s over batches <= max_running, at the
+  measured context nearest a request's mean one (prompt + output / 2);
   demand = rate x output tokens.
 A stage carries the rate when capacity x max_utilization >= demand. `screen` is pure.
 """
@@ -111,7 +112,8 @@ def check(profile: Profile, demand: Demand, a: Allocation, max_batch: int | None
         cap_p += a.encode * c_p * max(0.0, 1.0 - rho)
     p_need = demand.rate * demand.prompt_tokens
     checks.append(StageCheck("prefill", cap_p * u, p_need, "tokens/s", cap_p * u >= p_need))
-    cap_d = a.decode * profile.decode_capacity(max_running)
+    mean_context = round(demand.prompt_tokens + demand.output_tokens / 2)
+    cap_d = a.decode * profile.decode_capacity(max_running, mean_context)
     d_need = demand.rate * demand.output_tokens
     checks.append(StageCheck("decode", cap_d * u, d_need, "tokens/s", cap_d * u >= d_need))
     return Verdict(a, tuple(checks))
