@@ -78,3 +78,16 @@ def test_cli_prints_kept_and_removed_with_reasons(tmp_path, capsys):
     assert "1 device(s) hold no allocation" in capsys.readouterr().err
     assert main(["screen", "--profile", str(tmp_path / "none.json"), "--rate", "1"]) == 2
     assert "cannot read the profile" in capsys.readouterr().err
+
+
+def test_decode_capacity_is_read_at_the_requests_context():
+    import dataclasses
+
+    from hasctl.profile_format import DecodePoint
+    p = make_profile(encode_s_per_item=0.01)  # decode: 2000 tok/s at context 128
+    p = dataclasses.replace(p, decode=p.decode + tuple(DecodePoint(b, 2 * b / 2000, 1024) for b in (1, 8, 32)))
+    short = screen(p, Demand(15, 1, 50, 100), 3)   # 1500 output tok/s at context ~100: one decoder carries it
+    long = screen(p, Demand(15, 1, 900, 100), 3)   # context ~950: 1000 tok/s per decoder
+    assert "E1-P1-D1" in names(short, True)
+    assert {v.allocation.name: v.reason for v in long}["E1-P1-D1"].endswith(
+        "decode: capacity 1000 tokens/s < demand 1500 tokens/s")
