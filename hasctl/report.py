@@ -99,6 +99,7 @@ def plot_cdfs(results: list[dict], out: Path) -> Path:
         _cdf(b, [x.tpot_s * 1e3 for x in ok if x.tpot_s is not None], name)
     for ax, what in ((a, "TTFT (ms)"), (b, "TPOT (ms)")):
         ax.set_xlabel(what)
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
