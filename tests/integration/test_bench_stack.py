@@ -3,14 +3,21 @@ one mixed run), then `hasctl report` over its result and the encode service's /t
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 from PIL import Image
 
 from hasctl.cli import main
-from tests.integration.test_encode_control import _get
 
 pytestmark = pytest.mark.slow
+
+
+def _get(stack, path: str) -> str:
+    """GET from the encode service's metrics listener (--metrics-listen of encode-0)."""
+    argv = next(p.cmd.argv for n, p in stack._procs.items() if n == "encode-0")
+    addr = argv[argv.index("--metrics-listen") + 1]
+    return urllib.request.urlopen(f"http://{addr}{path}", timeout=10).read().decode()
 
 
 def test_bench_mixed_on_the_live_stack_and_report(vl_stack, tmp_path):
