@@ -1,17 +1,20 @@
 """`hasctl`: Hybrid Auto Selection and operations for EAServe deployments.
 
 Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
-default tiny model), up (launch a deployment). Each subcommand lives in its own
-module and registers itself through `add_parser(subparsers)`.
+default tiny model), up (launch a deployment), profile (each stage's capacity alone, into a
+profile file), screen (drop allocations that cannot carry a rate), bench (open-loop load
+against an OpenAI-compatible endpoint), report (plots and a table from bench results), compose
+(a compose file of a deployment), k8s (its Kubernetes manifests). Each
+subcommand lives in its own module and registers itself through `add_parser(subparsers)`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from hasctl import compose, demo, k8s, tiny_cmd, up_cmd
+from hasctl import bench, compose, demo, k8s, profile, report, screen, tiny_cmd, up_cmd
 
-COMMANDS = [tiny_cmd, demo, up_cmd, compose, k8s]
+COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench, report, compose, k8s]
 
 
 def build_parser() -> argparse.ArgumentParser:

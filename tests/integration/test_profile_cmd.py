@@ -1,0 +1,53 @@
+"""`hasctl profile --quick` on a tiny checkpoint writes a profile that loads back and drives
+`hasctl screen` and `hasctl bench --slo`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from easerve.models.tiny import cached_tiny
+from hasctl.bench import slo_from_args
+from hasctl.cli import main
+from hasctl.profile_format import TIERS, load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
+    model = cached_tiny("qwen2.5-vl", tiny_root)
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "hasctl.cli", "profile", "--model", str(model), "--quick",
+                           "--threads", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile:" in proc.stderr and "100%" in proc.stderr  # the progress bar
+    p = load(out)
+    assert p.model.family == "qwen2.5-vl" and p.model.modalities == ("image", "video") and p.quick
+    assert p.versions.torch and p.hardware.cores >= 1 and p.hardware.device.startswith("cpu:")
+    enc = p.encode
+    assert {pt.batch_size for pt in enc.grid} == {1, 2}
+    if enc.backend == "none":  # one core: no split, and the file says so
+        assert enc.shares == (1.0,) and "share 1.0 only" in enc.backend_note
+    else:
+        assert enc.backend == "cpu_affinity" and enc.shares == (0.5, 1.0)
+    assert {(s.modality, s.media) for s in enc.by_size} == {("image", "56x56"), ("video", "2x56x56")}
+    assert all(s.tokens_per_item >= 1 for s in enc.by_size)
+    assert {(q.prompt_len, q.batch_size) for q in p.prefill} == {(16, 1), (16, 2), (48, 1), (48, 2)}
+    assert [d.batch_size for d in p.decode] == [1, 4]
+    assert [u.modality for u in p.unloaded] == ["image", "video", "text"]
+    for t in p.tiers:
+        for lim in t.limits:
+            u = p.unloaded_for(lim.modality)
+            assert lim.ttft_ms == pytest.approx(u.ttft_s * 1e3 * t.multiplier)
+    assert [t.multiplier for t in p.tiers] == [2.0, 4.0, 8.0] and tuple(t.name for t in p.tiers) == TIERS
+
+    assert main(["screen", "--profile", str(out), "--rate", "1", "--devices", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["kept"]) + len(res["removed"]) == 4  # E1-P1-D1 (+coloc), E1-P0-D2, E2-P0-D1 (+coloc)
+    slo = slo_from_args(Namespace(slo="tight", profile=str(out), ttft_ms=None, tpot_ms=None))
+    assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
