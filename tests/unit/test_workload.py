@@ -68,13 +68,22 @@ def test_arrivals_are_seeded_and_bounded():
         arrival_times(3.0, 0.0, n=5)
 
 
+def _decoded(parts: list[dict]) -> list[dict]:
+    """What the gateway's media resolver makes of converted parts (media decoded in place)."""
+    import asyncio
+
+    from easerve.media import MediaConfig, MediaResolver
+    asyncio.run(MediaResolver(MediaConfig(audio_rate=16000)).resolve_parts(parts))
+    return parts
+
+
 def test_synthetic_requests_decode_like_the_gateway_decodes_them():
     spec = WorkloadSpec(modality="mixed", image_size=(64, 48), video_frames=3, video_size=(32, 32),
                         audio_s=0.5, input_tokens=20, mix=("image", "video", "audio", "text"))
     reqs = synthesize(spec, 24, seed=5)
     assert {r.modality for r in reqs} == {"image", "video", "audio", "text"}
     for r in reqs:
-        parts = [convert_part(p, ("image", "video", "audio"), 16000) for p in r.messages[0]["content"]]
+        parts = _decoded([convert_part(p, ("image", "video", "audio"), 16000) for p in r.messages[0]["content"]])
         kinds = [p["type"] for p in parts]
         assert kinds[-1] == "text" and len(parts[-1]["text"].split()) == 20
         if r.modality == "image":
@@ -88,7 +97,7 @@ def test_synthetic_requests_decode_like_the_gateway_decodes_them():
     images = [r.messages[0]["content"][0]["image_url"]["url"] for r in reqs if r.modality == "image"]
     assert len(set(images)) == len(images)  # unique media: no server-side cache hit
     frames = synthesize(WorkloadSpec(modality="video", video_format="frames", video_frames=2), 1)[0]
-    assert len(convert_part(frames.messages[0]["content"][0], ("video",), None)["video"]) == 2
+    assert len(_decoded([convert_part(frames.messages[0]["content"][0], ("video",), None)])[0]["video"]) == 2
 
 
 def test_body_is_a_streamed_chat_request():
