@@ -36,6 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bench-scale tiny qwen2.5-vl)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny-qwen2.5-vl-bench"))
     ap.add_argument("--preset", default="default", help="the multi-process deployment to measure")
+    ap.add_argument("--deployment", default=None, help="or a deployment file (its model is replaced)")
     ap.add_argument("--rates", default="0.5,1,2")
     ap.add_argument("--requests", type=int, default=40, help="requests per cell")
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -61,11 +62,12 @@ def bench_model(args) -> str:
 
 # ---- servers -----------------------------------------------------------------------------------
 class OurStack:
-    def __init__(self, preset_name: str, model: str):
-        from hasctl.deployment import preset
+    def __init__(self, preset_name: str, model: str, path: str | None = None):
+        from hasctl.deployment import Deployment, preset
         from hasctl.launch import Stack
-        d = preset(preset_name).with_model(model).with_gateway_ports(0, 0)
-        self.name, self.stack = preset_name, Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+        d = Deployment.load(path) if path else preset(preset_name)
+        d = d.with_model(model).with_gateway_ports(0, 0)
+        self.name, self.stack = d.name, Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
 
     def __enter__(self) -> str:
         self.stack.start(timeout=600)
@@ -119,7 +121,7 @@ class Vllm:
 # ---- one cell --------------------------------------------------------------------------------
 def measure(url: str, args, rate: float, label: str) -> dict:
     from hasctl.bench import BenchConfig, run_bench
-    from hasctl.metrics import SLO
+    from hasctl.bench_metrics import SLO
     from hasctl.workload import WorkloadSpec, parse_size
 
     warm = BenchConfig(url=url, rate=4.0, num_requests=4, seed=args.seed + 999, progress=False,
@@ -138,7 +140,8 @@ def measure(url: str, args, rate: float, label: str) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = bench_model(args)
-    servers = [("stack", lambda: OurStack(args.preset, model)), ("monolith", lambda: OurStack("monolith", model))]
+    servers = [("stack", lambda: OurStack(args.preset, model, args.deployment)),
+               ("monolith", lambda: OurStack("monolith", model))]
     peer_skip = "--no-peer" if args.no_peer else Vllm.missing()
     if peer_skip is None:
         from hasctl.launch import free_port
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     out = {"stack_over_monolith_goodput": round(ratio("monolith")[0], 3), "worst_rate": ratio("monolith")[1]}
     if peer_skip is None:
         out["stack_over_vllm_goodput"] = round(ratio("vllm")[0], 3)
-    out.update({"preset": args.preset, "rates": args.rates, "requests_per_cell": args.requests,
+    out.update({"preset": args.deployment or args.preset, "rates": args.rates, "requests_per_cell": args.requests,
                 "slo_ms": [args.ttft_ms, args.tpot_ms], "peer": "ran" if peer_skip is None else peer_skip,
                 "cells": {f"{n}@{r}": c for (n, r), c in cells.items()}})
     print(json.dumps(out))
