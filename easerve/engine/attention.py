@@ -97,6 +97,22 @@ def length_mask(positions: list[int] | tuple[int, ...], pos: torch.Tensor, kv_le
     return (torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
 
 
+_SDPA_ONLY = ("softcap", "position_bias", "s_aux", "sliding_window")
+
+
+def decode_sdpa(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
+    """What `sdpa_attention_forward` computes for one query token per row, in fewer ops:
+    query [B, heads, 1, d] is grouped onto the kv heads of key/value [B, kv_heads, L, d]
+    (no repeat of K/V) and the output comes back as [B, 1, heads, d]. Anything beyond plain
+    scaled attention (softcap, position bias, sinks, a window) goes to sdpa_attention_forward."""
+    if query.shape[2] != 1 or dropout or any(kwargs.get(k) is not None for k in _SDPA_ONLY):
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    b, heads, _, d = query.shape
+    q = query.reshape(b, key.shape[1], heads // key.shape[1], d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, 1, heads, value.shape[-1]), None
+
+
 # ---- step caches ------------------------------------------------------------------------------
 class _StepCache:
     """Duck-typed to what transformers' decoders and mask creation read from a cache
@@ -112,7 +128,7 @@ class _StepCache:
         return {STEP_KWARG: self}
 
     def attend(self, module, query, key, value, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, self.mask, **kwargs)
+        return decode_sdpa(module, query, key, value, self.mask, **kwargs)
 
     @staticmethod
     def _one_token(key_states: torch.Tensor) -> None:
@@ -133,17 +149,17 @@ class _StepCache:
 
 
 class SlotStepCache(_StepCache):
-    """Row b is slot b; it writes its token at pos[b] and attends to slots' views in place."""
+    """Row b is slot b; it writes its token at pos[b] and attends to the slots' views in place."""
 
-    def __init__(self, pool: SlotKVPool, rows: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                 mask: torch.Tensor | None) -> None:
+    def __init__(self, pool: SlotKVPool, pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> None:
         super().__init__(pool.layout.num_layers, kv_len, mask)
-        self.pool, self.rows, self.pos = pool, rows, pos
+        self.pool, self.rows = pool, pos.shape[0]
+        self.index = pool.step_index(self.rows, pos)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._one_token(key_states)
-        self.pool.write_step(layer_idx, self.rows, self.pos, key_states[:, :, 0], value_states[:, :, 0])
-        return self.pool.view(layer_idx, self.rows.shape[0], self.kv_len)
+        self.pool.write_step(layer_idx, self.index, key_states[:, :, 0], value_states[:, :, 0])
+        return self.pool.view(layer_idx, self.rows, self.kv_len)
 
 
 class PagedStepCache(_StepCache):

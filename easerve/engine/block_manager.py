@@ -92,9 +92,11 @@ class BlockManager:
         """Slot layout only (one block per request): move requests out of the highest slots
         into the holes below n = number of requests, so they own exactly slots 0..n-1.
         Returns the moves (request id, from slot, to slot), highest slot first."""
-        if any(len(s.blocks) != 1 for s in self._seqs.values()):
-            raise ValueError("compact() needs the slot layout: every request must own exactly one block")
+        if self.max_seq_tokens > self.block_size:
+            raise ValueError("compact() needs the slot layout (max_seq_tokens <= block_size: one block a request)")
         n = len(self._seqs)
+        if not self._free or self._free[0] >= n:
+            return []  # no free slot below n: slots 0..n-1 are all owned
         holes = sorted(b for b in self._free if b < n)
         movers = sorted(((s.blocks[0], rid) for rid, s in self._seqs.items() if s.blocks[0] >= n), reverse=True)
         moves = []

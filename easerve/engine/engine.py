@@ -85,7 +85,6 @@ class DecodeEngine:
         if self.backend == "flashinfer":
             workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._rows = torch.arange(g.num_blocks, device=self.device)
         att.use_engine_attention(adapter.language_model)
         self._eos = frozenset(adapter.eos_token_ids)
         self._tokenizer = adapter.tokenizer
@@ -195,12 +194,11 @@ class DecodeEngine:
 
     def _forward(self, plan: SchedulerOutput) -> list[int]:
         reqs = [self._reqs[rid] for rid in plan.request_ids]
-        dev = self.device
-        pos = torch.tensor(plan.positions, device=dev)
+        b = len(reqs)
+        host = torch.tensor([*plan.positions, *(r.tokens[-1] for r in reqs), *(r.rope_delta for r in reqs)])
+        pos, last, deltas = host.to(self.device).split(b)  # one host->device copy per step
         cache = self._step_cache(plan, pos)
-        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
-        deltas = torch.tensor([r.rope_delta for r in reqs], device=dev)
-        logits = self.adapter.lm_forward(self.adapter.embed_tokens(last),
+        logits = self.adapter.lm_forward(self.adapter.embed_tokens(last[:, None]),
                                          self.adapter.decode_position_ids(pos, deltas),
                                          cache, **cache.forward_kwargs())
         return sample(logits[:, -1], [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
@@ -208,8 +206,7 @@ class DecodeEngine:
     def _step_cache(self, plan: SchedulerOutput, pos: torch.Tensor):
         positions, kv_len = plan.positions, max(plan.positions) + 1
         if self.backend == "slots":  # rows are slots 0..B-1 (the scheduler compacts)
-            return att.SlotStepCache(self.pool, self._rows[:plan.batch_size], pos, kv_len,
-                                     att.length_mask(positions, pos, kv_len))
+            return att.SlotStepCache(self.pool, pos, kv_len, att.length_mask(positions, pos, kv_len))
         bs, dev = self.blocks.block_size, self.device
         blk = torch.tensor([t[p // bs] for t, p in zip(plan.block_tables, positions)], device=dev)
         off = pos % bs

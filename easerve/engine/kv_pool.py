@@ -117,8 +117,17 @@ class PagedKVPool(_Pool):
 class SlotKVPool(_Pool):
     def __init__(self, layout: KVLayout, blocks: BlockManager) -> None:
         super().__init__(layout, blocks)
-        shape = (layout.num_layers, 2, blocks.num_blocks, layout.kv_heads, blocks.block_size, layout.head_dim)
-        self.kv = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+        n, h, s, d = blocks.num_blocks, layout.kv_heads, blocks.block_size, layout.head_dim
+        self.kv = torch.zeros((layout.num_layers, 2, n, h, s, d), dtype=layout.dtype, device=layout.device)
+        self._flat = self.kv.view(layout.num_layers, 2 * n * h * s, d)  # a layer's (K|V, slot, head, pos) rows
+        dev = layout.device
+        self._row_base = ((torch.arange(2, device=dev)[:, None, None] * n + torch.arange(n, device=dev)[None, :, None])
+                          * h + torch.arange(h, device=dev)[None, None, :]) * s   # [2, slots, heads]
+
+    def step_index(self, num_rows: int, pos: torch.Tensor) -> torch.Tensor:
+        """Where a step writes: for K then V, slot b < num_rows, each head, position pos[b], the
+        row of a layer's flat [2 * slots * heads * max_seq_len, head_dim] view (one per step)."""
+        return (self._row_base[:, :num_rows] + pos[None, :, None]).reshape(-1)
 
     def write_prompt(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Copy a prompt's KV (per layer [kv_heads, T, head_dim]) into the slot's positions 0..T-1."""
@@ -127,11 +136,10 @@ class SlotKVPool(_Pool):
             self.kv[layer, 0, slot, :, :n].copy_(k)
             self.kv[layer, 1, slot, :, :n].copy_(v)
 
-    def write_step(self, layer: int, rows: torch.Tensor, pos: torch.Tensor,
-                   key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write one token per row: key/value [B, kv_heads, head_dim] into slot rows[b] at pos[b]."""
-        self.kv[layer, 0][rows, :, pos] = key.to(self.kv.dtype)
-        self.kv[layer, 1][rows, :, pos] = value.to(self.kv.dtype)
+    def write_step(self, layer: int, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write one token per row: key/value [B, kv_heads, head_dim] of slot b at the
+        positions `index` (from step_index) names, K and V in one copy."""
+        self._flat[layer].index_copy_(0, index, torch.stack((key, value)).view(-1, key.shape[-1]))
 
     def view(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_rows, kv_heads, kv_len, head_dim] of slots 0..num_rows-1: views, not copies."""
