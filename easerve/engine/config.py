@@ -20,7 +20,7 @@ from typing import Literal
 
 DEFAULT_KV_TOKENS = 16384   # paged pool size when nothing sizes it
 GIB = 1 << 30
-DEFAULT_CPU_KV_BYTES = 4 * GIB
+DEFAULT_CPU_KV_BYTES = 2 * GIB
 
 
 @dataclass(frozen=True)
