@@ -149,12 +149,13 @@ class _StepCache:
 
 
 class SlotStepCache(_StepCache):
-    """Row b is slot b; it writes its token at pos[b] and attends to the slots' views in place."""
+    """Row b is slot b; it writes its token where `index` says and attends to the slots'
+    views in place."""
 
-    def __init__(self, pool: SlotKVPool, pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> None:
+    def __init__(self, pool: SlotKVPool, index: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> None:
         super().__init__(pool.layout.num_layers, kv_len, mask)
-        self.pool, self.rows = pool, pos.shape[0]
-        self.index = pool.step_index(self.rows, pos)
+        self.pool, self.index = pool, index  # index: pool.step_index(B, positions)
+        self.rows = index.shape[0] // (2 * pool.layout.kv_heads)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._one_token(key_states)

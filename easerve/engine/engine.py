@@ -54,6 +54,16 @@ class EngineStats:
 
 
 @dataclass
+class _StepInputs:
+    request_ids: tuple[str, ...]
+    pos: torch.Tensor           # [B] the position each row writes
+    tokens: torch.Tensor        # [B] each row's last token (after the step: the sampled ones)
+    deltas: torch.Tensor        # [B] rope deltas
+    slot_index: torch.Tensor | None  # slot layout: where the step writes (SlotKVPool.step_index)
+    greedy: bool
+
+
+@dataclass
 class _Request:
     payload: KVPayload | None   # dropped once its KV is in the pool
     sampling: SamplingParams
@@ -91,6 +101,7 @@ class DecodeEngine:
         self._reqs: dict[str, _Request] = {}
         self._unwritten: set[str] = set()  # running requests whose prompt KV is not in the pool yet
         self._pending: list[StepOutput] = []
+        self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
 
     def _gpu_budget(self) -> int | None:
         util = self.config.gpu_memory_utilization
@@ -143,6 +154,7 @@ class DecodeEngine:
             return self.scheduler.abort(request_id)  # a reservation, if any
         self.scheduler.abort(request_id)
         self._unwritten.discard(request_id)
+        self._last = None
         self._pending.append(StepOutput(request_id, None, "", True, "abort", len(req.tokens)))
         return True
 
@@ -163,6 +175,7 @@ class DecodeEngine:
             self._move_and_write(plan)
             tokens = self._forward(plan)
         except BaseException:
+            self._last = None
             self.scheduler.retract(plan)
             self._pending = outputs + self._pending
             raise
@@ -193,20 +206,37 @@ class DecodeEngine:
                 self._unwritten.discard(rid)
 
     def _forward(self, plan: SchedulerOutput) -> list[int]:
+        inputs = self._inputs(plan)
+        cache = self._step_cache(plan, inputs)
+        logits = self.adapter.lm_forward(self.adapter.embed_tokens(inputs.tokens[:, None]),
+                                         self.adapter.decode_position_ids(inputs.pos, inputs.deltas),
+                                         cache, **cache.forward_kwargs())[:, -1]
+        if inputs.greedy:  # keep the token tensor: the next step of the same batch feeds it back
+            inputs.tokens = logits.argmax(dim=-1)
+            self._last = inputs
+            return inputs.tokens.tolist()
         reqs = [self._reqs[rid] for rid in plan.request_ids]
-        b = len(reqs)
-        host = torch.tensor([*plan.positions, *(r.tokens[-1] for r in reqs), *(r.rope_delta for r in reqs)])
-        pos, last, deltas = host.to(self.device).split(b)  # one host->device copy per step
-        cache = self._step_cache(plan, pos)
-        logits = self.adapter.lm_forward(self.adapter.embed_tokens(last[:, None]),
-                                         self.adapter.decode_position_ids(pos, deltas),
-                                         cache, **cache.forward_kwargs())
-        return sample(logits[:, -1], [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+        return sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
 
-    def _step_cache(self, plan: SchedulerOutput, pos: torch.Tensor):
-        positions, kv_len = plan.positions, max(plan.positions) + 1
+    def _inputs(self, plan: SchedulerOutput) -> "_StepInputs":
+        """The step's device tensors. The same batch as the last (greedy) step, unchanged since:
+        positions + 1 and the tokens it sampled, with no host->device copy."""
+        last, self._last = self._last, None
+        if last is not None and last.request_ids == plan.request_ids and not plan.admitted and not plan.moves:
+            last.pos = last.pos + 1
+            last.slot_index = None if last.slot_index is None else last.slot_index + 1
+            return last
+        reqs = [self._reqs[rid] for rid in plan.request_ids]
+        host = torch.tensor([*plan.positions, *(r.tokens[-1] for r in reqs), *(r.rope_delta for r in reqs)])
+        pos, tokens, deltas = host.to(self.device).split(len(reqs))  # one host->device copy
+        index = self.pool.step_index(len(reqs), pos) if self.backend == "slots" else None
+        return _StepInputs(plan.request_ids, pos, tokens, deltas, index, all(r.sampling.greedy for r in reqs))
+
+    def _step_cache(self, plan: SchedulerOutput, inputs: "_StepInputs"):
+        positions, pos = plan.positions, inputs.pos
+        kv_len = max(positions) + 1
         if self.backend == "slots":  # rows are slots 0..B-1 (the scheduler compacts)
-            return att.SlotStepCache(self.pool, pos, kv_len, att.length_mask(positions, pos, kv_len))
+            return att.SlotStepCache(self.pool, inputs.slot_index, kv_len, att.length_mask(positions, pos, kv_len))
         bs, dev = self.blocks.block_size, self.device
         blk = torch.tensor([t[p // bs] for t, p in zip(plan.block_tables, positions)], device=dev)
         off = pos % bs

@@ -203,3 +203,24 @@ def test_a_failing_forward_propagates_and_leaves_the_engine_consistent(llama, re
         assert (s.running, s.waiting, s.kv_free_tokens) == (0, 0, s.kv_capacity_tokens) and not engine.has_work
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("kv", [dict(num_slots=2, max_seq_len=48), dict(kv_capacity_tokens=96, block_size=16)])
+def test_steady_batch_reuses_inputs_but_never_across_a_new_request(llama, ref, kv):
+    """A batch unchanged since the last step feeds back its sampled tokens; an id aborted and
+    added again with another prompt must not inherit the old request's inputs."""
+    engine = DecodeEngine(llama, EngineConfig(max_running=2, **kv))
+    engine.add(payload_for(llama, "a", [5, 6, 7], _sp(20)))
+    engine.add(payload_for(llama, "b", [30, 31], _sp(8)))
+    got = {"a": [], "b": []}
+    for _ in range(4):
+        for o in engine.step():
+            got[o.request_id].append(o.token_id)
+    assert engine.abort("a")
+    engine.add(payload_for(llama, "a", [90, 91, 92, 93], _sp(6)))
+    got["a"] = []
+    while engine.has_work:
+        for o in engine.step():
+            if o.token_id is not None:
+                got[o.request_id].append(o.token_id)
+    assert got == {"a": _greedy(ref, [90, 91, 92, 93], 6), "b": _greedy(ref, [30, 31], 8)}
