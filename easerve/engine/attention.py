@@ -97,7 +97,7 @@ def length_mask(positions: list[int] | tuple[int, ...], pos: torch.Tensor, kv_le
     return (torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
 
 
-_SDPA_ONLY = ("softcap", "position_bias", "s_aux", "sliding_window")
+_SDPA_ONLY = frozenset(("softcap", "position_bias", "s_aux", "sliding_window"))
 
 
 def decode_sdpa(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
@@ -105,7 +105,8 @@ def decode_sdpa(module, query, key, value, mask, scaling=None, dropout=0.0, **kw
     query [B, heads, 1, d] is grouped onto the kv heads of key/value [B, kv_heads, L, d]
     (no repeat of K/V) and the output comes back as [B, 1, heads, d]. Anything beyond plain
     scaled attention (softcap, position bias, sinks, a window) goes to sdpa_attention_forward."""
-    if query.shape[2] != 1 or dropout or any(kwargs.get(k) is not None for k in _SDPA_ONLY):
+    if query.shape[2] != 1 or dropout or (not _SDPA_ONLY.isdisjoint(kwargs)
+                                          and any(kwargs.get(k) is not None for k in _SDPA_ONLY)):
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     b, heads, _, d = query.shape
     q = query.reshape(b, key.shape[1], heads // key.shape[1], d)

@@ -120,6 +120,7 @@ class SlotKVPool(_Pool):
         n, h, s, d = blocks.num_blocks, layout.kv_heads, blocks.block_size, layout.head_dim
         self.kv = torch.zeros((layout.num_layers, 2, n, h, s, d), dtype=layout.dtype, device=layout.device)
         self._flat = self.kv.view(layout.num_layers, 2 * n * h * s, d)  # a layer's (K|V, slot, head, pos) rows
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
         dev = layout.device
         self._row_base = ((torch.arange(2, device=dev)[:, None, None] * n + torch.arange(n, device=dev)[None, :, None])
                           * h + torch.arange(h, device=dev)[None, None, :]) * s   # [2, slots, heads]
@@ -143,8 +144,8 @@ class SlotKVPool(_Pool):
 
     def view(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_rows, kv_heads, kv_len, head_dim] of slots 0..num_rows-1: views, not copies."""
-        kv = self.kv[layer, :, :num_rows, :, :kv_len]
-        return kv[0], kv[1]
+        k, v = self._layers[layer]
+        return k[:num_rows, :, :kv_len], v[:num_rows, :, :kv_len]
 
     def move(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first num_tokens positions of slot src into slot dst (every layer)."""
