@@ -160,7 +160,7 @@ class SlotStepCache(_StepCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._one_token(key_states)
-        self.pool.write_step(layer_idx, self.index, key_states[:, :, 0], value_states[:, :, 0])
+        self.pool.write_step(layer_idx, self.index, key_states, value_states)
         return self.pool.view(layer_idx, self.rows, self.kv_len)
 
 

@@ -138,7 +138,7 @@ class SlotKVPool(_Pool):
             self.kv[layer, 1, slot, :, :n].copy_(v)
 
     def write_step(self, layer: int, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write one token per row: key/value [B, kv_heads, head_dim] of slot b at the
+        """Write one token per row: key/value [B, kv_heads, (1,) head_dim] of slot b at the
         positions `index` (from step_index) names, K and V in one copy."""
         self._flat[layer].index_copy_(0, index, torch.stack((key, value)).view(-1, key.shape[-1]))
 
