@@ -120,7 +120,9 @@ class SlotKVPool(_Pool):
         n, h, s, d = blocks.num_blocks, layout.kv_heads, blocks.block_size, layout.head_dim
         self.kv = torch.zeros((layout.num_layers, 2, n, h, s, d), dtype=layout.dtype, device=layout.device)
         self._flat = self.kv.view(layout.num_layers, 2 * n * h * s, d)  # a layer's (K|V, slot, head, pos) rows
-        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
+        kv = self.kv
+        self._stride = kv[0, 0].stride()  # [slots, heads, pos, d] of one layer's K (or V)
+        self._offsets = [(kv[i, 0].storage_offset(), kv[i, 1].storage_offset()) for i in range(layout.num_layers)]
         dev = layout.device
         self._row_base = ((torch.arange(2, device=dev)[:, None, None] * n + torch.arange(n, device=dev)[None, :, None])
                           * h + torch.arange(h, device=dev)[None, None, :]) * s   # [2, slots, heads]
@@ -140,12 +142,16 @@ class SlotKVPool(_Pool):
     def write_step(self, layer: int, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write one token per row: key/value [B, kv_heads, (1,) head_dim] of slot b at the
         positions `index` (from step_index) names, K and V in one copy."""
-        self._flat[layer].index_copy_(0, index, torch.stack((key, value)).view(-1, key.shape[-1]))
+        d = key.shape[-1]
+        self._flat[layer].index_copy_(0, index, torch.cat((key.reshape(-1, d), value.reshape(-1, d))))
 
     def view(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_rows, kv_heads, kv_len, head_dim] of slots 0..num_rows-1: views, not copies."""
-        k, v = self._layers[layer]
-        return k[:num_rows, :, :kv_len], v[:num_rows, :, :kv_len]
+        size = (num_rows, self.layout.kv_heads, kv_len, self.layout.head_dim)
+        if num_rows > self.blocks.num_blocks or kv_len > self.block_size:
+            raise ValueError(f"view of {num_rows} slots x {kv_len} positions exceeds the pool")
+        k_off, v_off = self._offsets[layer]
+        return self.kv.as_strided(size, self._stride, k_off), self.kv.as_strided(size, self._stride, v_off)
 
     def move(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first num_tokens positions of slot src into slot dst (every layer)."""
