@@ -89,6 +89,7 @@ def _backend_decoder(tokenizer: Any) -> Any | None:
         return None
     kind = type(tokenizer)
     if (not isinstance(tokenizer, TokenizersBackend) or kind.decode is not PreTrainedTokenizerBase.decode
-            or kind._decode is not TokenizersBackend._decode or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+            or kind._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         return None
     return tokenizer.backend_tokenizer

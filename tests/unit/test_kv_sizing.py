@@ -31,7 +31,8 @@ def test_memory_sized_slots_hold_what_fits_capped_at_max_running():
 
 def test_memory_sized_paged_pool_in_blocks():
     per_token = _layout().bytes_per_token
-    g = EngineConfig(max_running=64, kv_cache_memory_bytes=GIB, max_seq_len=4096, kv_layout="paged").kv_geometry(per_token)
+    cfg = EngineConfig(max_running=64, kv_cache_memory_bytes=GIB, max_seq_len=4096, kv_layout="paged")
+    g = cfg.kv_geometry(per_token)
     assert (g.layout, g.num_blocks, g.block_size) == ("paged", 8192 // 16, 16)
     capped = EngineConfig(max_running=2, kv_cache_memory_bytes=GIB, max_seq_len=100, kv_layout="paged")
     assert capped.kv_geometry(per_token).num_blocks == 2 * 7   # 2 requests of ceil(100 / 16) blocks
