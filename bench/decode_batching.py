@@ -2,10 +2,15 @@
 
 Each batch size gets a fresh engine filled with prefilled random prompts (~64 tokens); after
 a few warm-up steps every request is running and `steps` timed engine steps follow (the
-whole step: scheduling, forward, sampling, detokenization). Baselines of the same run:
-batch 1 of the engine, and the model's own batched greedy decode over a DynamicCache at each
-batch size (equal-length prompts, no engine), which shows what the hardware allows.
-Last stdout line: one JSON object, "b16_over_b1" first (target >= 8), then tok/s per batch.
+whole step: scheduling, forward, sampling, detokenization). The engine is configured as the
+decode service configures it on that device: KV sized from memory, layout "auto" (on CPU the
+slot layout read in place). Baselines of the same run: batch 1 of the engine, and HF's own
+greedy decode, the model's forward over a DynamicCache at each batch size (one prompt
+repeated, so no padding mask, no engine). HF and engine steps alternate, and each rate comes
+from the median step time, so load from other processes hits both alike.
+Last stdout line: one JSON object, ratios first: "engine_over_hf_b1" and "engine_over_hf_b16"
+(engine tok/s over HF's at batch 1 / 16, targets >= 1.0), "b16_over_b1" (target >= 8), then
+tok/s per batch.
 
   python bench/decode_batching.py --text-lm            # tests/models/text_lm.py at ~57 M params
   python bench/decode_batching.py --model DIR          # any checkpoint easerve can load
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,8 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=32, help="timed steps per batch size")
+    ap.add_argument("--steps", type=int, default=64, help="timed steps per batch size (engine and HF each)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layout", choices=("auto", "paged", "slots"), default="auto", help="the engine's KV layout")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="engine KV memory (default: what the run needs; on cuda --gpu-memory-utilization 0.9)")
     ap.add_argument("--no-hf-baseline", action="store_true", help="skip the plain DynamicCache decode baseline")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every core this process may use, as a deployment would)")
@@ -89,45 +98,76 @@ def prefill_payloads(adapter, args, count: int, max_tokens: int):
     return out
 
 
-def measure(adapter, payloads, batch: int, args) -> float:
+def engine_stepper(adapter, payloads, batch: int, args, total_steps: int):
+    """A fresh engine holding `batch` running requests -> (one timed step, its backend)."""
     from dataclasses import replace
-    from easerve.engine.engine import DecodeEngine, EngineConfig
-    per_req = max(p.prompt_len for p in payloads) + args.warmup + args.steps + 8
-    cfg = EngineConfig(max_running=batch, max_waiting=batch, kv_capacity_tokens=batch * (per_req + 16),
-                       block_size=16, device=args.device)
-    engine = DecodeEngine(adapter, cfg)
+    from easerve.engine.engine import DecodeEngine
+    per_req = max(p.prompt_len for p in payloads) + total_steps + 8
+    engine = DecodeEngine(adapter, engine_config(adapter, args, batch, per_req))
     for i in range(batch):
         engine.add(replace(payloads[i % len(payloads)], request_id=f"b{batch}-{i}"))
-    for _ in range(args.warmup):
-        engine.step()
-    assert engine.stats().running == batch, "every request must be running while timed"
-    t0 = time.perf_counter()
-    tokens = sum(len(engine.step()) for _ in range(args.steps))
-    elapsed = time.perf_counter() - t0
-    assert tokens == batch * args.steps, "a request finished while timed; raise max_tokens"
-    return tokens / elapsed
+    engine.step()  # admits all: from here on every step decodes the whole batch
+
+    def step() -> None:
+        if len(engine.step()) != batch:
+            raise RuntimeError("a request finished while timed; raise max_tokens")
+    return step, engine.backend
 
 
-@torch.inference_mode()
-def measure_hf(adapter, payload, batch: int, args) -> float:
-    """The model's own batched greedy decode: one prompt repeated `batch` times in a
-    DynamicCache, the adapter's decode hooks, no engine (sdpa attention)."""
+def engine_config(adapter, args, batch: int, per_req: int):
+    """The decode service's way: KV sized from memory, layout chosen by the engine."""
+    from easerve.engine.engine import EngineConfig
+    from easerve.engine.kv_pool import KVLayout
+    common = dict(max_running=batch, max_waiting=batch, max_seq_len=per_req, block_size=16,
+                  device=args.device, kv_layout=args.layout)
+    if args.kv_cache_memory_gb is None and args.device.startswith("cuda"):
+        return EngineConfig(gpu_memory_utilization=0.9, **common)
+    if args.kv_cache_memory_gb is not None:
+        return EngineConfig(kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)), **common)
+    per_token = KVLayout.from_text_config(adapter.text_config, adapter.dtype, args.device).bytes_per_token
+    return EngineConfig(kv_cache_memory_bytes=batch * (per_req + 16) * per_token, **common)
+
+
+def hf_stepper(adapter, payload, batch: int, args):
+    """HF's own batched greedy decode, one step per call: one prompt repeated `batch` times in
+    a DynamicCache, the adapter's decode hooks, no engine. (Once an engine switched the model
+    to "easerve", that is sdpa whenever no engine step is passed: the same code path.)"""
     from transformers import DynamicCache
     dev = torch.device(args.device)
     kv = [(k[None].expand(batch, -1, -1, -1).to(dev).contiguous(), v[None].expand(batch, -1, -1, -1).to(dev).contiguous())
           for k, v in zip(payload.keys, payload.values)]
     cache = DynamicCache(ddp_cache_data=kv, config=adapter.text_config)
-    tok = torch.full((batch, 1), payload.first_token, device=dev)
+    state = {"tok": torch.full((batch, 1), payload.first_token, device=dev), "pos": payload.prompt_len}
     delta = torch.full((batch,), payload.rope_delta, device=dev)
-    t0 = 0.0
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
+
+    @torch.inference_mode()
+    def step() -> None:
+        pos = torch.full((batch,), state["pos"], device=dev)
+        logits = adapter.lm_forward(adapter.embed_tokens(state["tok"]), adapter.decode_position_ids(pos, delta), cache)
+        state["tok"] = logits[:, -1].argmax(-1, keepdim=True)
+        state["tok"].tolist()  # the engine also hands tokens to the host every step
+        state["pos"] += 1
+    return step
+
+
+def measure(adapter, payloads, batch: int, args) -> tuple[float, float | None, str]:
+    """(engine tok/s, HF tok/s or None, the engine's attention backend) at one batch size:
+    engine and HF steps alternate (order flipped every step), each rate from the median step
+    time, so load from other processes hits both alike."""
+    total = args.warmup + args.steps
+    eng, backend = engine_stepper(adapter, payloads, batch, args, total)
+    steppers = {"engine": eng}
+    if not args.no_hf_baseline:
+        steppers["hf"] = hf_stepper(adapter, payloads[0], batch, args)
+    times: dict[str, list[float]] = {k: [] for k in steppers}
+    for i in range(total):
+        for name in (list(steppers) if i % 2 else list(steppers)[::-1]):
             t0 = time.perf_counter()
-        pos = torch.full((batch,), payload.prompt_len + i, device=dev)
-        logits = adapter.lm_forward(adapter.embed_tokens(tok), adapter.decode_position_ids(pos, delta), cache)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        tok.tolist()  # the engine also hands tokens to the host every step
-    return batch * args.steps / (time.perf_counter() - t0)
+            steppers[name]()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    rate = {k: batch / statistics.median(v) for k, v in times.items()}
+    return rate["engine"], rate.get("hf"), backend
 
 
 def main(argv=None) -> dict:
@@ -139,21 +179,19 @@ def main(argv=None) -> dict:
     print(f"model: {type(adapter).__name__} {params / 1e6:.1f} M params on {args.device}", flush=True)
     payloads = prefill_payloads(adapter, args, min(16, max(args.batches)),
                                 max_tokens=args.warmup + args.steps + 4)
-    hf = {}
-    if not args.no_hf_baseline:  # first, while the model still runs its own sdpa attention
-        for b in args.batches:
-            hf[b] = measure_hf(adapter, payloads[0], b, args)
-            print(f"hf     batch {b:3d}: {hf[b]:9.1f} tok/s", flush=True)
-    tok_s = {}
+    hf, tok_s = {}, {}
     for b in args.batches:
-        tok_s[b] = measure(adapter, payloads, b, args)
-        print(f"engine batch {b:3d}: {tok_s[b]:9.1f} tok/s", flush=True)
-    result = ratios(tok_s, "")
+        tok_s[b], hf_rate, backend = measure(adapter, payloads, b, args)
+        if hf_rate is not None:
+            hf[b] = hf_rate
+        print(f"batch {b:3d}: engine {tok_s[b]:9.1f} tok/s" + (f", hf {hf[b]:9.1f} tok/s" if hf else ""), flush=True)
+    result = {f"engine_over_hf_b{b}": round(tok_s[b] / hf[b], 2) for b in (1, 16, 64, 4) if b in hf}
+    result.update(ratios(tok_s, ""))
     result.update({f"b{b}_tok_s": round(v, 1) for b, v in tok_s.items()})
     result.update(ratios(hf, "hf_"))
     result.update({f"hf_b{b}_tok_s": round(v, 1) for b, v in hf.items()})
     result.update({"params_m": round(params / 1e6, 1), "device": args.device, "steps": args.steps,
-                   "prompt_len": args.prompt_len, "threads": args.threads})
+                   "prompt_len": args.prompt_len, "threads": args.threads, "backend": backend})
     print(json.dumps(result))
     return result
 

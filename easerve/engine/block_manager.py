@@ -6,10 +6,14 @@ Capacity is `num_blocks` blocks of `block_size` token positions. Two layouts use
 
 A request reserves prompt_len + max_tokens positions when it is admitted, so an admitted
 request can never run out of KV mid-decode; `append` then hands out the next position.
-The manager never touches physical memory (see `kv_pool.KVPool`).
+Free blocks are handed out lowest id first. In the slot layout `compact()` keeps the owned
+slots exactly 0..n-1 (the engine then reads the batch's KV as one strided view), moving the
+highest slots into holes and reporting each move for the engine to copy.
+The manager never touches physical memory (see `kv_pool`).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 
@@ -28,7 +32,7 @@ class BlockManager:
         self.block_size = block_size
         # the most positions one request may reserve (slots: block_size; paged: the whole pool)
         self.max_seq_tokens = min(max_seq_tokens or self.capacity_tokens, self.capacity_tokens)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._free: list[int] = list(range(num_blocks))  # a min-heap: lowest free id first
         self._seqs: dict[str, _Seq] = {}
 
     # ---- capacity ---------------------------------------------------------------------
@@ -71,7 +75,7 @@ class BlockManager:
             raise ValueError(f"need 0 < num_tokens <= reserve_tokens, got {num_tokens}, {reserve_tokens}")
         if not self.fits_ever(reserve_tokens) or not self.can_allocate(reserve_tokens):
             raise RuntimeError(f"no room for {reserve_tokens} tokens; call can_allocate first")
-        blocks = [self._free.pop() for _ in range(self.blocks_needed(reserve_tokens))]
+        blocks = [heapq.heappop(self._free) for _ in range(self.blocks_needed(reserve_tokens))]
         self._seqs[seq_id] = _Seq(blocks, num_tokens, reserve_tokens)
         return list(blocks)
 
@@ -80,8 +84,28 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
-        self._free.extend(reversed(seq.blocks))
+        for b in seq.blocks:
+            heapq.heappush(self._free, b)
         return True
+
+    def compact(self) -> list[tuple[str, int, int]]:
+        """Slot layout only (one block per request): move requests out of the highest slots
+        into the holes below n = number of requests, so they own exactly slots 0..n-1.
+        Returns the moves (request id, from slot, to slot), highest slot first."""
+        if self.max_seq_tokens > self.block_size:
+            raise ValueError("compact() needs the slot layout (max_seq_tokens <= block_size: one block a request)")
+        n = len(self._seqs)
+        if not self._free or self._free[0] >= n:
+            return []  # no free slot below n: slots 0..n-1 are all owned
+        holes = sorted(b for b in self._free if b < n)
+        movers = sorted(((s.blocks[0], rid) for rid, s in self._seqs.items() if s.blocks[0] >= n), reverse=True)
+        moves = []
+        for hole, (slot, rid) in zip(holes, movers):
+            self._seqs[rid].blocks[0] = hole
+            moves.append((rid, slot, hole))
+        if moves:
+            self._free = list(range(n, self.num_blocks))  # already a valid min-heap
+        return moves
 
     # ---- per-step growth -------------------------------------------------------------------
     def can_append(self, seq_id: str) -> bool:
@@ -95,6 +119,13 @@ class BlockManager:
             raise RuntimeError(f"request {seq_id!r} used its whole reservation of {seq.reserved} tokens")
         seq.num_tokens += 1
         return seq.num_tokens - 1
+
+    def retract(self, seq_id: str) -> None:
+        """Undo the last `append` (a step that failed before its KV was written)."""
+        seq = self._seqs[seq_id]
+        if seq.num_tokens <= 1:
+            raise RuntimeError(f"request {seq_id!r} has no appended position to retract")
+        seq.num_tokens -= 1
 
     # ---- lookups -------------------------------------------------------------------------
     def __contains__(self, seq_id: str) -> bool:

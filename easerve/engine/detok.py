@@ -5,7 +5,9 @@ character (a byte-level token that ends mid-character waits for the next one), a
 the request has stop strings, the last len(longest stop) - 1 characters are held back, so
 that a stop string found across token boundaries can still be cut out. When a stop string
 appears, `stop_hit` names it and the text is cut right before it; `finish()` returns
-whatever was held back. The deltas concatenated always equal `text`.
+whatever was held back. The deltas concatenated always equal `text`. A transformers fast tokenizer that does not
+clean up spaces is decoded through its Rust backend directly (the same text, without
+transformers' per-call conversions).
 """
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ class Detokenizer:
         self.text = ""                 # output text so far (cut at a stop string)
         self._emitted = 0              # characters of `text` already returned
         self.stop_hit: str | None = None
+        self._backend = _backend_decoder(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
@@ -72,3 +77,19 @@ class Detokenizer:
             self._read = len(self._ids)
             self._find_stop(start)
         return self._take(final=True)
+
+
+def _backend_decoder(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` whose decode() gives exactly tokenizer.decode()'s text, or
+    None: only for transformers' own fast-tokenizer decode, with space clean-up off."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep tokenizer.decode
+        return None
+    kind = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend) or kind.decode is not PreTrainedTokenizerBase.decode
+            or kind._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return tokenizer.backend_tokenizer

@@ -3,8 +3,9 @@
 A request arrives as a `KVPayload` (prompt KV + the first token prefill sampled), waits in a
 bounded queue until its whole reservation (prompt_len + max_tokens) fits the pool, then
 decodes one token per `step()` together with every other running request: one forward over
-the batch's last tokens through the adapter's decoder, with `PoolCache` as the cache.
-Requests join and leave between steps; `abort` frees KV at once.
+the batch's last tokens through the adapter's decoder, with a step cache of the attention
+backend (`attention.select_backend`) as the cache. Requests join and leave between steps;
+`abort` frees KV at once. The KV pool is sized by `EngineConfig` (tokens, slots or memory).
 
 Outputs: each request's first StepOutput (index 0) is the prefill's first token, so the
 stop rules, the text and the finish reason are decided here for every token; a service that
@@ -18,54 +19,17 @@ from typing import Any, Literal
 
 import torch
 
-from easerve.engine.attention import PoolCache, step_attention_kwargs, use_engine_attention
+from easerve.engine import attention as att
 from easerve.engine.block_manager import BlockManager
+from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, gpu_kv_budget  # noqa: F401 (re-exported)
 from easerve.engine.detok import Detokenizer
-from easerve.engine.kv_pool import KVLayout, KVPool
+from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
 from easerve.types import KVPayload, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
-DEFAULT_KV_TOKENS = 16384  # paged pool size when neither KV geometry is given
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """KV geometry: either paged (`kv_capacity_tokens` in blocks of `block_size`; suits GPUs)
-    or slots (`num_slots` slots of `max_seq_len` tokens each; suits CPUs). Neither given:
-    paged with DEFAULT_KV_TOKENS. In paged mode `max_seq_len`, if set, caps
-    prompt_len + max_tokens of one request."""
-
-    max_running: int = 64
-    max_waiting: int = 256
-    kv_capacity_tokens: int | None = None
-    num_slots: int | None = None
-    max_seq_len: int | None = None
-    block_size: int = 16
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_capacity_tokens is not None and self.num_slots is not None:
-            raise ValueError("set only one of kv_capacity_tokens (paged KV) or num_slots with max_seq_len (slots)")
-        if self.num_slots is not None and (self.num_slots < 1 or not self.max_seq_len or self.max_seq_len < 2):
-            raise ValueError(f"slot KV needs num_slots >= 1 and max_seq_len >= 2, got {self.num_slots}, {self.max_seq_len}")
-        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
-            raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one block "
-                             f"of block_size={self.block_size}")
-
-    def geometry(self) -> tuple[int, int, int | None]:
-        """(num_blocks, block_size, max tokens per request)."""
-        if self.num_slots is not None:
-            return self.num_slots, self.max_seq_len, self.max_seq_len
-        tokens = self.kv_capacity_tokens or DEFAULT_KV_TOKENS
-        return max(1, tokens // self.block_size), self.block_size, self.max_seq_len
+FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -90,6 +54,16 @@ class EngineStats:
 
 
 @dataclass
+class _StepInputs:
+    request_ids: tuple[str, ...]
+    pos: torch.Tensor           # [B] the position each row writes
+    tokens: torch.Tensor        # [B] each row's last token (after the step: the sampled ones)
+    deltas: torch.Tensor        # [B] rope deltas
+    slot_index: torch.Tensor | None  # slot layout: where the step writes (SlotKVPool.step_index)
+    greedy: bool
+
+
+@dataclass
 class _Request:
     payload: KVPayload | None   # dropped once its KV is in the pool
     sampling: SamplingParams
@@ -107,21 +81,40 @@ class DecodeEngine:
         if torch.device(adapter.device).type != self.device.type:
             raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {adapter.device}; "
                              "load the adapter on the engine's device")
-        num_blocks, block_size, max_seq = config.geometry()
-        self.blocks = BlockManager(num_blocks, block_size, max_seq)
-        self.scheduler = Scheduler(self.blocks, config.max_running, config.max_waiting)
         layout = KVLayout.from_text_config(adapter.text_config, adapter.dtype, self.device)
-        self.pool = KVPool(layout, self.blocks)
-        use_engine_attention(adapter.language_model)
+        flashinfer = att.import_flashinfer() if self.device.type == "cuda" else None
+        paged_kernel = att.paged_kernel_available(self.device.type, layout.dtype, flashinfer is not None)
+        self.geometry = config.kv_geometry(layout.bytes_per_token, self._gpu_budget(), paged_kernel)
+        self.backend = att.select_backend(self.geometry.layout, paged_kernel)
+        g = self.geometry
+        self.blocks = BlockManager(g.num_blocks, g.block_size, g.max_seq_tokens)
+        slots = g.layout == "slots"
+        self.scheduler = Scheduler(self.blocks, config.max_running, config.max_waiting, compact=slots)
+        self.pool = (SlotKVPool if slots else PagedKVPool)(layout, self.blocks)
+        self._wrapper = None
+        if self.backend == "flashinfer":
+            workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        att.use_engine_attention(adapter.language_model)
         self._eos = frozenset(adapter.eos_token_ids)
         self._tokenizer = adapter.tokenizer
         self._reqs: dict[str, _Request] = {}
+        self._unwritten: set[str] = set()  # running requests whose prompt KV is not in the pool yet
         self._pending: list[StepOutput] = []
+        self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
+
+    def _gpu_budget(self) -> int | None:
+        util = self.config.gpu_memory_utilization
+        if util is None:
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return gpu_kv_budget(total, free, torch.cuda.memory_allocated(self.device), util)
 
     # ---- intake ---------------------------------------------------------------------------
     def add(self, payload: KVPayload) -> None:
         """Queue a prefilled request. Raises ValueError on a bad payload, RequestTooLarge if
-        it can never fit, Overloaded if the waiting queue is full."""
+        it can never fit, Overloaded if the waiting queue is full. A request whose first
+        token already finishes it never enters the queue and gives back its reservation."""
         rid, sp = payload.request_id, payload.sampling
         if rid in self._reqs:
             raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
@@ -134,7 +127,9 @@ class DecodeEngine:
                        frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos),
                        self._make_detok(payload), [])
         first = self._on_token(rid, req, payload.first_token)
-        if not first.finished:
+        if first.finished:
+            self.scheduler.release_reservation(rid)
+        else:
             self.scheduler.add(rid, payload.prompt_len, sp.max_tokens)
             self._reqs[rid] = req
         self._pending.append(first)
@@ -158,6 +153,8 @@ class DecodeEngine:
         if req is None:
             return self.scheduler.abort(request_id)  # a reservation, if any
         self.scheduler.abort(request_id)
+        self._unwritten.discard(request_id)
+        self._last = None
         self._pending.append(StepOutput(request_id, None, "", True, "abort", len(req.tokens)))
         return True
 
@@ -165,17 +162,25 @@ class DecodeEngine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Admit what fits, decode one token for every running request, return the outputs
-        (plus those of requests finished by add() or abort() since the last step)."""
+        (plus those of requests finished by add() or abort() since the last step).
+        If the forward (or anything before the tokens) raises, the exception propagates
+        and the step is undone: positions go back, admitted requests stay running with
+        their prompt still to write, pending outputs are kept for the next step."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        for rid in plan.admitted:
-            req = self._reqs[rid]
-            self.pool.write_prompt(self.blocks.block_table(rid), req.payload.keys, req.payload.values)
-            req.payload = None
+        self._unwritten.update(plan.admitted)
         if plan.batch_size == 0:
             return outputs
+        try:
+            self._move_and_write(plan)
+            tokens = self._forward(plan)
+        except BaseException:
+            self._last = None
+            self.scheduler.retract(plan)
+            self._pending = outputs + self._pending
+            raise
         finished = []
-        for rid, tok in zip(plan.request_ids, self._forward(plan)):
+        for rid, tok in zip(plan.request_ids, tokens):
             out = self._on_token(rid, self._reqs[rid], tok)
             outputs.append(out)
             if out.finished:
@@ -184,20 +189,62 @@ class DecodeEngine:
         self.scheduler.update_from_output(finished)
         return outputs
 
+    def _move_and_write(self, plan: SchedulerOutput) -> None:
+        """Copy the KV of requests the plan moved (slot layout), then write new prompts."""
+        if plan.moves:
+            pos = dict(zip(plan.request_ids, plan.positions))
+            for rid, src, dst in plan.moves:
+                if rid not in self._unwritten:
+                    self.pool.move(src, dst, pos[rid])  # positions 0..pos-1 hold KV
+        if self._unwritten:
+            tables = dict(zip(plan.request_ids, plan.block_tables))
+            for rid in list(self._unwritten):
+                req = self._reqs[rid]
+                where = tables[rid][0] if isinstance(self.pool, SlotKVPool) else tables[rid]
+                self.pool.write_prompt(where, req.payload.keys, req.payload.values)
+                req.payload = None
+                self._unwritten.discard(rid)
+
     def _forward(self, plan: SchedulerOutput) -> list[int]:
+        inputs = self._inputs(plan)
+        cache = self._step_cache(plan, inputs)
+        logits = self.adapter.lm_forward(self.adapter.embed_tokens(inputs.tokens[:, None]),
+                                         self.adapter.decode_position_ids(inputs.pos, inputs.deltas),
+                                         cache, **cache.forward_kwargs())[:, -1]
+        if inputs.greedy:  # keep the token tensor: the next step of the same batch feeds it back
+            inputs.tokens = logits.argmax(dim=-1)
+            self._last = inputs
+            return inputs.tokens.tolist()
         reqs = [self._reqs[rid] for rid in plan.request_ids]
-        dev, bs = self.device, self.blocks.block_size
-        pos = torch.tensor(plan.positions, device=dev)
-        kv_len = max(plan.positions) + 1
+        return sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+
+    def _inputs(self, plan: SchedulerOutput) -> "_StepInputs":
+        """The step's device tensors. The same batch as the last (greedy) step, unchanged since:
+        positions + 1 and the tokens it sampled, with no host->device copy."""
+        last, self._last = self._last, None
+        if last is not None and last.request_ids == plan.request_ids and not plan.admitted and not plan.moves:
+            last.pos = last.pos + 1
+            last.slot_index = None if last.slot_index is None else last.slot_index + 1
+            return last
+        reqs = [self._reqs[rid] for rid in plan.request_ids]
+        host = torch.tensor([*plan.positions, *(r.tokens[-1] for r in reqs), *(r.rope_delta for r in reqs)])
+        pos, tokens, deltas = host.to(self.device).split(len(reqs))  # one host->device copy
+        index = self.pool.step_index(len(reqs), pos) if self.backend == "slots" else None
+        return _StepInputs(plan.request_ids, pos, tokens, deltas, index, all(r.sampling.greedy for r in reqs))
+
+    def _step_cache(self, plan: SchedulerOutput, inputs: "_StepInputs"):
+        positions, pos = plan.positions, inputs.pos
+        kv_len = max(positions) + 1
+        if self.backend == "slots":  # rows are slots 0..B-1 (the scheduler compacts)
+            return att.SlotStepCache(self.pool, inputs.slot_index, kv_len, att.length_mask(positions, pos, kv_len))
+        bs, dev = self.blocks.block_size, self.device
+        blk = torch.tensor([t[p // bs] for t, p in zip(plan.block_tables, positions)], device=dev)
+        off = pos % bs
+        if self.backend == "flashinfer":
+            return att.FlashInferStepCache(self.pool, self._wrapper, blk, off, plan.block_tables, positions)
         nb = self.blocks.blocks_needed(kv_len)
         table = torch.tensor([(t + (0,) * nb)[:nb] for t in plan.block_tables], device=dev)
-        cache = PoolCache(self.pool, table.gather(1, (pos // bs)[:, None])[:, 0], pos % bs, table, kv_len)
-        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
-        deltas = torch.tensor([r.rope_delta for r in reqs], device=dev)
-        logits = self.adapter.lm_forward(
-            self.adapter.embed_tokens(last), self.adapter.decode_position_ids(pos, deltas),
-            cache, **step_attention_kwargs(pos + 1, kv_len))
-        return sample(logits[:, -1], [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+        return att.PagedStepCache(self.pool, blk, off, table, kv_len, att.length_mask(positions, pos, kv_len))
 
     def _on_token(self, rid: str, req: _Request, token: int) -> StepOutput:
         """Record a sampled token and apply the stop rules (stop ids / eos, stop strings,

@@ -55,6 +55,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
     if not (logits.shape[0] == len(params) == len(steps)):
         raise ValueError(f"logits rows {logits.shape[0]}, params {len(params)}, steps {len(steps)} must match")
     out = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return out.tolist()
     unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
     if unseeded:
         idx = torch.tensor(unseeded, device=logits.device)

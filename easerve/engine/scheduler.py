@@ -5,6 +5,11 @@
 the head of the waiting queue is admitted when `max_running` and the KV memory allow it,
 and nobody behind it jumps ahead (no head-of-line skipping), so a long request is never
 starved by a stream of short ones.
+
+With `compact=True` (the slot layout) the plan's rows are in slot order and the running
+requests own slots 0..n-1: row i reads slot i. Slots freed since the last plan are first
+refilled by admission, and any hole left is closed by moving the highest slots down
+(`SchedulerOutput.moves`: one KV copy per finished request, never one per step).
 """
 from __future__ import annotations
 
@@ -21,12 +26,15 @@ class SchedulerOutput:
     """One decode step's plan. Row i of the batch is request_ids[i]: it writes the KV of
     its last token at position positions[i] (so it attends to positions[i] + 1 tokens),
     through block_tables[i]. `admitted` lists the requests whose prompt KV the engine must
-    write into the pool before the step (they are in request_ids too)."""
+    write into the pool before the step (they are in request_ids too). `moves` (slot layout)
+    lists (request id, from slot, to slot): the engine copies that request's KV before the
+    step (block_tables already name the new slot)."""
 
     admitted: tuple[str, ...]
     request_ids: tuple[str, ...]
     positions: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
+    moves: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -41,7 +49,7 @@ class _Waiting:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_waiting: int) -> None:
+    def __init__(self, blocks: BlockManager, max_running: int, max_waiting: int, compact: bool = False) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if max_waiting < 0:
@@ -49,6 +57,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.compact = compact
         self._waiting: deque[_Waiting] = deque()
         self._running: dict[str, None] = {}  # insertion-ordered set
         self._held: dict[str, float] = {}    # reservations: request id -> expiry time
@@ -78,6 +87,11 @@ class Scheduler:
             raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
         self._waiting.append(_Waiting(request_id, prompt_len, reserve))
 
+    def release_reservation(self, request_id: str) -> bool:
+        """Give back a held place that `add` will never take (the request finished on its
+        first token). False if none is held."""
+        return self._held.pop(request_id, None) is not None
+
     def _check_size(self, request_id: str, prompt_len: int, max_tokens: int) -> int:
         reserve = prompt_len + max_tokens
         if not self.blocks.fits_ever(reserve):
@@ -103,10 +117,18 @@ class Scheduler:
     # ---- the plan -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         admitted = self._admit()
-        ids = tuple(self._running)
+        moves = tuple(self.blocks.compact()) if self.compact else ()
+        tables = {rid: self.blocks.block_table(rid) for rid in self._running}
+        ids = tuple(sorted(tables, key=tables.__getitem__)) if self.compact else tuple(self._running)
         positions = tuple(self.blocks.append(rid) for rid in ids)
-        tables = tuple(self.blocks.block_table(rid) for rid in ids)
-        return SchedulerOutput(admitted, ids, positions, tables)
+        return SchedulerOutput(admitted, ids, positions, tuple(tables[rid] for rid in ids), moves)
+
+    def retract(self, plan: SchedulerOutput) -> None:
+        """Undo the positions a plan handed out (its step failed before producing tokens);
+        requests it admitted stay running and the next plan gives them the same positions."""
+        for rid in plan.request_ids:
+            if rid in self._running:
+                self.blocks.retract(rid)
 
     def _admit(self) -> tuple[str, ...]:
         admitted = []

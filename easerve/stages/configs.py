@@ -100,9 +100,13 @@ class EngineFields:
     """The decode engine's knobs (decode, and a monolith that decodes in-process)."""
     max_running: int = opt(64, "requests decoded together per step")
     max_waiting: int = opt(256, "admission queue; past it RESOURCE_EXHAUSTED")
-    num_slots: int = opt(0, "KV slots (the CPU layout; 0 = max-running on CPU)")
-    max_seq_len: int = opt(0, "tokens per slot / per request (0 = the model's context, capped at 4096)")
-    kv_capacity_tokens: int = opt(0, "paged KV pool size in tokens (the GPU layout; 0 = sized from memory)")
+    kv_cache_memory_gb: float = opt(0.0, "KV pool size in GiB (0: on cpu 2 GiB, at most a quarter of RAM); "
+                                         "never more than --max-running requests of --max-seq-len need")
+    gpu_memory_utilization: float = opt(0.9, "on cuda, without --kv-cache-memory-gb: the fraction of the "
+                                             "device's memory this process may use (weights + KV), as vLLM's")
+    num_slots: int = opt(0, "fixed KV slots of --max-seq-len instead of sizing from memory (0: from memory)")
+    max_seq_len: int = opt(0, "tokens per request (0 = the model's context, capped at 4096)")
+    kv_capacity_tokens: int = opt(0, "fixed paged KV pool size in tokens instead of memory (0: from memory)")
     block_size: int = opt(16, "tokens per KV block (paged layout)")
 
 
@@ -110,12 +114,18 @@ class EngineFields:
 class DecodeConfig(EngineFields, StageConfig):
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
-        for name in ("max_running", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_waiting", "num_slots", "max_seq_len", "kv_capacity_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        _check_engine(self)
+
+
+def _check_engine(c) -> None:
+    for name in ("max_running", "block_size"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(c, name)}")
+    for name in ("max_waiting", "num_slots", "max_seq_len", "kv_capacity_tokens", "kv_cache_memory_gb"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(c, name)}")
+    if not 0.0 < c.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,7 @@ class MonolithConfig(EngineFields, EncodeConfig):
         object.__setattr__(self, "colocate_prefill", True)
         object.__setattr__(self, "remote_fraction", 0.0)
         EncodeConfig.__post_init__(self)
+        _check_engine(self)
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,21 @@ from services.decode.servicer import DecodeServicer
 
 
 def engine_config(cfg, max_len: int) -> EngineConfig:
-    """The engine's KV geometry from the flags (paged on GPU, slots on CPU by default)."""
-    seq = cfg.max_seq_len or max_len
-    dev = cfg.torch_device
+    """KV sized by --kv-capacity-tokens or --num-slots when given, else from memory
+    (--kv-cache-memory-gb; on a GPU --gpu-memory-utilization): the layout is the engine's
+    choice (slots read in place; paged where flashinfer runs)."""
+    from easerve.engine.config import GIB, default_cpu_kv_bytes
+    common = dict(max_running=cfg.max_running, max_waiting=cfg.max_waiting, max_seq_len=cfg.max_seq_len or max_len,
+                  block_size=cfg.block_size, device=cfg.torch_device)
     if cfg.kv_capacity_tokens:
-        return EngineConfig(cfg.max_running, cfg.max_waiting, kv_capacity_tokens=cfg.kv_capacity_tokens,
-                            max_seq_len=seq, block_size=cfg.block_size, device=dev)
-    if not dev.startswith("cpu") and not cfg.num_slots:
-        return EngineConfig(cfg.max_running, cfg.max_waiting, kv_capacity_tokens=64 * seq,
-                            max_seq_len=seq, block_size=cfg.block_size, device=dev)
-    return EngineConfig(cfg.max_running, cfg.max_waiting, num_slots=cfg.num_slots or cfg.max_running,
-                        max_seq_len=seq, device=dev)
+        return EngineConfig(kv_capacity_tokens=cfg.kv_capacity_tokens, **common)
+    if cfg.num_slots:
+        return EngineConfig(num_slots=cfg.num_slots, **common)
+    if cfg.kv_cache_memory_gb:
+        return EngineConfig(kv_cache_memory_bytes=int(cfg.kv_cache_memory_gb * GIB), **common)
+    if cfg.torch_device.startswith("cpu"):
+        return EngineConfig(kv_cache_memory_bytes=default_cpu_kv_bytes(), **common)
+    return EngineConfig(gpu_memory_utilization=cfg.gpu_memory_utilization, **common)
 
 
 def build_engine(cfg, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:

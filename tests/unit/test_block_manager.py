@@ -159,3 +159,67 @@ def test_reservations_hold_a_place_until_added_aborted_or_expired():
     assert s.abort("r5") and not s.abort("r4")
     with pytest.raises(RequestTooLarge):
         s.reserve("big", 30, 10, now=4.0, ttl_s=1.0)
+
+
+def test_release_reservation_frees_the_held_place():
+    s = Scheduler(BlockManager(num_blocks=1, block_size=32, max_seq_tokens=32), max_running=4, max_waiting=1)
+    s.add("run", 4, 4)
+    s.schedule()
+    s.reserve("r1", 4, 4, now=0.0, ttl_s=10.0)
+    with pytest.raises(Overloaded):
+        s.reserve("r2", 4, 4, now=0.0, ttl_s=10.0)
+    assert s.release_reservation("r1") and not s.release_reservation("r1")
+    s.reserve("r2", 4, 4, now=0.0, ttl_s=10.0)
+
+
+# ---- slot compaction ----------------------------------------------------------------------------
+def test_free_blocks_are_handed_out_lowest_first():
+    bm = BlockManager(num_blocks=4, block_size=8, max_seq_tokens=8)
+    for rid in "abcd":
+        bm.allocate(rid, 1, 8)
+    bm.free("c")
+    bm.free("a")
+    assert bm.allocate("e", 1, 8) == [0] and bm.allocate("f", 1, 8) == [2]
+
+
+def test_compact_moves_highest_slots_into_holes():
+    bm = BlockManager(num_blocks=6, block_size=8, max_seq_tokens=8)
+    for rid in "abcdef":
+        bm.allocate(rid, 1, 8)
+    bm.free("b")
+    bm.free("d")
+    assert bm.compact() == [("f", 5, 1), ("e", 4, 3)]
+    assert {rid: bm.block_table(rid) for rid in "acef"} == {"a": (0,), "c": (2,), "e": (3,), "f": (1,)}
+    assert bm.compact() == [] and bm.allocate("g", 1, 8) == [4]
+
+
+def test_compact_refuses_the_paged_layout():
+    with pytest.raises(ValueError, match="slot layout"):
+        BlockManager(num_blocks=4, block_size=8).compact()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=60))
+def test_compacting_scheduler_rows_are_slots_zero_to_n(ops):
+    """Whatever joins and leaves, a compacting plan's row i reads slot i, every running
+    request keeps its position, and each move goes from a slot >= n into a hole < n."""
+    s = Scheduler(BlockManager(num_blocks=8, block_size=64, max_seq_tokens=64), max_running=8, max_waiting=64,
+                  compact=True)
+    next_pos: dict[str, int] = {}
+    for i, (join, pick) in enumerate(ops):
+        if join:
+            s.add(f"r{i}", 3, 40)
+        elif next_pos:
+            gone = sorted(next_pos)[pick % len(next_pos)]
+            s.update_from_output([gone])
+            del next_pos[gone]
+        plan = s.schedule()
+        n = plan.batch_size
+        assert [t[0] for t in plan.block_tables] == list(range(n))
+        assert all(src >= n > dst for _, src, dst in plan.moves)
+        for rid, p in zip(plan.request_ids, plan.positions):
+            assert p == next_pos.get(rid, 3)
+            next_pos[rid] = p + 1
+        for rid in [r for r, p in next_pos.items() if p >= 43]:  # reservation used up: finish
+            s.update_from_output([rid])
+            del next_pos[rid]
