@@ -22,7 +22,7 @@ import torch
 from easerve.engine import attention as att
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, gpu_kv_budget  # noqa: F401 (re-exported)
-from easerve.engine.detok import Detokenizer
+from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
@@ -68,8 +68,7 @@ class _Request:
     payload: KVPayload | None   # dropped once its KV is in the pool
     sampling: SamplingParams
     rope_delta: int
-    stop_ids: frozenset[int]
-    detok: Detokenizer | None
+    rules: StopRules
     tokens: list[int]
 
 
@@ -121,11 +120,8 @@ class DecodeEngine:
         if payload.num_tokens != payload.prompt_len:
             raise ValueError(f"payload KV holds {payload.num_tokens} tokens but prompt_len is {payload.prompt_len}")
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
-        if sp.stop and self._tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this adapter has none, use stop_token_ids")
         req = _Request(payload, sp, payload.rope_delta,
-                       frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos),
-                       self._make_detok(payload), [])
+                       StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [])
         first = self._on_token(rid, req, payload.first_token)
         if first.finished:
             self.scheduler.release_reservation(rid)
@@ -140,11 +136,6 @@ class DecodeEngine:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.scheduler.reserve(request_id, prompt_len, max_tokens, time.monotonic(), ttl_s)
-
-    def _make_detok(self, payload: KVPayload) -> Detokenizer | None:
-        if self._tokenizer is None:
-            return None
-        return Detokenizer(self._tokenizer, payload.prompt_ids_tail, payload.sampling.stop)
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting or running request and free its KV now; the next step() reports
@@ -247,19 +238,10 @@ class DecodeEngine:
         return att.PagedStepCache(self.pool, blk, off, table, kv_len, att.length_mask(positions, pos, kv_len))
 
     def _on_token(self, rid: str, req: _Request, token: int) -> StepOutput:
-        """Record a sampled token and apply the stop rules (stop ids / eos, stop strings,
-        max_tokens, in that order)."""
+        """Record a sampled token and apply the request's stop rules (easerve.engine.stops)."""
         req.tokens.append(token)
-        detok, reason = req.detok, None
-        if token in req.stop_ids:
-            reason, delta = "stop", detok.finish() if detok else ""
-        else:
-            delta = detok.push(token) if detok else ""
-            if detok and detok.stop_hit is not None:
-                reason = "stop"
-            elif len(req.tokens) >= req.sampling.max_tokens:
-                reason, delta = "length", delta + (detok.finish() if detok else "")
-        return StepOutput(rid, token, delta, reason is not None, reason, len(req.tokens) - 1)
+        v = req.rules.push(token)
+        return StepOutput(rid, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1)
 
     # ---- state ---------------------------------------------------------------------------------
     @property
