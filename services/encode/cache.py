@@ -108,6 +108,8 @@ class EmbeddingCache:
             self._count(found.state)
             if found.state == HIT:
                 out[i] = found.value
+                if self.m is not None and not items[i].pixels:
+                    self.m.pixel_free.inc()
             elif found.state == MISS:
                 if not items[i].pixels:
                     for b in began:

@@ -75,6 +75,9 @@ class CacheMetrics:
                                  registry=r)
         self.tower_items = Counter("easerve:encoder_cache_tower_items",
                                    "Media items the cache sent through the encoder tower", registry=r)
+        self.pixel_free = Counter("easerve:encoder_cache_pixel_free_items",
+                                  "Held media items that came without inputs (the gateway's probe found them)",
+                                  registry=r)
         self.bytes = Gauge("easerve:encoder_cache_bytes", "Bytes of embeddings held", registry=r)
         self.entries = Gauge("easerve:encoder_cache_entries", "Embeddings held", registry=r)
         self.capacity = Gauge("easerve:encoder_cache_capacity_bytes", "The cache's byte bound (--encoder-cache-gb)",

@@ -149,45 +149,59 @@ class GatewayCore:
 
     # ---- encoder cache: hashes, probe, pixel-free items ----------------------------------------
     async def _encode_call(self, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str, fields: dict):
-        """Open the encode call. Items the chosen instance says it holds go without their
-        pixels; if it no longer holds one when the request comes, the request is resent with
-        every item's pixels (to the least-loaded instance)."""
+        """Open the encode call on the instance that holds (or is encoding) the request's media
+        when its load allows, else on the least-loaded one; note it as the media's holder at
+        once, so concurrent requests for the same media meet in one encode. Items the instance
+        says it holds go without their pixels; if it no longer holds one when the request
+        comes, the request is resent with every item's pixels."""
         hashes = [it.content_hash for it in prompt.items]
-        holder, held = await self._probe(hashes, deadline)
+        target = self._placement(hashes, decode_addr)
+        held = await self._probe(target, hashes, deadline)
         if any(held):
             req = await self._encode_request(prompt, fields, held)
             try:
-                return await self._started(hashes, req, deadline, holder)
+                return await self._started(hashes, req, deadline, target)
             except NotFound as e:
                 if not is_cache_miss(e):
                     raise
-                self._holders.forget(hashes, holder)
+                self._holders.forget(hashes, target)
         req = await self._encode_request(prompt, fields, [False] * len(hashes))
-        return await self._started(hashes, req, deadline, decode_addr)
+        return await self._started(hashes, req, deadline, target or decode_addr)
+
+    def _placement(self, hashes: list[bytes], decode_addr: str) -> str | None:
+        """The encode instance to prefer for these media (None: leave it to `Peers`)."""
+        if self._holders is None or not any(hashes):
+            return None
+        if decode_addr in self._enc.addrs:  # a monolith: encode where the reservation is
+            return decode_addr
+        keys = [h for h in hashes if h]
+        addr = self._holders.holder(keys)
+        peer = self._enc.get(addr) if addr else None
+        if peer is None or not self._affine(peer):
+            try:
+                peer = self._enc.pick()
+            except Unavailable:
+                return None  # start_call waits for an instance, or says none is up
+        self._holders.note(keys, peer.addr)
+        return peer.addr
 
     async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
         items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
             self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
         return encode_pb2.EncodeRequest(items=items, **fields)
 
-    async def _started(self, hashes: list[bytes], req, deadline: Deadline, prefer: str):
+    async def _started(self, hashes: list[bytes], req, deadline: Deadline, prefer: str | None):
         peer, call, first = await self._enc.start_call(lambda p: p.stub.Encode(req, timeout=deadline.timeout()),
                                                        prefer=prefer)
-        if self._holders is not None:
+        if self._holders is not None and peer.addr != prefer:
             self._holders.note([h for h in hashes if h], peer.addr)
         return peer, call, first
 
-    async def _probe(self, hashes: list[bytes], deadline: Deadline) -> tuple[str | None, list[bool]]:
-        """(the encode instance asked, which items it holds). Asked: the instance this gateway
-        last sent most of these media to (or the only one), if its load allows."""
-        none = (None, [False] * len(hashes))
-        if self._holders is None or not any(hashes):
-            return none
-        addr = self._holders.holder(h for h in hashes if h)
-        if addr is None and len(self._enc) == 1:
-            addr = self._enc.addrs[0]
+    async def _probe(self, addr: str | None, hashes: list[bytes], deadline: Deadline) -> list[bool]:
+        """Which items the encode instance `addr` holds now (all False when not asked)."""
+        none = [False] * len(hashes)
         peer = self._enc.get(addr) if addr else None
-        if peer is None or not self._affine(peer):
+        if peer is None:
             return none
         try:
             resp = await peer.stub.Holds(encode_pb2.HoldsRequest(content_hashes=hashes),
@@ -195,8 +209,7 @@ class GatewayCore:
         except grpc.aio.AioRpcError as e:  # an old or busy encode: send pixels, nothing lost
             log.debug("encoder cache probe of %s failed: %s", addr, e.code().name)
             return none
-        held = list(resp.held)
-        return (addr, held) if len(held) == len(hashes) else none
+        return list(resp.held) if len(resp.held) == len(hashes) else none
 
     def _affine(self, peer) -> bool:
         """Whether `peer` is up and has at most `encoder_cache_affinity` more calls open (from
