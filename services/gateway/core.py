@@ -112,10 +112,10 @@ class GatewayCore:
             await self.media.resolve_messages(job.messages or [])
             await self.media.resolve_parts(job.media)
             prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
-            if slots and prompt.items:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self._hash_items, slots, prompt)
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        if slots and prompt.items:  # after the 400s: a media type it cannot hash is a bug here, not bad input
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._hash_items, slots, prompt)
         total = len(prompt.input_ids) + job.sampling.max_tokens
         if total > self.max_model_len:
             raise BadRequest(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({job.sampling.max_tokens}) "
@@ -155,8 +155,8 @@ class GatewayCore:
         says it holds go without their pixels; if it no longer holds one when the request
         comes, the request is resent with every item's pixels."""
         hashes = [it.content_hash for it in prompt.items]
-        target = self._placement(hashes, decode_addr)
-        held = await self._probe(target, hashes, deadline)
+        target, known = self._placement(hashes, decode_addr)
+        held = await self._probe(target, hashes, deadline) if known else [False] * len(hashes)
         if any(held):
             req = await self._encode_request(prompt, fields, held)
             try:
@@ -168,22 +168,25 @@ class GatewayCore:
         req = await self._encode_request(prompt, fields, [False] * len(hashes))
         return await self._started(hashes, req, deadline, target or decode_addr)
 
-    def _placement(self, hashes: list[bytes], decode_addr: str) -> str | None:
-        """The encode instance to prefer for these media (None: leave it to `Peers`)."""
+    def _placement(self, hashes: list[bytes], decode_addr: str) -> tuple[str | None, bool]:
+        """(the encode instance to prefer for these media, or None to leave it to `Peers`;
+        whether this gateway sent it any of them before: only then is it worth a probe)."""
         if self._holders is None or not any(hashes):
-            return None
-        if decode_addr in self._enc.addrs:  # a monolith: encode where the reservation is
-            return decode_addr
+            return None, False
         keys = [h for h in hashes if h]
         addr = self._holders.holder(keys)
+        if decode_addr in self._enc.addrs:  # a monolith: encode where the reservation is
+            self._holders.note(keys, decode_addr)
+            return decode_addr, addr == decode_addr
         peer = self._enc.get(addr) if addr else None
-        if peer is None or not self._affine(peer):
+        known = peer is not None and self._affine(peer)
+        if not known:
             try:
                 peer = self._enc.pick()
             except Unavailable:
-                return None  # start_call waits for an instance, or says none is up
+                return None, False  # start_call waits for an instance, or says none is up
         self._holders.note(keys, peer.addr)
-        return peer.addr
+        return peer.addr, known
 
     async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
         items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
