@@ -3,7 +3,8 @@
 A media item's hash is sha256 over: a fingerprint of everything at the gateway that changes
 what the encoder is given (the model's processor settings and the gateway's media decoding
 config), the modality, the request's per-item settings (video fps, audio sample rate), and
-the media as the gateway received it: the raw bytes (or data: URI / base64 text) of a file,
+the media as the gateway received it: the raw bytes of a file (a data: URI or base64 text
+counts as the bytes it carries, so the SDK and the HTTP API share entries),
 each frame of a frame list, or the samples of an array. Media that came as decoded objects
 (PIL images, arrays) are hashed over their mode, shape and pixels.
 
@@ -18,6 +19,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from easerve.media.common import to_bytes
 
 _IMAGE_ATTRS = ("image_processor", "video_processor", "feature_extractor")
 
@@ -35,10 +38,9 @@ def processor_fingerprint(processor, media_config: Any = None, family: str = "")
 
 def _feed(h, value: Any) -> None:
     """Hash one media value (recursively for frame lists), tagged by its kind."""
-    if isinstance(value, str):
-        h.update(b"s%d:" % len(value))
-        h.update(value.encode())
-    elif isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, str):  # a data: URI or base64: its bytes, so every front shares entries
+        value = to_bytes(value, "media")
+    if isinstance(value, (bytes, bytearray, memoryview)):
         b = bytes(value)
         h.update(b"b%d:" % len(b))
         h.update(b)

@@ -154,6 +154,14 @@ def test_media_hash_depends_on_content_settings_modality_and_fingerprint():
     assert media_hash(FP, "audio", a) != media_hash(FP, "audio", a.reshape(2, 8))
 
 
+def test_a_data_uri_hashes_as_the_bytes_it_carries():
+    import base64
+    raw = b"\x89PNG-bytes"
+    b64 = base64.b64encode(raw).decode()
+    assert media_hash(FP, "image", f"data:image/png;base64,{b64}") == media_hash(FP, "image", raw)
+    assert media_hash(FP, "video", [b64, raw]) == media_hash(FP, "video", [raw, raw])
+
+
 def test_media_hash_of_decoded_images_and_a_clear_error_for_other_objects():
     px = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
     one = media_hash(FP, "image", Image.fromarray(px))
