@@ -127,3 +127,17 @@ def test_metrics_count_hits_misses_evictions_and_bytes_stay_within_the_bound(cac
     for s in scraped:
         assert s["easerve:encoder_cache_capacity_bytes"] == CAPACITY
         assert 0 < s["easerve:encoder_cache_bytes"] <= CAPACITY or s["easerve:encoder_cache_misses_total"] == 0
+
+
+def test_a_monolith_caches_too_and_keeps_requests_on_the_instance_holding_the_reservation(vl_model, cache_off):
+    from hasctl.deployment import preset
+    d = preset("monolith").with_model(vl_model).with_gateway_ports(0, 0).with_flags("monolith", threads=1)
+    mono = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+    mono.start(timeout=420)
+    try:
+        kw = REQUESTS["image"]
+        first, again = _gen(mono, **kw), _gen(mono, **kw)
+    finally:
+        mono.stop()
+    assert list(first.token_ids) == list(again.token_ids) == list(_gen(cache_off, **kw).token_ids)
+    assert (first.timings.encode_cache_hits, again.timings.encode_cache_hits) == (0, 1)
