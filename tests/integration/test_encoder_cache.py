@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +93,22 @@ def test_greedy_tokens_equal_with_the_cache_on_and_off_and_a_repeat_is_a_pixel_f
     assert (off.timings.encode_cache_hits, first.timings.encode_cache_hits) == (0, 0)
     assert again.timings.encode_cache_hits == n_items and again.timings.encode_ms == 0
     assert _total(metrics, "easerve:encoder_cache_pixel_free_items_total") - free_before == n_items
+
+
+def test_the_sdk_and_the_openai_api_share_entries(cache_on):
+    from openai import OpenAI
+    from tests.integration.conftest import data_uri
+    stack, metrics = cache_on
+    raw = png_bytes(40, 56, 77)
+    hits = _total(metrics, "easerve:encoder_cache_hits_total")
+    sdk = _gen(stack, images=[raw])
+    oa = OpenAI(base_url=stack.endpoints.openai_base_url, api_key="none", max_retries=0)
+    http = oa.chat.completions.create(model=Path(stack.deployment.model).name, max_tokens=N, temperature=0.0,
+                                      messages=[{"role": "user", "content": [
+                                          {"type": "image_url", "image_url": {"url": data_uri(raw)}},
+                                          {"type": "text", "text": PROMPT}]}])
+    assert _total(metrics, "easerve:encoder_cache_hits_total") - hits == 1
+    assert http.choices[0].message.content == sdk.text
 
 
 def test_audio_greedy_tokens_equal_the_uncached_pipeline_and_a_repeat_hits(audio_stack):
