@@ -55,6 +55,7 @@ class Timings:
     kv_transfer_ms: float = 0.0
     embed_transfer_ms: float = 0.0
     tpot_ms: float = 0.0
+    encode_cache_hits: int = 0  # not a time: media items answered by the encoder cache
 
     @classmethod
     def from_proto(cls, t: cpb.Timings) -> Timings:

@@ -78,14 +78,17 @@ def item_meta_from_proto(m: cpb.ItemMeta) -> tuple[str, int, dict]:
     return m.modality, m.num_tokens, _tensors_from_proto(m.meta)
 
 
-def media_item_to_proto(item: MMItem) -> epb.MediaItem:
+def media_item_to_proto(item: MMItem, *, with_inputs: bool = True) -> epb.MediaItem:
+    """`with_inputs=False` leaves the heavy inputs out (the encoder cache holds the item)."""
     return epb.MediaItem(info=item_meta_to_proto(item.modality, item.num_tokens, item.meta),
-                         inputs=_tensors_to_proto(item.pixels))
+                         inputs=_tensors_to_proto(item.pixels) if with_inputs else {},
+                         content_hash=item.content_hash)
 
 
 def media_item_from_proto(m: epb.MediaItem) -> MMItem:
     modality, num_tokens, meta = item_meta_from_proto(m.info)
-    return MMItem(modality=modality, pixels=_tensors_from_proto(m.inputs), meta=meta, num_tokens=num_tokens)
+    return MMItem(modality=modality, pixels=_tensors_from_proto(m.inputs), meta=meta, num_tokens=num_tokens,
+                  content_hash=bytes(m.content_hash))
 
 
 def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, text: str = "",

@@ -54,12 +54,14 @@ class MMItem:
     input_features, ...). `meta` holds the small tensors that prefill also needs
     (image_sizes, image_grid_thw, video_grid_thw, second_per_grid_ts, feature lengths).
     `num_tokens` is how many placeholder tokens this item fills in input_ids.
+    `content_hash` (easerve.media_hash; empty: not cacheable) keys the encoder cache.
     """
 
     modality: str
     pixels: dict[str, "torch.Tensor"]
     meta: dict[str, "torch.Tensor"]
     num_tokens: int
+    content_hash: bytes = b""
 
 
 @dataclass

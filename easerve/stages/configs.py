@@ -168,6 +168,8 @@ class EncodeConfig(PrefillFields, StageConfig):
     partition_profile: str = opt("", "partition profile file: loaded if present, else written")
     profile_batch_sizes: str = opt("1,2,4,8", "batch sizes the partition profile measures")
     partition_tolerance: float = opt(0.1, "share kept: encode within this of its exclusive latency")
+    encoder_cache_gb: float = opt(1.0, "encoder-output cache: GB of embeddings held (LRU by bytes, on the "
+                                  "encode device) for media seen again; 0 turns it off")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
@@ -188,6 +190,8 @@ class EncodeConfig(PrefillFields, StageConfig):
                              "prefill; add --colocate-prefill or set it to 1.0")
         if self.safety_cap_s <= 0 or self.max_gap_s <= 0 or self.gap_coef <= 0:
             raise ValueError("--safety-cap-s, --max-gap-s and --gap-coef must be > 0")
+        if not self.encoder_cache_gb >= 0:
+            raise ValueError(f"--encoder-cache-gb must be >= 0 (0 turns the cache off), got {self.encoder_cache_gb}")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -233,6 +237,10 @@ class GatewayConfig(StageConfig):
     media_max_mb: float = opt(64.0, "largest media file fetched by URL, MB")
     media_timeout_s: float = opt(10.0, "time limit of one media URL fetch")
     media_max_mpixels: float = opt(256.0, "decoded pixels per request (all images and video frames), millions")
+    media_hash_entries: int = opt(65536, "media content hashes remembered (hash -> the encode instance sent it) "
+                                  "for encoder-cache-aware placement and pixel-free requests; 0: no hashing")
+    encoder_cache_affinity: int = opt(4, "send a request to the encode instance holding its media unless that "
+                                      "instance has this many more calls open than the least loaded one")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
@@ -244,6 +252,8 @@ class GatewayConfig(StageConfig):
             raise ValueError("--request-timeout-s must be > 0")
         if self.default_max_tokens < 1 or self.max_inflight < 1 or self.preprocess_threads < 1:
             raise ValueError("--default-max-tokens, --max-inflight and --preprocess-threads must be >= 1")
+        if self.media_hash_entries < 0 or self.encoder_cache_affinity < 0:
+            raise ValueError("--media-hash-entries and --encoder-cache-affinity must be >= 0")
 
     @property
     def served_model(self) -> str:

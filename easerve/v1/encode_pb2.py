@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from easerve.v1 import common_pb2 as easerve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/encode.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\"\xaa\x01\n\tMediaItem\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.easerve.v1.ItemMeta\x12\x31\n\x06inputs\x18\x02 \x03(\x0b\x32!.easerve.v1.MediaItem.InputsEntry\x1a\x46\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.easerve.v1.TensorProto:\x02\x38\x01\"\xc7\x01\n\rEncodeRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.easerve.v1.MediaItem\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.easerve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x18.easerve.v1.DecodeTarget2G\n\x06\x45ncode\x12=\n\x06\x45ncode\x12\x19.easerve.v1.EncodeRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/encode.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\"\xc0\x01\n\tMediaItem\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.easerve.v1.ItemMeta\x12\x31\n\x06inputs\x18\x02 \x03(\x0b\x32!.easerve.v1.MediaItem.InputsEntry\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\x0c\x1a\x46\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.easerve.v1.TensorProto:\x02\x38\x01\"\xc7\x01\n\rEncodeRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.easerve.v1.MediaItem\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.easerve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x18.easerve.v1.DecodeTarget\"&\n\x0cHoldsRequest\x12\x16\n\x0e\x63ontent_hashes\x18\x01 \x03(\x0c\"\x1d\n\rHoldsResponse\x12\x0c\n\x04held\x18\x01 \x03(\x08\x32\x85\x01\n\x06\x45ncode\x12=\n\x06\x45ncode\x12\x19.easerve.v1.EncodeRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x12<\n\x05Holds\x12\x18.easerve.v1.HoldsRequest\x1a\x19.easerve.v1.HoldsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEDIAITEM_INPUTSENTRY']._loaded_options = None
   _globals['_MEDIAITEM_INPUTSENTRY']._serialized_options = b'8\001'
   _globals['_MEDIAITEM']._serialized_start=65
-  _globals['_MEDIAITEM']._serialized_end=235
-  _globals['_MEDIAITEM_INPUTSENTRY']._serialized_start=165
-  _globals['_MEDIAITEM_INPUTSENTRY']._serialized_end=235
-  _globals['_ENCODEREQUEST']._serialized_start=238
-  _globals['_ENCODEREQUEST']._serialized_end=437
-  _globals['_ENCODE']._serialized_start=439
-  _globals['_ENCODE']._serialized_end=510
+  _globals['_MEDIAITEM']._serialized_end=257
+  _globals['_MEDIAITEM_INPUTSENTRY']._serialized_start=187
+  _globals['_MEDIAITEM_INPUTSENTRY']._serialized_end=257
+  _globals['_ENCODEREQUEST']._serialized_start=260
+  _globals['_ENCODEREQUEST']._serialized_end=459
+  _globals['_HOLDSREQUEST']._serialized_start=461
+  _globals['_HOLDSREQUEST']._serialized_end=499
+  _globals['_HOLDSRESPONSE']._serialized_start=501
+  _globals['_HOLDSRESPONSE']._serialized_end=530
+  _globals['_ENCODE']._serialized_start=533
+  _globals['_ENCODE']._serialized_end=666
 # @@protoc_insertion_point(module_scope)

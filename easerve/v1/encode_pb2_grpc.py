@@ -40,12 +40,23 @@ class EncodeStub:
                 request_serializer=easerve_dot_v1_dot_encode__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Holds = channel.unary_unary(
+                '/easerve.v1.Encode/Holds',
+                request_serializer=easerve_dot_v1_dot_encode__pb2.HoldsRequest.SerializeToString,
+                response_deserializer=easerve_dot_v1_dot_encode__pb2.HoldsResponse.FromString,
+                _registered_method=True)
 
 
 class EncodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Holds(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -58,6 +69,11 @@ def add_EncodeServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=easerve_dot_v1_dot_encode__pb2.EncodeRequest.FromString,
                     response_serializer=easerve_dot_v1_dot_common__pb2.TokenChunk.SerializeToString,
+            ),
+            'Holds': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holds,
+                    request_deserializer=easerve_dot_v1_dot_encode__pb2.HoldsRequest.FromString,
+                    response_serializer=easerve_dot_v1_dot_encode__pb2.HoldsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +103,33 @@ class Encode:
             '/easerve.v1.Encode/Encode',
             easerve_dot_v1_dot_encode__pb2.EncodeRequest.SerializeToString,
             easerve_dot_v1_dot_common__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/easerve.v1.Encode/Holds',
+            easerve_dot_v1_dot_encode__pb2.HoldsRequest.SerializeToString,
+            easerve_dot_v1_dot_encode__pb2.HoldsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,8 +21,9 @@ from easerve.stages.prefill_stage import build_prefill_stage
 from easerve.stages.warmup import prefill_once
 from easerve.transport.node import local_identity
 from easerve.v1 import encode_pb2_grpc, prefill_pb2_grpc
+from services.encode.cache import EmbeddingCache, model_fingerprint
 from services.encode.colocate import build_controller, sample_items
-from services.encode.metrics import EncodeMetrics
+from services.encode.metrics import CacheMetrics, EncodeMetrics
 from services.encode.servicer import EncodeServicer
 
 
@@ -54,8 +55,15 @@ class Encoder:
         self.local = self._local_stage()
         self.remote = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, self.opts.channel_options(),
                             service="easerve.v1.Prefill")
+        self.cache = self._cache()
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
-                                       self.remote, self.metrics, cfg.max_inflight)
+                                       self.remote, self.metrics, cfg.max_inflight, cache=self.cache)
+
+    def _cache(self) -> EmbeddingCache | None:
+        if self.cfg.encoder_cache_gb == 0:
+            return None
+        fp = model_fingerprint(self.cfg.model, str(self.adapter.dtype), self.cfg.torch_device)
+        return EmbeddingCache(int(self.cfg.encoder_cache_gb * 2**30), fp, CacheMetrics(self.metrics.registry))
 
     def _controller(self):
         if not self.cfg.colocate_prefill:

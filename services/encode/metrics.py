@@ -57,3 +57,28 @@ class EncodeMetrics:
         now = time.monotonic()
         for kind in ("encode", "prefill"):
             self.utilization.labels(worker=kind).set(self.trace.utilization(kind, now - 10.0, now))
+
+
+class CacheMetrics:
+    """The encoder cache's counters (services.encode.cache), on the encode registry."""
+
+    def __init__(self, registry):
+        r = registry
+        self.hits = Counter("easerve:encoder_cache_hits", "Media items answered from the encoder cache",
+                            registry=r)
+        self.joins = Counter("easerve:encoder_cache_joins",
+                             "Media items that waited for the same media being encoded by another request",
+                             registry=r)
+        self.misses = Counter("easerve:encoder_cache_misses", "Media items not held (encoded, then held)",
+                              registry=r)
+        self.evictions = Counter("easerve:encoder_cache_evictions", "Embeddings dropped to fit the byte bound",
+                                 registry=r)
+        self.tower_items = Counter("easerve:encoder_cache_tower_items",
+                                   "Media items the cache sent through the encoder tower", registry=r)
+        self.pixel_free = Counter("easerve:encoder_cache_pixel_free_items",
+                                  "Held media items that came without inputs (the gateway's probe found them)",
+                                  registry=r)
+        self.bytes = Gauge("easerve:encoder_cache_bytes", "Bytes of embeddings held", registry=r)
+        self.entries = Gauge("easerve:encoder_cache_entries", "Embeddings held", registry=r)
+        self.capacity = Gauge("easerve:encoder_cache_capacity_bytes", "The cache's byte bound (--encoder-cache-gb)",
+                              registry=r)

@@ -1,4 +1,5 @@
-"""easerve.v1.Encode: batch-encode, route to co-located or remote prefill (thin).
+"""easerve.v1.Encode: batch-encode (through the encoder cache when on), route to co-located
+or remote prefill (thin).
 
 The call's stream carries the first token and ends once prefill has handed the KV to
 decode; encode holds nothing for a request that is decoding.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from easerve.encoder_cache import CacheMiss
 from easerve.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, grpc_errors
@@ -15,16 +17,34 @@ from easerve.stages.limits import InflightLimit
 from easerve.stages.peers import Peers, relay
 from easerve.types import PrefillRequest
 from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import encode_pb2_grpc, prefill_pb2
+from easerve.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2
+from services.encode.cache import CachedEncode, EmbeddingCache
 
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):
     def __init__(self, loop, router, local_stage=None, remote: Peers | None = None, metrics=None,
-                 max_inflight: int = 512):
+                 max_inflight: int = 512, cache: EmbeddingCache | None = None):
         if local_stage is None and not remote:
             raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
         self.loop, self.router, self.local, self.remote, self.m = loop, router, local_stage, remote, metrics
         self.limit = InflightLimit(max_inflight, "encode")
+        self.cache = cache
+
+    @grpc_errors
+    async def Holds(self, request, context):
+        hashes = list(request.content_hashes)
+        held = self.cache.holds(hashes) if self.cache is not None else [False] * len(hashes)
+        return encode_pb2.HoldsResponse(held=held)
+
+    async def _embed(self, rid: str, items) -> CachedEncode:
+        if self.cache is not None:
+            return await self.cache.encode(rid, items, self.loop.encode)
+        for i, it in enumerate(items):
+            if not it.pixels:
+                raise CacheMiss(f"item {i} ({it.modality}) came without inputs and this instance has no "
+                                "encoder cache (--encoder-cache-gb 0)")
+        res = await self.loop.encode(rid, items)
+        return CachedEncode(res.embeddings, res.queue_ms, res.encode_ms, 0)
 
     def _route(self) -> str:
         if self.local is None:
@@ -48,12 +68,12 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         if not items:
             raise InvalidRequest("an encode request needs at least one media item; send text-only requests to prefill")
         sampling = sampling_from_proto(request.sampling)
-        res = await self.loop.encode(rid, items)
+        res = await self._embed(rid, items)
         deadline.check("encode")
         route = self._route()
         if self.m is not None:
             self.m.on_route(route)
-        timings = {"encode_ms": res.encode_ms, "queue_ms": res.queue_ms}
+        timings = {"encode_ms": res.encode_ms, "queue_ms": res.queue_ms, "encode_cache_hits": res.hits}
         if route == "local":
             req = PrefillRequest(rid, list(request.input_ids), res.embeddings,
                                  [(it.modality, it.meta) for it in items], sampling)

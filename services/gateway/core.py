@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
-from easerve.media import MediaResolver, config_for
+from easerve.encoder_cache import HolderMap, is_cache_miss
+from easerve.errors import NotFound
+from easerve.media import MediaRef, MediaResolver, config_for
+from easerve.media.resolve import KINDS
+from easerve.media_hash import assign_by_modality, media_hash, processor_fingerprint
 from easerve.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import Unavailable, from_rpc_error
@@ -40,6 +46,7 @@ from easerve.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc,
 from services.gateway.openai_api import BadRequest
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
+log = logging.getLogger("easerve.gateway")
 
 
 @dataclass
@@ -80,6 +87,9 @@ class GatewayCore:
         self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode, opts, service="easerve.v1.Encode")
         self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, opts, service="easerve.v1.Prefill")
         self._dec = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, opts, service="easerve.v1.Decode")
+        self._holders = HolderMap(cfg.media_hash_entries) if cfg.media_hash_entries else None
+        self._fingerprint = processor_fingerprint(adapter.processor, self.media.cfg, adapter.family) \
+            if self._holders is not None else b""
 
     def start(self) -> None:
         for peers in (self._enc, self._pre, self._dec):
@@ -100,6 +110,7 @@ class GatewayCore:
                                               videos=by_kind["video"], audios=by_kind["audio"])
 
     async def preprocess(self, job: Job) -> ProcessedPrompt:
+        slots = _media_slots(job) if self._holders is not None else []
         try:
             await self.media.resolve_messages(job.messages or [])
             await self.media.resolve_parts(job.media)
@@ -114,6 +125,8 @@ class GatewayCore:
             raise BadRequest(f"prompt ({n} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the "
                              f"context length (max_model_len) {limit}; lower max_tokens to at most "
                              f"{limit - n} or shorten the prompt")
+        if slots and prompt.items:  # after the 400s: a media type it cannot hash is a bug here, not bad input
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._hash_items, slots, prompt)
         return prompt
 
     # ---- downstream ---------------------------------------------------------------------
@@ -128,19 +141,106 @@ class GatewayCore:
         return cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
 
     async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
-        """(peers, open_call) of the stage that computes the first token."""
+        """(peers, peer, call, first message) of the stage that computes the first token."""
         meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
         target = cpb.DecodeTarget(address=decode_addr)
         if prompt.items:
             if not self._enc:
                 raise BadRequest("this deployment has no encode stage; send text only")
-            items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
-                self._pool, lambda: [media_item_to_proto(it) for it in prompt.items])
-            req = encode_pb2.EncodeRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target,
-                                           items=items)
-            return self._enc, lambda p: p.stub.Encode(req, timeout=deadline.timeout())
+            return (self._enc, *await self._encode_call(prompt, deadline, decode_addr,
+                                                        dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
+                                                             decode=target)))
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
-        return self._pre, lambda p: p.stub.Prefill(req, timeout=deadline.timeout())
+        return (self._pre, *await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()),
+                                                       prefer=decode_addr))
+
+    # ---- encoder cache: hashes, probe, pixel-free items ----------------------------------------
+    async def _encode_call(self, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str, fields: dict):
+        """Open the encode call on the instance that holds (or is encoding) the request's media
+        when its load allows, else on the least-loaded one; note it as the media's holder at
+        once, so concurrent requests for the same media meet in one encode. Items the instance
+        says it holds go without their pixels; if it no longer holds one when the request
+        comes, the request is resent with every item's pixels."""
+        hashes = [it.content_hash for it in prompt.items]
+        target, known = self._placement(hashes, decode_addr)
+        held = await self._probe(target, hashes, deadline) if known else [False] * len(hashes)
+        if any(held):
+            req = await self._encode_request(prompt, fields, held)
+            try:
+                return await self._started(hashes, req, deadline, target)
+            except NotFound as e:
+                if not is_cache_miss(e):
+                    raise
+                self._holders.forget(hashes, target)
+        req = await self._encode_request(prompt, fields, [False] * len(hashes))
+        return await self._started(hashes, req, deadline, target or decode_addr)
+
+    def _placement(self, hashes: list[bytes], decode_addr: str) -> tuple[str | None, bool]:
+        """(the encode instance to prefer for these media, or None to leave it to `Peers`;
+        whether this gateway sent it any of them before: only then is it worth a probe)."""
+        if self._holders is None or not any(hashes):
+            return None, False
+        keys = [h for h in hashes if h]
+        addr = self._holders.holder(keys)
+        if decode_addr in self._enc.addrs:  # a monolith: encode where the reservation is
+            self._holders.note(keys, decode_addr)
+            return decode_addr, addr == decode_addr
+        peer = self._enc.get(addr) if addr else None
+        known = peer is not None and self._affine(peer)
+        if not known:
+            try:
+                peer = self._enc.pick()
+            except Unavailable:
+                return None, False  # start_call waits for an instance, or says none is up
+        self._holders.note(keys, peer.addr)
+        return peer.addr, known
+
+    async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
+        items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
+            self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
+        return encode_pb2.EncodeRequest(items=items, **fields)
+
+    async def _started(self, hashes: list[bytes], req, deadline: Deadline, prefer: str | None):
+        peer, call, first = await self._enc.start_call(lambda p: p.stub.Encode(req, timeout=deadline.timeout()),
+                                                       prefer=prefer)
+        if self._holders is not None and peer.addr != prefer:
+            self._holders.note([h for h in hashes if h], peer.addr)
+        return peer, call, first
+
+    async def _probe(self, addr: str | None, hashes: list[bytes], deadline: Deadline) -> list[bool]:
+        """Which items the encode instance `addr` holds now (all False when not asked)."""
+        none = [False] * len(hashes)
+        peer = self._enc.get(addr) if addr else None
+        if peer is None:
+            return none
+        try:
+            resp = await peer.stub.Holds(encode_pb2.HoldsRequest(content_hashes=hashes),
+                                         timeout=min(1.0, deadline.timeout() or 1.0))
+        except grpc.aio.AioRpcError as e:  # an old or busy encode: send pixels, nothing lost
+            log.debug("encoder cache probe of %s failed: %s", addr, e.code().name)
+            return none
+        return list(resp.held) if len(resp.held) == len(hashes) else none
+
+    def _affine(self, peer) -> bool:
+        """Whether `peer` is up and has at most `encoder_cache_affinity` more calls open (from
+        this gateway) than the least-loaded instance that is up."""
+        if not peer.up:
+            return False
+        least = min(q.outstanding for q in map(self._enc.get, self._enc.addrs) if q.up)
+        return peer.outstanding <= least + self.cfg.encoder_cache_affinity
+
+    def _hash_items(self, slots: list[tuple[str, dict, object]], prompt: ProcessedPrompt) -> None:
+        """Set each item's content hash from the media parts it came from (see easerve.media_hash)."""
+        pairs = []
+        for kind, part, ref in slots:
+            raw = getattr(ref, "source", None)
+            value = raw if isinstance(raw, (bytes, bytearray, str, list, np.ndarray)) else part[kind]
+            settings = {"fps": getattr(ref, "fps", None), "sample_rate": getattr(ref, "sample_rate", None),
+                        "part_fps": part.get("fps")}
+            pairs.append((kind, media_hash(self._fingerprint, kind, value, settings)))
+        hashes = assign_by_modality(pairs, [it.modality for it in prompt.items])
+        for it, h in zip(prompt.items, hashes or ()):
+            it.content_hash = h
 
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Yield text deltas; the last one carries finish_reason and usage."""
@@ -171,8 +271,7 @@ class GatewayCore:
         dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()))
         upeers = upeer = ucall = tail = None
         try:
-            upeers, open_up = await self._upstream(job, prompt, deadline, dpeer.addr)
-            upeer, ucall, first = await upeers.start_call(open_up, prefer=dpeer.addr)
+            upeers, upeer, ucall, first = await self._upstream(job, prompt, deadline, dpeer.addr)
             delta = self._first(job, prompt, first)
             yield delta
             if delta.finish_reason is not None:
@@ -199,7 +298,8 @@ class GatewayCore:
             if ms > 0:
                 self.m.stage_latency.observe(ms / 1000.0, stage=stage)
         timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
-                   "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms}
+                   "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms,
+                   "encode_cache_hits": t.encode_cache_hits}
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
             return self._last(job, prompt, list(chunk.token_ids), chunk.text, finish, 1, None, timings)
@@ -245,6 +345,20 @@ class GatewayCore:
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
         return Delta(ids, text, finish, len(prompt.input_ids), n, {**timings, "tpot_ms": tpot * 1000})
+
+
+def _media_slots(job: Job) -> list[tuple[str, dict, object]]:
+    """(kind, part, the part's MediaRef or None) of every media part of a job, in request
+    order, taken before resolving replaces the refs by decoded media."""
+    parts = [p for m in (job.messages or []) if isinstance(m.get("content"), list) for p in m["content"]]
+    parts += list(job.media)
+    out = []
+    for p in parts:
+        kind = p.get("type")
+        if kind in KINDS and kind in p:
+            ref = p[kind]
+            out.append((kind, p, ref if isinstance(ref, MediaRef) else None))
+    return out
 
 
 async def _drain(call) -> None:
