@@ -188,7 +188,7 @@ def run_trials(study, space: Space, cfg: TuneConfig, n_trials: int, evaluate_fn:
             except KeyboardInterrupt:
                 trial.set_user_attr("error", INTERRUPTED)
                 study.tell(trial, state=TrialState.FAIL)
-                study.enqueue_trial(params, user_attrs={"retry_of": trial.number})
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
                 raise
             else:
                 goodput = metrics.get("request_goodput") or 0.0

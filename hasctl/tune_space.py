@@ -93,7 +93,7 @@ def suggest(trial: Trial, space: Space) -> dict[str, Any]:
                               "B": trial.suggest_categorical("B", list(space.batch_sizes))}
     a = space.allocation(params["alloc"])
     if a is not None and a.colocated:
-        params["s"] = trial.suggest_float("s", 0.0, 1.0, step=S_STEP)
+        params["s"] = round(trial.suggest_float("s", 0.0, 1.0, step=S_STEP), 6)  # 0.85, not 0.8500000000000001
     return params
 
 
