@@ -157,3 +157,17 @@ def test_sigint_leaves_nothing_and_a_rerun_continues(tuned):
     assert trials[4].state == TrialState.COMPLETE and trials[4].params == t3.params
     assert trials[4].user_attrs["retry_of"] == 3
     assert not tagged(tuned["tmp"] / "run-again")
+
+
+def test_a_stack_that_cannot_start_fails_its_trial_with_the_reason(tmp_path, capsys):
+    from hasctl.cli import main
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    storage = f"sqlite:///{tmp_path}/tune.db"
+    rc = main(["tune", "--model", str(empty), "--storage", storage, "--study", "f", "--trials", "1",
+               "--run-dir", str(tmp_path / "run"), "--startup-timeout", "120", *SMALL])
+    assert rc == 1 and "no trial completed" in capsys.readouterr().err
+    (t,) = optuna.load_study(study_name="f", storage=storage).get_trials()
+    assert t.state == TrialState.FAIL
+    assert re.match(r"did not start: \S+-0 exited with code \d+ while starting", t.user_attrs["error"]), t.user_attrs
+    assert not tagged(tmp_path / "run")
