@@ -4,7 +4,7 @@ Candidates:
 - every allocation `hasctl.screen.enumerate_allocations(n)` lists for n = 2..instances whole
   E/P/D instances, with and without co-located prefill, that a `Deployment` can run: p >= 1,
   because the gateway sends text-only requests to a prefill worker (the screen's P0 allocations
-  are dropped);
+  are dropped); E0 ones only for a text-only workload;
 - `monolith`: encode + prefill + decode in one process on all the devices.
 
 Devices: the k-th instance of an allocation, counted encode first, then prefill, then decode,
@@ -45,9 +45,10 @@ class Space:
             check_device(d)
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes!r}")
-        bad = [a.name for a in self.allocations if a.prefill < 1 or a.decode < 1 or a.encode < 1]
+        bad = [a.name for a in self.allocations if a.prefill < 1 or a.decode < 1 or (a.colocated and a.encode < 1)]
         if bad:
-            raise ValueError(f"allocations {bad} cannot run: a deployment needs >= 1 encode, prefill and decode")
+            raise ValueError(f"allocations {bad} cannot run: a deployment needs >= 1 prefill and decode worker "
+                             f"(and co-location an encode one)")
         if not self.allocations and not self.monolith:
             raise ValueError("the search space is empty: no allocation kept and the monolith left out")
 
@@ -66,12 +67,13 @@ class Space:
 
 
 def runnable_allocations(instances: int, media: bool = True) -> list[Allocation]:
-    """Every allocation of 2..instances instances that a Deployment can run (prefill >= 1)."""
+    """Every allocation of 2..instances instances that a Deployment can run (prefill >= 1;
+    encode >= 1 unless the workload is text-only)."""
     if instances < 2:
         raise ValueError(f"instances must be >= 2 (encode with co-located prefill + decode), got {instances}")
     out = []
     for n in range(2, instances + 1):
-        out += [a for a in enumerate_allocations(n, media) if a.prefill >= 1 and a.encode >= 1]
+        out += [a for a in enumerate_allocations(n, media) if a.prefill >= 1]
     return out
 
 

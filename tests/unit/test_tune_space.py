@@ -79,3 +79,10 @@ def test_suggest_draws_s_only_for_colocated_allocations():
         deployment_for(space, p, "/m")  # every point is a valid Deployment
         study.tell(t, 0.0)
     assert seen == set(space.choices)
+
+
+def test_text_only_workload_may_skip_encode():
+    names = {a.name for a in runnable_allocations(3, media=False)}
+    assert {"E0-P1-D1", "E0-P2-D1", "E0-P1-D2", "E1-P1-D1"} <= names
+    d = deployment_for(Space(tuple(runnable_allocations(3, media=False)), DEVS), {"alloc": "E0-P2-D1", "B": 1}, "/m")
+    assert not d.encode and [w.device for w in d.prefill + d.decode] == ["cpu:0", "cpu:1", "cpu:0"]

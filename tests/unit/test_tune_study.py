@@ -117,3 +117,20 @@ def test_cli_needs_an_slo(tmp_path, capsys):
     rc = main(["tune", "--model", str(tmp_path), "--rate", "1", "--storage", f"sqlite:///{tmp_path}/t.db",
                "--study", "x", "--cores", "zero", "--ttft-ms", "1", "--tpot-ms", "1"])
     assert rc == 2 and "--cores must be" in capsys.readouterr().err
+
+
+def test_profile_screens_out_allocations_encode_cannot_carry(tmp_path):
+    from hasctl.cli import build_parser
+    from hasctl.profile_format import dump
+    from hasctl.tune import space_from_args
+    from tests.profiles import make_profile
+    # encode 10 images/s per instance, 15 req/s of one image each: only E2 allocations carry it
+    prof = dump(make_profile(), tmp_path / "p.json")
+    args = build_parser().parse_args(["tune", "--model", "/m", "--rate", "15", "--storage", "sqlite://", "--study",
+                                      "x", "--profile", str(prof), "--cores", "0-3", "--instances", "4"])
+    said = []
+    space = space_from_args(args, say=said.append)
+    assert space.choices == ("E2-P1-D1", "E2-P1-D1+coloc", "monolith")
+    assert space.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+    assert any(m.startswith("screened out E1-P1-D1: encode: capacity 10 items/s < demand 15") for m in said), said
+    assert said[-1].startswith(f"screening with {prof}: 2 of 8 allocations kept")
