@@ -111,6 +111,7 @@ def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[
     study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="maximize",
                                 sampler=TPESampler(seed=seed))
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # optuna has no public setter for a trial of an earlier process: its storage's
         study._storage.set_trial_user_attr(t._trial_id, "error", "left running by an earlier run that was killed")
         study.tell(t.number, state=TrialState.FAIL)
     return study, seed

@@ -123,6 +123,21 @@ def test_best_file_is_served_by_hasctl_up(tuned):
         proc.communicate(timeout=60)
 
 
+def test_best_file_is_consumed_by_compose(tuned, tmp_path):
+    import yaml
+
+    from hasctl.cli import main
+    from hasctl.deployment import process_names
+    best = Deployment.load(tuned["best"])
+    out = tmp_path / "compose.yaml"
+    assert main(["compose", "--deployment", str(tuned["best"]), "--out", str(out)]) == 0
+    services = yaml.safe_load(out.read_text())["services"]
+    assert set(services) == set(process_names(best)) - {"gateway-http"}
+    for stage in ("encode", "prefill", "decode", "monolith"):
+        for i, w in enumerate(getattr(best, stage)):
+            assert services[f"{stage}-{i}"]["cpuset"] == w.device.removeprefix("cpu:")
+
+
 def test_sigint_leaves_nothing_and_a_rerun_continues(tuned):
     run_dir = tuned["tmp"] / "run-int"
     proc = tune(tuned["model"], tuned["storage"], run_dir, "--trials", "2")
