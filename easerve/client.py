@@ -69,14 +69,23 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One output token's log-probability and its most likely alternatives ((id, logprob), best first)."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One streamed delta. `finish_reason`, `usage` are set on the last chunk only."""
+    """One streamed delta. `finish_reason`, `usage` are set on the last chunk only;
+    `logprobs` (one per token id) when the request asked for them."""
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
     request_id: str = ""
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class Completion:
     usage: Usage
     timings: Timings
     request_id: str = ""
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,19 +112,21 @@ def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
     finish = FINISH_REASONS.get(m.finish_reason)
     usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if finish else None
     timings = Timings.from_proto(m.timings) if m.HasField("timings") else None
-    return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id)
+    lps = tuple(Logprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in m.logprobs)
+    return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id, lps)
 
 
 def collect(chunks: Iterable[Chunk]) -> Completion:
-    text, ids, last, timings = [], [], None, Timings()
+    text, ids, lps, last, timings = [], [], [], None, Timings()
     for c in chunks:
         text.append(c.text)
         ids.extend(c.token_ids)
+        lps.extend(c.logprobs)
         timings, last = timings.merge(c.timings), c
     if last is None:
         raise UnavailableError("the gateway closed the stream without a result")
     return Completion("".join(text), tuple(ids), last.finish_reason, last.usage or Usage(), timings,
-                      last.request_id)
+                      last.request_id, tuple(lps))
 
 
 
@@ -223,12 +235,12 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
                  video=None, audio=None, video_fps: float = 0.0, model: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
-                 stop_token_ids=(), ignore_eos: bool = False, stream: bool = False, timeout: float | None = None,
-                 request_id: str | None = None) -> Completion | Stream:
+                 stop_token_ids=(), ignore_eos: bool = False, logprobs: int | None = None, stream: bool = False,
+                 timeout: float | None = None, request_id: str | None = None) -> Completion | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id))
         out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout)))
         if stream:
             return out
@@ -268,12 +280,12 @@ class AsyncClient(_Base):
                        video=None, audio=None, video_fps: float = 0.0, model: str | None = None,
                        max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False,
-                       stream: bool = False, timeout: float | None = None,
+                       logprobs: int | None = None, stream: bool = False, timeout: float | None = None,
                        request_id: str | None = None) -> Completion | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id))
         out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout)))
         if stream:
             return out

@@ -142,11 +142,13 @@ def media_parts(images=(), video=None, audio=None, video_fps: float = 0.0) -> li
 
 
 def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                   seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False) -> cpb.SamplingParams:
+                   seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False,
+                   logprobs: int | None = None) -> cpb.SamplingParams:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     try:
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                           stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos)
+                           stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos,
+                           logprobs=logprobs)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     if seed is not None and seed < 0:
@@ -155,6 +157,8 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
                              stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
 
 

@@ -33,6 +33,8 @@ def sampling_to_proto(sp: SamplingParams) -> cpb.SamplingParams:
         stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
     return msg
 
 
@@ -42,7 +44,8 @@ def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
         max_tokens=msg.max_tokens or default_max_tokens, temperature=round(msg.temperature, 6),
         top_p=round(msg.top_p, 6) if msg.top_p else 1.0, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
 FINISH_TO_PROTO = {
@@ -92,9 +95,12 @@ def media_item_from_proto(m: epb.MediaItem) -> MMItem:
 
 
 def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, text: str = "",
-                usage: tuple[int, int] | None = None, **timings: float) -> cpb.TokenChunk:
+                usage: tuple[int, int] | None = None, logprobs=(), **timings: float) -> cpb.TokenChunk:
+    """`logprobs`: one easerve.engine.logprobs.TokenLogprobs per token id (or none at all)."""
     chunk = cpb.TokenChunk(request_id=request_id, token_ids=list(token_ids), text=text,
                            finish_reason=FINISH_TO_PROTO[finish_reason])
+    for lp in logprobs:
+        lp.to_proto(chunk.logprobs.add())
     if usage is not None:
         chunk.usage.prompt_tokens, chunk.usage.completion_tokens = usage
     for k, v in timings.items():

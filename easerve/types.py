@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 Modality = Literal["image", "video", "audio"]
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 Role = Literal["encode", "prefill", "decode", "full", "processor"]
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -40,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} (top tokens per position), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 from easerve.engine import attention as att
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, gpu_kv_budget  # noqa: F401 (re-exported)
+from easerve.engine.logprobs import TokenLogprobs, token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
@@ -40,6 +41,7 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None
     index: int                  # position of token_id in the request's output (0 = prefill's token)
+    logprobs: TokenLogprobs | None = None  # when the request asked for them (not for index 0)
 
 
 @dataclass(frozen=True)
@@ -164,15 +166,15 @@ class DecodeEngine:
             return outputs
         try:
             self._move_and_write(plan)
-            tokens = self._forward(plan)
+            tokens, logprobs = self._forward(plan)
         except BaseException:
             self._last = None
             self.scheduler.retract(plan)
             self._pending = outputs + self._pending
             raise
         finished = []
-        for rid, tok in zip(plan.request_ids, tokens):
-            out = self._on_token(rid, self._reqs[rid], tok)
+        for rid, tok, lp in zip(plan.request_ids, tokens, logprobs):
+            out = self._on_token(rid, self._reqs[rid], tok, lp)
             outputs.append(out)
             if out.finished:
                 finished.append(rid)
@@ -196,18 +198,20 @@ class DecodeEngine:
                 req.payload = None
                 self._unwritten.discard(rid)
 
-    def _forward(self, plan: SchedulerOutput) -> list[int]:
+    def _forward(self, plan: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None]]:
         inputs = self._inputs(plan)
         cache = self._step_cache(plan, inputs)
         logits = self.adapter.lm_forward(self.adapter.embed_tokens(inputs.tokens[:, None]),
                                          self.adapter.decode_position_ids(inputs.pos, inputs.deltas),
                                          cache, **cache.forward_kwargs())[:, -1]
+        reqs = [self._reqs[rid] for rid in plan.request_ids]
         if inputs.greedy:  # keep the token tensor: the next step of the same batch feeds it back
             inputs.tokens = logits.argmax(dim=-1)
             self._last = inputs
-            return inputs.tokens.tolist()
-        reqs = [self._reqs[rid] for rid in plan.request_ids]
-        return sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+            tokens = inputs.tokens.tolist()
+        else:
+            tokens = sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+        return tokens, token_logprobs(logits, tokens, [r.sampling.logprobs for r in reqs])
 
     def _inputs(self, plan: SchedulerOutput) -> "_StepInputs":
         """The step's device tensors. The same batch as the last (greedy) step, unchanged since:
@@ -237,11 +241,11 @@ class DecodeEngine:
         table = torch.tensor([(t + (0,) * nb)[:nb] for t in plan.block_tables], device=dev)
         return att.PagedStepCache(self.pool, blk, off, table, kv_len, att.length_mask(positions, pos, kv_len))
 
-    def _on_token(self, rid: str, req: _Request, token: int) -> StepOutput:
+    def _on_token(self, rid: str, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Record a sampled token and apply the request's stop rules (easerve.engine.stops)."""
         req.tokens.append(token)
         v = req.rules.push(token)
-        return StepOutput(rid, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1)
+        return StepOutput(rid, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1, logprobs)
 
     # ---- state ---------------------------------------------------------------------------------
     @property

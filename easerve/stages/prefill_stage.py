@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from easerve.engine.logprobs import token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
@@ -76,8 +77,10 @@ class PrefillStage:
                 self.m.on_request(one.batch_size, one.result.prompt_len)
             verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
             usage = (one.result.prompt_len, 1) if verdict.finished else None
+            lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
+                                               [req.sampling.logprobs]) if lp is not None]
             yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
-                              usage=usage, prefill_ms=one.prefill_ms, **timings)
+                              usage=usage, logprobs=lps, prefill_ms=one.prefill_ms, **timings)
             if verdict.finished:
                 return  # the gateway ends its reservation at decode
             r = one.result

@@ -36,14 +36,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if o.index == 0 and not o.finished:
                         continue  # prefill sent the first token and its text
                     ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
+                    lps = [o.logprobs] if ids and o.logprobs is not None else []
                     n = max(n, o.index + 1)
                     if not o.finished:
-                        yield token_chunk(rid, ids, text=o.text_delta)
+                        yield token_chunk(rid, ids, text=o.text_delta, logprobs=lps)
                         continue
                     if self.m is not None:
                         self.m.finished.labels(finished_reason=o.finish_reason).inc()
                     yield token_chunk(rid, ids, o.finish_reason, text=o.text_delta, usage=(request.num_tokens, n),
-                                      kv_transfer_ms=self._kv_ms.get(rid, 0.0))
+                                      logprobs=lps, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
             finally:
                 self._kv_ms.pop(rid, None)
 

@@ -57,6 +57,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
 
 
 @dataclass
@@ -302,8 +303,8 @@ class GatewayCore:
                    "encode_cache_hits": t.encode_cache_hits}
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
-            return self._last(job, prompt, list(chunk.token_ids), chunk.text, finish, 1, None, timings)
-        return Delta(list(chunk.token_ids), chunk.text, timings=timings)
+            return self._last(job, prompt, chunk, finish, 1, None, timings)
+        return Delta(list(chunk.token_ids), chunk.text, timings=timings, logprobs=_logprobs(chunk))
 
     async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future) -> AsyncIterator[Delta]:
         """Decode's chunks, failing at once if the upstream call (the KV handoff) fails."""
@@ -330,12 +331,11 @@ class GatewayCore:
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
-                yield self._last(job, prompt, list(chunk.token_ids), chunk.text, finish, n, first_at,
-                                 {"kv_transfer_ms": chunk.timings.kv_transfer_ms})
+                yield self._last(job, prompt, chunk, finish, n, first_at, {"kv_transfer_ms": chunk.timings.kv_transfer_ms})
                 return
-            yield Delta(list(chunk.token_ids), chunk.text)
+            yield Delta(list(chunk.token_ids), chunk.text, logprobs=_logprobs(chunk))
 
-    def _last(self, job, prompt, ids, text, finish, n, first_at, timings) -> Delta:
+    def _last(self, job, prompt, chunk, finish, n, first_at, timings) -> Delta:
         now = time.monotonic()
         tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
         if n > 1:
@@ -344,7 +344,12 @@ class GatewayCore:
         self.m.finished.inc(finished_reason=finish)
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
-        return Delta(ids, text, finish, len(prompt.input_ids), n, {**timings, "tpot_ms": tpot * 1000})
+        return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
+                     {**timings, "tpot_ms": tpot * 1000}, _logprobs(chunk))
+
+
+def _logprobs(chunk) -> list[TokenLogprobs]:
+    return [TokenLogprobs.from_proto(m) for m in chunk.logprobs]
 
 
 def _media_slots(job: Job) -> list[tuple[str, dict, object]]:

@@ -63,7 +63,7 @@ class HttpApi:
         except oa.BadRequest as e:
             return self._bad(e)
         job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
-        return await self._answer(req, job, _ChatShape(chat), chat.stream, chat.include_usage)
+        return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
@@ -77,7 +77,7 @@ class HttpApi:
                 job.prompt_ids = comp.prompt
         except oa.BadRequest as e:
             return self._bad(e)
-        return await self._answer(req, job, _TextShape(comp), comp.stream, comp.include_usage)
+        return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
 
     def _vocab_size(self) -> int:
         a = self.core.adapter
@@ -97,15 +97,17 @@ class HttpApi:
 
     async def _unary(self, job: Job, shape) -> web.Response:
         text, last = [], None
+        lps = []
         try:
             async for d in self.core.generate(job):
                 text.append(d.text)
+                lps += zip(d.token_ids, d.logprobs)
                 last = d
         except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
         return web.json_response(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
-                                             last.completion_tokens))
+                                             last.completion_tokens, lps))
 
     def _fail(self, e: Exception) -> web.Response:
         status = http_status(e)
@@ -127,13 +129,13 @@ class HttpApi:
         try:
             d = first
             while True:
-                await self._sse(resp, shape.chunk(created, d.text, d.finish_reason))
+                await self._sse(resp, shape.chunk(created, d.text, d.finish_reason, list(zip(d.token_ids, d.logprobs))))
                 if d.finish_reason is not None:
                     break
                 d = await gen.__anext__()
             if include_usage:
                 usage = oa.usage_json(d.prompt_tokens, d.completion_tokens)
-                await self._sse(resp, {**shape.chunk(created, "", None), "choices": [], "usage": usage})
+                await self._sse(resp, {**shape.chunk(created, "", None, []), "choices": [], "usage": usage})
             self.core.m.requests.inc(api="http", code="200")
         except (ConnectionResetError, StopAsyncIteration):
             pass
@@ -153,32 +155,39 @@ class HttpApi:
 
 
 class _ChatShape:
-    """chat.completion / chat.completion.chunk bodies of one request."""
+    """chat.completion / chat.completion.chunk bodies of one request. `lps`: (token id,
+    TokenLogprobs) pairs, shown when the request asked for logprobs."""
 
-    def __init__(self, chat: oa.ChatRequest):
-        self.r = chat
+    def __init__(self, chat: oa.ChatRequest, tokenizer):
+        self.r, self.tok, self.want = chat, tokenizer, chat.sampling.logprobs is not None
 
     def opening(self, created: int) -> dict:
         return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None)
 
-    def chunk(self, created: int, text: str, finish: str | None) -> dict:
-        return oa.chunk_json(self.r, created, {"content": text}, finish)
+    def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
+        return oa.chunk_json(self.r, created, {"content": text}, finish,
+                             oa.chat_logprobs(lps, self.tok) if self.want else None)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
-        return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens)
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+        return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
+                                  oa.chat_logprobs(lps, self.tok) if self.want else None)
 
 
 class _TextShape:
     """text_completion bodies of one /v1/completions request (no opening event)."""
 
-    def __init__(self, comp: oa.CompletionRequest):
-        self.r = comp
+    def __init__(self, comp: oa.CompletionRequest, tokenizer):
+        self.r, self.tok, self.want = comp, tokenizer, comp.sampling.logprobs is not None
+        self.offset = 0  # characters of text sent so far (text_offset of streamed logprobs)
 
     def opening(self, created: int) -> None:
         return None
 
-    def chunk(self, created: int, text: str, finish: str | None) -> dict:
-        return oa.text_chunk_json(self.r, created, text, finish)
+    def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
+        lp = oa.text_logprobs(lps, self.tok, self.offset) if self.want else None
+        self.offset += len(text)
+        return oa.text_chunk_json(self.r, created, text, finish, lp)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
-        return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens)
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+        return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
+                                       oa.text_logprobs(lps, self.tok) if self.want else None)

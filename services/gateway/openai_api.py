@@ -125,9 +125,42 @@ def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingPa
             stop=tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
+            logprobs=_logprobs_k(body),
         )
     except ValueError as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None
+
+
+def _logprobs_k(body: osc.SamplingBody) -> int | None:
+    """How many alternatives per token the body asks for (None: no logprobs)."""
+    if isinstance(body, osc.ChatBody):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def _token(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(lps, tokenizer) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(tid: int, lp: float) -> dict:
+        tok = _token(tokenizer, tid)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    return {"content": [{**entry(tid, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for tid, lp in lps]}
+
+
+def text_logprobs(lps, tokenizer, offset: int = 0) -> dict:
+    """OpenAI (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [_token(tokenizer, tid) for tid, _ in lps]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in lps],
+            "top_logprobs": [{_token(tokenizer, t): v for t, v in lp.top} for _, lp in lps],
+            "text_offset": offsets}
 
 
 def _check_model(body: osc.SamplingBody, served_model: str) -> str:
@@ -178,9 +211,13 @@ def parse_completion_request(body, served_model: str, vocab_size: int,
                              stream=bool(comp.stream), include_usage=opts.include_usage, timeout_s=comp.timeout)
 
 
-def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     return {"id": req.request_id, "object": "chat.completion.chunk", "created": created,
-            "model": req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+            "model": req.model, "choices": [choice]}
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -189,23 +226,24 @@ def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict:
+                    completion_tokens: int, logprobs: dict | None = None) -> dict:
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage_json(prompt_tokens, completion_tokens)}
 
 
-def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None) -> dict:
+def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None,
+                    logprobs: dict | None = None) -> dict:
     """One SSE event of a streamed /v1/completions answer."""
     return {"id": req.request_id, "object": "text_completion", "created": created, "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int) -> dict:
-    return {**text_chunk_json(req, int(time.time()), text, finish_reason),
+                         completion_tokens: int, logprobs: dict | None = None) -> dict:
+    return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs),
             "usage": usage_json(prompt_tokens, completion_tokens)}
 
 

@@ -2,7 +2,7 @@
 anywhere in a body becomes one `BadRequest` naming the field and what to change.
 
 Unknown fields are ignored, as OpenAI does. Known fields this server cannot honour and
-that would change the answer (tools, penalties, logprobs, ...) are accepted in the schema
+that would change the answer (tools, penalties, ...) are accepted in the schema
 and refused by `refuse_unsupported` unless absent or at their neutral value.
 """
 from __future__ import annotations
@@ -186,7 +186,6 @@ class CompletionBody(SamplingBody):
 
 
 # ---- known but unsupported ------------------------------------------------------------------
-LOGPROBS = "logprobs are not supported yet; remove 'logprobs' / 'top_logprobs'"
 # field -> neutral values (None, i.e. absent, is always neutral)
 _NEUTRAL: dict[str, tuple] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "logit_bias": ({},),
@@ -199,10 +198,8 @@ def refuse_unsupported(body: SamplingBody) -> None:
     """400 for an option that would change the answer and that this server cannot honour."""
     if body.n not in (None, 1):
         raise BadRequest(f"n: n > 1 is not supported (got {body.n}); send {body.n} requests")
-    if isinstance(body, ChatBody) and (body.logprobs or body.top_logprobs):
-        raise BadRequest(LOGPROBS)
-    if isinstance(body, CompletionBody) and body.logprobs is not None:
-        raise BadRequest(LOGPROBS)
+    if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+        raise BadRequest(f"top_logprobs: needs logprobs: true (got top_logprobs {body.top_logprobs} without it)")
     for key, neutral in _NEUTRAL.items():
         value = getattr(body, key, None)
         if value is not None and value not in neutral:

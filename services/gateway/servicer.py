@@ -92,6 +92,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                finish_reason=FINISH_TO_PROTO[d.finish_reason])
             for k, v in d.timings.items():
                 setattr(msg.timings, k, v)
+            for lp in d.logprobs:
+                lp.to_proto(msg.logprobs.add())
             if d.finish_reason is not None:
                 msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
             yield msg

@@ -79,7 +79,7 @@ def _post(url: str, body) -> tuple[int, str]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "invalid unicode"),
     ("/v1/completions", {"prompt": "hi \udfff"}, "invalid unicode"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n > 1 is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "dog " * 9000}, "context length (max_model_len) is"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "dog " * 9000}]}, "context length"),
 ])

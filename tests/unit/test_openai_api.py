@@ -103,8 +103,7 @@ M = [{"role": "user", "content": "x"}]
     ({"messages": M, "n": 2}, r"^n: n > 1 is not supported \(got 2\); send 2 requests"),
     ({"messages": M, "n": "2"}, r"^n: Input should be a valid integer"),
     ({"messages": M, "tools": [{"type": "function"}]}, r"^tools: not supported"),
-    ({"messages": M, "logprobs": True}, "logprobs are not supported yet"),
-    ({"messages": M, "top_logprobs": 2}, "logprobs are not supported yet"),
+    ({"messages": M, "top_logprobs": 2}, r"^top_logprobs: needs logprobs: true"),
     ({"messages": M, "top_logprobs": 99}, r"^top_logprobs: "),
     ({"messages": M, "presence_penalty": 0.5}, r"^presence_penalty: not supported"),
     ({"messages": M, "repetition_penalty": 1.2}, r"^repetition_penalty: not supported"),
@@ -154,13 +153,38 @@ def test_completion_prompt_forms(prompt, expected):
     ({"prompt": "x", "echo": True}, r"^echo: not supported"),
     ({"prompt": "x", "best_of": 2}, r"^best_of: not supported"),
     ({"prompt": "x", "suffix": "y"}, r"^suffix: not supported"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs are not supported yet"),
+    ({"prompt": "x", "logprobs": 21}, r"^logprobs: "),
     ({"prompt": "x", "n": 3}, r"^n: n > 1 is not supported"),
     ({"prompt": "x\ud800"}, r"^prompt: invalid unicode"),
 ])
 def test_bad_completion_requests_name_the_field(body, needle):
     with pytest.raises(oa.BadRequest, match=needle):
         parse_completion(body)
+
+
+def test_logprobs_become_the_sampling_k():
+    assert parse({"messages": M, "logprobs": True}).sampling.logprobs == 0
+    assert parse({"messages": M, "logprobs": True, "top_logprobs": 3}).sampling.logprobs == 3
+    assert parse({"messages": M, "logprobs": False}).sampling.logprobs is None
+    assert parse_completion({"prompt": "x", "logprobs": 2}).sampling.logprobs == 2
+    assert parse_completion({"prompt": "x"}).sampling.logprobs is None
+
+
+def test_logprobs_json_shapes():
+    from easerve.engine.logprobs import TokenLogprobs
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(ord("a") + i) for i in ids)
+    lps = [(0, TokenLogprobs(-0.5, ((0, -0.5), (1, -1.5)))), (2, TokenLogprobs(-2.0, ()))]
+    chat = oa.chat_logprobs(lps, Tok())["content"]
+    assert chat[0] == {"token": "a", "logprob": -0.5, "bytes": [97],
+                       "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]},
+                                        {"token": "b", "logprob": -1.5, "bytes": [98]}]}
+    assert chat[1]["token"] == "c" and chat[1]["top_logprobs"] == []
+    text = oa.text_logprobs(lps, Tok(), offset=4)
+    assert text == {"tokens": ["a", "c"], "token_logprobs": [-0.5, -2.0],
+                    "top_logprobs": [{"a": -0.5, "b": -1.5}, {}], "text_offset": [4, 5]}
 
 
 def test_neutral_values_of_unsupported_options_are_accepted():

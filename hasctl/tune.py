@@ -1,0 +1,372 @@
+"""`hasctl tune`: search allocation x B x s for the most goodput at a rate, on real deployments.
+
+Optuna TPE (seeded, ask/tell) over `hasctl.tune_space`. Each trial builds the Deployment, starts
+it with `hasctl.launch.Stack`, sends a few warm-up requests, replays the same seeded workload
+with `hasctl.bench.run_bench`, records goodput (requests/s meeting the SLO) as the trial's value
+and the full metrics as its `metrics` user attribute, and stops the stack in a `finally` (also
+when the trial fails or Ctrl-C arrives). A stack that does not start, or a bench that cannot
+reach it, fails that trial with its reason in the `error` attribute; the search goes on.
+
+The study lives in --storage (e.g. sqlite:///tune.db) under --study and is resumed when it
+exists: the seed and the workload it was made with are kept in the study's `tune` attribute and
+a rerun must match them. SIGINT / SIGTERM: the running trial's stack is stopped, the trial is
+marked failed ("interrupted") and its parameters are queued so the next run tries them first;
+the command exits 130. Trials an earlier run left RUNNING (it was killed) are marked failed when
+the study is opened again: run one tuner per study at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from hasctl.bench_metrics import SLO
+from hasctl.deployment import Deployment, GatewaySpec
+from hasctl.tune_space import BATCH_SIZES, Space, core_devices, deployment_for, runnable_allocations, suggest
+from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
+
+INTERRUPTED = "interrupted (SIGINT/SIGTERM) while running; its parameters are queued for the next run"
+
+
+class TrialFailed(RuntimeError):
+    """A trial's deployment did not start or could not be measured; the message says why."""
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What every trial replays: the same seeded workload at the same rate, scored by `slo`."""
+    model: str
+    rate: float
+    slo: SLO
+    num_requests: int = 20
+    warmup: int = 2
+    seed: int = 0
+    workload: WorkloadSpec = WorkloadSpec()
+    startup_timeout_s: float = 600.0
+    bench_timeout_s: float = 600.0
+    run_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a checkpoint folder (--model DIR)")
+        if not (math.isfinite(self.rate) and self.rate > 0):
+            raise ValueError(f"rate must be > 0 requests/s (--rate), got {self.rate}")
+        if self.num_requests < 1 or self.warmup < 0:
+            raise ValueError(f"--requests must be >= 1 and --warmup >= 0, got {self.num_requests}, {self.warmup}")
+        if self.startup_timeout_s <= 0 or self.bench_timeout_s <= 0:
+            raise ValueError("--startup-timeout and --bench-timeout must be > 0 seconds")
+
+    def fingerprint(self, space: Space) -> dict:
+        """What must not change between runs of one study (else goodputs are not comparable)."""
+        return {"model": self.model, "rate": self.rate, "num_requests": self.num_requests, "seed": self.seed,
+                "workload": json_safe(dataclasses.asdict(self.workload)), "slo": self.slo.to_dict(),
+                "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
+                "devices": list(space.devices)}
+
+
+def json_safe(v: Any) -> Any:
+    """`v` with tuples as lists, non-finite floats as None and other leaves as strings."""
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    return str(v)
+
+
+# ---- the study ---------------------------------------------------------------------------------
+def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[[int], dict]):
+    """Create or resume the study; returns (study, seed). A resumed study keeps its seed and
+    must have been made with the same `fingerprint(seed)`; trials left RUNNING are failed."""
+    import optuna
+    from optuna.samplers import TPESampler
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="maximize")
+    stored = study.user_attrs.get("tune")
+    if stored is None:
+        seed = 0 if seed is None else seed
+        study.set_user_attr("tune", fingerprint(seed))
+    else:
+        if seed is not None and seed != stored["seed"]:
+            raise ValueError(f"study {name!r} was made with --seed {stored['seed']}; drop --seed to resume it "
+                             f"or pass a new --study")
+        seed = stored["seed"]
+        now = fingerprint(seed)
+        diff = sorted(k for k in now if now[k] != stored.get(k))
+        if diff:
+            raise ValueError(f"study {name!r} was made with other settings ({', '.join(diff)}): "
+                             f"{ {k: stored.get(k) for k in diff} }; use the same flags or a new --study")
+    study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="maximize",
+                                sampler=TPESampler(seed=seed))
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # optuna has no public setter for a trial of an earlier process: its storage's
+        study._storage.set_trial_user_attr(t._trial_id, "error", "left running by an earlier run that was killed")
+        study.tell(t.number, state=TrialState.FAIL)
+    return study, seed
+
+
+def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any], None] = lambda s: None) -> dict:
+    """Launch `d`, warm it up, bench it; the bench metrics. Always stops the stack."""
+    import aiohttp
+
+    from hasctl.bench import BenchConfig, run_bench
+    from hasctl.launch import Stack, StageExited
+
+    stack = Stack(d, run_dir=run_dir, env={"EASERVE_TUNE_RUN": str(Path(cfg.run_dir).resolve())})
+    try:
+        try:
+            stack.start(timeout=cfg.startup_timeout_s)
+        except (StageExited, TimeoutError) as e:
+            raise TrialFailed(f"did not start: {_clip(str(e))}") from None
+        on_up(stack)
+        url = stack.endpoints.http
+        try:
+            if cfg.warmup:
+                asyncio.run(run_bench(BenchConfig(url=url, rate=cfg.rate, num_requests=cfg.warmup, seed=cfg.seed + 1,
+                                                  workload=cfg.workload, timeout_s=cfg.bench_timeout_s,
+                                                  progress=False)))
+            result = asyncio.run(run_bench(BenchConfig(url=url, rate=cfg.rate, num_requests=cfg.num_requests,
+                                                       seed=cfg.seed, workload=cfg.workload, slo=cfg.slo,
+                                                       timeout_s=cfg.bench_timeout_s, label=d.name,
+                                                       progress=False)))
+        except (OSError, aiohttp.ClientError) as e:
+            raise TrialFailed(f"bench could not reach the stack: {e!r}") from None
+        restarts = {n: r for n, r in stack.restarts.items() if r}
+        return {**result.metrics, "restarts": restarts, "max_send_lag_ms": result.max_send_lag_ms}
+    finally:
+        stop_uninterrupted(stack)
+
+
+def stop_uninterrupted(stack) -> None:
+    """`stack.stop()` with SIGINT and SIGTERM ignored meanwhile, so a second Ctrl-C cannot leave processes."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stack.stop()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _clip(text: str, n: int = 3000) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+Evaluate = Callable[[Deployment, int], dict]  # (deployment, trial number) -> metrics; raises TrialFailed
+
+
+def run_trials(study, space: Space, cfg: TuneConfig, n_trials: int, evaluate_fn: Evaluate,
+               say: Callable[[str], None] = print) -> None:
+    """Ask, evaluate, tell `n_trials` times. KeyboardInterrupt: the trial is failed, its params
+    queued for the next run, and the interrupt re-raised."""
+    from optuna.trial import TrialState
+
+    bar = _bar(n_trials)
+    try:
+        for _ in range(n_trials):
+            trial = study.ask()
+            params = suggest(trial, space)
+            d = deployment_for(space, params, cfg.model, name=f"{study.study_name}-t{trial.number}")
+            trial.set_user_attr("deployment", d.to_dict())
+            say(f"trial {trial.number}: {_describe(params)}")
+            try:
+                metrics = evaluate_fn(d, trial.number)
+            except TrialFailed as e:
+                trial.set_user_attr("error", str(e))
+                study.tell(trial, state=TrialState.FAIL)
+                say(f"trial {trial.number}: failed: {str(e).splitlines()[0]}")
+            except KeyboardInterrupt:
+                trial.set_user_attr("error", INTERRUPTED)
+                study.tell(trial, state=TrialState.FAIL)
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+                raise
+            else:
+                goodput = metrics.get("request_goodput") or 0.0
+                trial.set_user_attr("metrics", json_safe(metrics))
+                study.tell(trial, goodput)
+                say(f"trial {trial.number}: goodput {goodput:.3f} req/s ({metrics.get('completed')} completed, "
+                    f"{metrics.get('failed')} failed)")
+            bar.update(1)
+            best = best_trial(study)
+            if best is not None:
+                bar.set_postfix_str(f"best {best.value:.3f} req/s (trial {best.number})")
+    finally:
+        bar.close()
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="tune", unit="trial", file=sys.stderr, dynamic_ncols=True)
+
+
+def _describe(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def best_trial(study):
+    """The complete trial of most goodput, or None."""
+    from optuna.trial import TrialState
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return max(done, key=lambda t: (t.value, -t.number)) if done else None
+
+
+def best_deployment(study) -> Deployment | None:
+    """The best trial's deployment, the gateway back on its default ports (what `hasctl up` serves)."""
+    t = best_trial(study)
+    if t is None:
+        return None
+    d = Deployment.from_dict(t.user_attrs["deployment"])
+    g = GatewaySpec()
+    return dataclasses.replace(d, name=f"tuned-{study.study_name}-t{t.number}").with_gateway_ports(g.grpc_port,
+                                                                                                    g.http_port)
+
+
+# ---- command line ------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="search allocation x B x s for the most goodput (Optuna TPE, real launches)")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--rate", type=float, required=True, help="arrival rate every trial replays, requests/s")
+    p.add_argument("--trials", type=int, default=30, help="trials to run now (a resumed study adds these)")
+    p.add_argument("--storage", required=True, help="optuna storage URL, e.g. sqlite:///tune.db")
+    p.add_argument("--study", required=True, help="study name (resumed when it exists)")
+    p.add_argument("--seed", type=int, default=None, help="sampler and workload seed (default 0; a resumed study's)")
+    p.add_argument("--modality", default="image", choices=list(MODALITIES))
+    p.add_argument("--requests", type=int, default=20, help="requests per trial's measured run")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests before it (not scored)")
+    p.add_argument("--image-size", default="224x224")
+    p.add_argument("--video-frames", type=int, default=8)
+    p.add_argument("--video-size", default="112x112")
+    p.add_argument("--audio-s", type=float, default=2.0)
+    p.add_argument("--input-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--slo", default=None, choices=["tight", "moderate", "loose"], help="tier from --profile")
+    p.add_argument("--profile", default=None, help="profile file: SLO tiers, and screening of allocations")
+    p.add_argument("--ttft-ms", type=float, default=None)
+    p.add_argument("--tpot-ms", type=float, default=None)
+    p.add_argument("--cores", default=None, help="CPU cores to place stages on, e.g. 0-3 or 0,2 "
+                                                  "(default: the cores this process may use)")
+    p.add_argument("--devices", default=None, help="devices instead of cores, e.g. cuda:0,cuda:1")
+    p.add_argument("--instances", type=int, default=None,
+                   help="most E+P+D instances per allocation (default: max(3, number of devices))")
+    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="B values to try")
+    p.add_argument("--no-monolith", action="store_true", help="leave the monolith candidate out")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a trial's stack to serve")
+    p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds for a trial's bench")
+    p.add_argument("--run-dir", default=None, help="folder of the trials' logs (default: a new temp folder)")
+    p.add_argument("--out", default=None, help="write the best deployment here (.yaml / .json)")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated ints or ranges like 0-3, got {text!r}") from None
+    return out
+
+
+def space_from_args(args, say: Callable[[str], None] = print) -> Space:
+    import os
+    if args.devices and args.cores:
+        raise ValueError("give --cores or --devices, not both")
+    devices = (tuple(x.strip() for x in args.devices.split(",") if x.strip()) if args.devices
+               else core_devices(_ints(args.cores, "--cores") if args.cores else sorted(os.sched_getaffinity(0))))
+    instances = args.instances or max(3, len(devices))
+    media = args.modality != "text"
+    allocs = runnable_allocations(instances, media)
+    if args.profile:
+        allocs = _screened(args, allocs, instances, media, say)
+    else:
+        say(f"no --profile: all {len(allocs)} allocations of 2..{instances} instances are tried (no screening)")
+    batch = tuple(_ints(args.batch_sizes, "--batch-sizes"))
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith)
+
+
+def _screened(args, allocs, instances: int, media: bool, say) -> list:
+    from hasctl.profile_format import load
+    from hasctl.screen import demand_from, screen
+    prof = load(args.profile)
+    demand = demand_from(prof, args.rate, None if args.modality == "mixed" else args.modality)
+    max_b = max(_ints(args.batch_sizes, "--batch-sizes"))
+    verdicts = {v.allocation: v for n in range(2, instances + 1)
+                for v in screen(prof, demand, n, max_batch=max_b)}
+    kept = [a for a in allocs if verdicts[a].kept]
+    for a in allocs:
+        if not verdicts[a].kept:
+            say(f"screened out {a.name}: {verdicts[a].reason}")
+    say(f"screening with {args.profile}: {len(kept)} of {len(allocs)} allocations kept (the monolith is not screened)")
+    return kept
+
+
+def config_from_args(args, run_dir: str) -> TuneConfig:
+    from hasctl.bench import slo_from_args
+    slo = slo_from_args(args)
+    if slo is None:
+        raise ValueError("goodput needs an SLO: give --slo TIER --profile P or --ttft-ms and --tpot-ms")
+    spec = WorkloadSpec(modality=args.modality, image_size=parse_size(args.image_size),
+                        video_frames=args.video_frames, video_size=parse_size(args.video_size, "--video-size"),
+                        audio_s=args.audio_s, input_tokens=args.input_tokens, output_tokens=args.output_tokens)
+    return TuneConfig(model=str(Path(args.model).resolve()), rate=args.rate, slo=slo, num_requests=args.requests,
+                      warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
+                      startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir)
+
+
+def run(args) -> int:
+    if args.trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {args.trials}")
+    space = space_from_args(args)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"easerve-tune-{args.study}-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = config_from_args(args, str(run_dir))
+    study, seed = open_study(args.storage, args.study, args.seed,
+                             lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space))
+    cfg = dataclasses.replace(cfg, seed=seed)
+    print(f"study {args.study!r} in {args.storage}: {len(study.trials)} trials so far, seed {seed}; "
+          f"candidates {list(space.choices)} on {list(space.devices)}; logs in {run_dir}", flush=True)
+
+    def say(msg: str) -> None:
+        from tqdm import tqdm
+        tqdm.write(msg, file=sys.stdout)
+        sys.stdout.flush()
+
+    def one(d: Deployment, number: int) -> dict:
+        return evaluate(d, cfg, run_dir / f"trial-{number}",
+                        on_up=lambda st: say(f"trial {number}: up, gateway {st.endpoints.http}"))
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
+    try:
+        run_trials(study, space, cfg, args.trials, one, say)
+    except KeyboardInterrupt:
+        print(f"interrupted: the stack is stopped; rerun the same command to continue study {args.study!r}",
+              file=sys.stderr, flush=True)
+        _write_best(study, args.out)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if _write_best(study, args.out) else 1
+
+
+def _write_best(study, out: str | None) -> bool:
+    best, d = best_trial(study), best_deployment(study)
+    if d is None:
+        print("no trial completed; nothing to write", file=sys.stderr, flush=True)
+        return False
+    print(f"best: trial {best.number}, goodput {best.value:.3f} req/s, {_describe(best.params)}", flush=True)
+    if out:
+        print(f"wrote {d.dump(out)} (serve it with: hasctl up --deployment {out})", flush=True)
+    print(json.dumps({"best_trial": best.number, "request_goodput": best.value, "params": best.params}), flush=True)
+    return True

@@ -1,0 +1,135 @@
+"""The search space of `hasctl tune`: allocation x B x s -> a `Deployment`. Pure (no I/O).
+
+Candidates:
+- every allocation `hasctl.screen.enumerate_allocations(n)` lists for n = 2..instances whole
+  E/P/D instances, with and without co-located prefill, that a `Deployment` can run: p >= 1,
+  because the gateway sends text-only requests to a prefill worker (the screen's P0 allocations
+  are dropped); E0 ones only for a text-only workload;
+- `monolith`: encode + prefill + decode in one process on all the devices.
+
+Devices: the k-th instance of an allocation, counted encode first, then prefill, then decode,
+runs on devices[k % len(devices)] (round robin; on a CPU host the devices are single cores
+`cpu:i`, so with more instances than cores several stages share a core). The monolith gets every
+CPU core (`cpu:0-1`), or the first device when they are GPUs.
+
+Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `B` (encode / monolith
+max-batch, from `batch_sizes`) and, only for a co-located allocation, `s` (the share of requests
+encode sends to remote prefill, 0..1 in steps of 0.05). Encode batches `adaptive`ly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence
+
+from easerve.stages.configs import check_device, cpu_cores
+from hasctl.deployment import PRESETS, Deployment, Worker
+from hasctl.screen import Allocation, enumerate_allocations
+
+MONOLITH = "monolith"
+BATCH_SIZES = (1, 2, 4, 8, 16)
+S_STEP = 0.05
+
+
+@dataclass(frozen=True)
+class Space:
+    """What a trial may pick. `allocations` in a stable order (an optuna categorical's choices)."""
+    allocations: tuple[Allocation, ...]
+    devices: tuple[str, ...]
+    batch_sizes: tuple[int, ...] = BATCH_SIZES
+    monolith: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("devices must name at least one device (cpu:0, cuda:0, ...); pass --cores or --devices")
+        for d in self.devices:
+            check_device(d)
+        if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes!r}")
+        bad = [a.name for a in self.allocations if a.prefill < 1 or a.decode < 1 or (a.colocated and a.encode < 1)]
+        if bad:
+            raise ValueError(f"allocations {bad} cannot run: a deployment needs >= 1 prefill and decode worker "
+                             f"(and co-location an encode one)")
+        if not self.allocations and not self.monolith:
+            raise ValueError("the search space is empty: no allocation kept and the monolith left out")
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.allocations) + ((MONOLITH,) if self.monolith else ())
+
+    def allocation(self, name: str) -> Allocation | None:
+        """The allocation called `name`; None for the monolith."""
+        if name == MONOLITH and self.monolith:
+            return None
+        for a in self.allocations:
+            if a.name == name:
+                return a
+        raise ValueError(f"{name!r} is not in this search space; choose one of {list(self.choices)}")
+
+
+def runnable_allocations(instances: int, media: bool = True) -> list[Allocation]:
+    """Every allocation of 2..instances instances that a Deployment can run (prefill >= 1;
+    encode >= 1 unless the workload is text-only)."""
+    if instances < 2:
+        raise ValueError(f"instances must be >= 2 (encode with co-located prefill + decode), got {instances}")
+    out = []
+    for n in range(2, instances + 1):
+        out += [a for a in enumerate_allocations(n, media) if a.prefill >= 1]
+    return out
+
+
+def core_devices(cores: Sequence[int]) -> tuple[str, ...]:
+    """One `cpu:i` device per core."""
+    if not cores:
+        raise ValueError("cores must list at least one CPU core")
+    return tuple(f"cpu:{c}" for c in sorted(set(cores)))
+
+
+class Trial(Protocol):  # what `suggest` uses of an optuna trial
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any: ...
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None) -> float: ...
+
+
+def suggest(trial: Trial, space: Space) -> dict[str, Any]:
+    """Draw one point: {'alloc': name, 'B': int, ['s': float]}."""
+    params: dict[str, Any] = {"alloc": trial.suggest_categorical("alloc", list(space.choices)),
+                              "B": trial.suggest_categorical("B", list(space.batch_sizes))}
+    a = space.allocation(params["alloc"])
+    if a is not None and a.colocated:
+        params["s"] = round(trial.suggest_float("s", 0.0, 1.0, step=S_STEP), 6)  # 0.85, not 0.8500000000000001
+    return params
+
+
+def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: str = "tuned") -> Deployment:
+    """The Deployment of one point of the space (gateway on ports 0: assigned at launch)."""
+    a = space.allocation(params["alloc"])
+    b = int(params["B"])
+    if a is None:
+        mono = PRESETS[MONOLITH].monolith[0]
+        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b})
+        return Deployment(name=name, model=model, prefill=(), decode=(), monolith=(w,)).with_gateway_ports(0, 0)
+    if a.colocated and "s" not in params:
+        raise ValueError(f"{a.name} co-locates prefill: params need 's' (remote fraction in [0, 1])")
+    enc_flags: dict[str, Any] = {"max-batch": b, "batch-mode": "adaptive", "remote-fraction": 1.0}
+    if a.colocated:
+        enc_flags |= {"colocate-prefill": True, "remote-fraction": float(params["s"])}
+    devs = iter(range(a.encode + a.prefill + a.decode))
+    dev = space.devices
+
+    def workers(n: int, flags: dict[str, Any] | None = None) -> tuple[Worker, ...]:
+        return tuple(Worker(device=dev[next(devs) % len(dev)], flags=flags or {}) for _ in range(n))
+    return Deployment(name=name, model=model, encode=workers(a.encode, enc_flags), prefill=workers(a.prefill),
+                      decode=workers(a.decode)).with_gateway_ports(0, 0)
+
+
+def _all_of(devices: Sequence[str]) -> str:
+    """One device holding all of `devices`: their cores for CPUs (`cpu:0-3`), else the first."""
+    cores = sorted({c for d in devices for c in (cpu_cores(d) or ())})
+    if not cores or any(not d.startswith("cpu:") for d in devices):
+        return devices[0]
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return "cpu:" + ",".join(f"{lo}-{hi}" if hi > lo else f"{lo}" for lo, hi in runs)

@@ -1,0 +1,88 @@
+"""hasctl.tune_space: which allocations are candidates, and the Deployment each point becomes."""
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from hasctl.deployment import Deployment
+from hasctl.screen import Allocation
+from hasctl.tune_space import MONOLITH, Space, _all_of, core_devices, deployment_for, runnable_allocations, suggest
+
+DEVS = ("cpu:0", "cpu:1")
+
+
+def test_runnable_allocations_need_a_prefill_worker():
+    assert [a.name for a in runnable_allocations(3)] == ["E1-P1-D1", "E1-P1-D1+coloc"]
+    four = {a.name for a in runnable_allocations(4)}
+    assert {"E2-P1-D1", "E1-P2-D1", "E1-P1-D2", "E2-P1-D1+coloc", "E1-P1-D1"} <= four
+    assert all(a.prefill >= 1 and a.encode >= 1 for a in runnable_allocations(5))
+    assert "E1-P0-D1+coloc" not in {a.name for a in runnable_allocations(4)}
+    with pytest.raises(ValueError, match="instances must be >= 2"):
+        runnable_allocations(1)
+
+
+def test_colocated_point_round_robins_the_cores():
+    space = Space(tuple(runnable_allocations(3)), DEVS)
+    d = deployment_for(space, {"alloc": "E1-P1-D1+coloc", "B": 4, "s": 0.3}, "/m", name="t")
+    assert [w.device for w in d.encode + d.prefill + d.decode] == ["cpu:0", "cpu:1", "cpu:0"]
+    enc = d.encode[0]
+    assert enc.flag("colocate-prefill") is True and enc.flag("remote-fraction") == 0.3 and enc.flag("max-batch") == 4
+    assert enc.flag("batch-mode") == "adaptive"
+    assert (d.gateway.grpc_port, d.gateway.http_port) == (0, 0) and d.model == "/m" and d.name == "t"
+    with pytest.raises(ValueError, match="params need 's'"):
+        deployment_for(space, {"alloc": "E1-P1-D1+coloc", "B": 4}, "/m")
+
+
+def test_disaggregated_point_sends_everything_to_remote_prefill():
+    space = Space(tuple(runnable_allocations(4)), ("cpu:0", "cpu:1", "cpu:2"))
+    d = deployment_for(space, {"alloc": "E1-P1-D2", "B": 16}, "/m")
+    assert [w.device for w in d.encode + d.prefill + d.decode] == ["cpu:0", "cpu:1", "cpu:2", "cpu:0"]
+    assert d.encode[0].flag("colocate-prefill") is None and d.encode[0].flag("remote-fraction") == 1.0
+    assert Deployment.from_dict(d.to_dict()) == d  # the file round-trips
+
+
+def test_monolith_point_takes_every_core():
+    space = Space((), ("cpu:0", "cpu:1", "cpu:3"))
+    d = deployment_for(space, {"alloc": MONOLITH, "B": 2}, "/m")
+    assert not d.encode and not d.prefill and not d.decode
+    (m,) = d.monolith
+    assert m.device == "cpu:0-1,3" and m.flag("max-batch") == 2 and m.flag("sm-backend") == "timeslice"
+    assert _all_of(("cuda:1", "cuda:0")) == "cuda:1"
+
+
+def test_space_rejects_what_cannot_run():
+    with pytest.raises(ValueError, match="at least one device"):
+        Space((), ())
+    with pytest.raises(ValueError, match="cannot run"):
+        Space((Allocation(1, 0, 1, True),), DEVS)
+    with pytest.raises(ValueError, match="empty"):
+        Space((), DEVS, monolith=False)
+    with pytest.raises(ValueError, match="device must be"):
+        Space((), ("gpu0",))
+    with pytest.raises(ValueError, match="not in this search space"):
+        Space((), DEVS).allocation("E9-P9-D9")
+    assert core_devices([1, 0, 1]) == ("cpu:0", "cpu:1")
+
+
+def test_suggest_draws_s_only_for_colocated_allocations():
+    space = Space(tuple(runnable_allocations(3)), DEVS)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    seen = set()
+    for _ in range(30):
+        t = study.ask()
+        p = suggest(t, space)
+        seen.add(p["alloc"])
+        assert p["B"] in space.batch_sizes
+        assert ("s" in p) == p["alloc"].endswith("+coloc")
+        if "s" in p:
+            assert 0.0 <= p["s"] <= 1.0 and round(p["s"] / 0.05, 6) == round(p["s"] / 0.05)
+        deployment_for(space, p, "/m")  # every point is a valid Deployment
+        study.tell(t, 0.0)
+    assert seen == set(space.choices)
+
+
+def test_text_only_workload_may_skip_encode():
+    names = {a.name for a in runnable_allocations(3, media=False)}
+    assert {"E0-P1-D1", "E0-P2-D1", "E0-P1-D2", "E1-P1-D1"} <= names
+    d = deployment_for(Space(tuple(runnable_allocations(3, media=False)), DEVS), {"alloc": "E0-P2-D1", "B": 1}, "/m")
+    assert not d.encode and [w.device for w in d.prefill + d.decode] == ["cpu:0", "cpu:1", "cpu:0"]
