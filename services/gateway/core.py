@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from easerve.encoder_cache import HolderMap, is_cache_miss
+from easerve.engine.logprobs import TokenLogprobs
 from easerve.errors import NotFound
 from easerve.media import MediaRef, MediaResolver, config_for
 from easerve.media.resolve import KINDS
