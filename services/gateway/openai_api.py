@@ -158,9 +158,13 @@ def text_logprobs(lps, tokenizer, offset: int = 0) -> dict:
     for t in tokens:
         offsets.append(at)
         at += len(t)
+    def top(lp) -> dict:  # keyed by text: where two pieces decode alike, the likelier one stays
+        out: dict[str, float] = {}
+        for t, v in lp.top:
+            out.setdefault(_token(tokenizer, t), v)
+        return out
     return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in lps],
-            "top_logprobs": [{_token(tokenizer, t): v for t, v in lp.top} for _, lp in lps],
-            "text_offset": offsets}
+            "top_logprobs": [top(lp) for _, lp in lps], "text_offset": offsets}
 
 
 def _check_model(body: osc.SamplingBody, served_model: str) -> str:
