@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable
 
 from easerve.rpc.errors import InvalidRequest as InvalidRequestError
+from easerve.sampling_proto import sampling_to_proto
 from easerve.types import SamplingParams
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import gateway_pb2 as gpb
@@ -153,13 +154,7 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
         raise InvalidRequestError(str(e)) from None
     if seed is not None and seed < 0:
         raise InvalidRequestError(f"seed must be >= 0, got {seed}")
-    msg = cpb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                             stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    return msg
+    return sampling_to_proto(p)
 
 
 def build_request(prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),

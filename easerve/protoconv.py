@@ -9,7 +9,8 @@ import torch
 
 from easerve.codec import CodecError, _parse_spec, _raw, _view, spec_of
 from easerve.rpc.errors import InvalidRequest
-from easerve.types import MMItem, PrefillRequest, SamplingParams
+from easerve.sampling_proto import sampling_from_proto, sampling_to_proto  # noqa: F401 (re-exported)
+from easerve.types import MMItem, PrefillRequest
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import encode_pb2 as epb
 
@@ -25,27 +26,6 @@ def tensor_from_proto(msg, *, copy: bool = True) -> torch.Tensor:
     if len(msg.data) != s.nbytes:
         raise CodecError(f"TensorProto {s.dtype}{list(s.shape)} needs {s.nbytes} bytes, has {len(msg.data)}")
     return _view(memoryview(msg.data), s, 0, copy)
-
-
-def sampling_to_proto(sp: SamplingParams) -> cpb.SamplingParams:
-    msg = cpb.SamplingParams(
-        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    return msg
-
-
-def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
-    """Proto -> SamplingParams; unset max_tokens / top_p take defaults. ValueError if invalid."""
-    return SamplingParams(
-        max_tokens=msg.max_tokens or default_max_tokens, temperature=round(msg.temperature, 6),
-        top_p=round(msg.top_p, 6) if msg.top_p else 1.0, top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
 FINISH_TO_PROTO = {
