@@ -101,7 +101,10 @@ class Encoder:
     def trace(self, req) -> dict:
         window = float(req.query.get("window_s", "60"))
         now = time.monotonic()
-        return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05))}
+        spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
+                 for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
+        return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),
+                "spans": spans}
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
