@@ -52,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--image-size", default="224x224")
     ap.add_argument("--max-batch", type=int, default=8, help="B of the encode worker")
     ap.add_argument("--encode-threads", type=int, default=2)
+    ap.add_argument("--profile-batch-sizes", default="1,4",
+                    help="batch sizes of the dynamic policy's start-up profile (x 5 shares; measured once)")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a stack to be SERVING")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="12 requests, 8 output tokens, 1 repeat")
     args = ap.parse_args(argv)
@@ -69,7 +72,8 @@ def deployment(model: str, policy: str, args, profile: str):
     from hasctl.deployment import Worker, preset
     enc = Worker(flags={"colocate-prefill": True, "remote-fraction": 0.0, "max-batch": args.max_batch,
                         "batch-mode": "adaptive", "partition-policy": policy, "threads": args.encode_threads,
-                        **({"partition-profile": profile} if policy == "dynamic" else {})})
+                        **({"partition-profile": profile, "profile-batch-sizes": args.profile_batch_sizes}
+                           if policy == "dynamic" else {})})
     d = preset("colocated").with_model(model).with_gateway_ports(0, 0)
     return dataclasses.replace(d, encode=(enc,), name=f"colocated-{policy}")
 
@@ -93,7 +97,7 @@ def measure(model: str, policy: str, args, profile: str) -> dict:
     work = WorkloadSpec(modality="image", image_size=parse_size(args.image_size), output_tokens=args.output_tokens)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
     try:
-        stack.start(timeout=600)
+        stack.start(timeout=args.start_timeout)
         url = stack.endpoints.http
         asyncio.run(run_bench(BenchConfig(url=url, rate=4.0, num_requests=4, seed=args.seed + 999, progress=False,
                                           workload=dataclasses.replace(work, output_tokens=4))))

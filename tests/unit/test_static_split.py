@@ -171,3 +171,12 @@ def test_controller_reports_what_the_cores_give_not_what_was_asked() -> None:
     with ctl.encode_scope(1):
         pass
     assert ctl.requested == Allocation(0.2, 0.8) and ctl.last == Allocation(0.5, 0.5, 0)
+
+
+def test_contradicting_policy_and_backend_flags_are_refused() -> None:
+    from easerve.stages.configs import EncodeConfig
+    base = dict(model="m", colocate_prefill=True, decode=("127.0.0.1:1",))
+    with pytest.raises(ValueError, match="--partition-policy static contradicts --sm-backend timeslice: drop one"):
+        EncodeConfig(**base, partition_policy="static", sm_backend="timeslice")
+    ok = EncodeConfig(**base, sm_backend="static")
+    assert ok.sm_backend == "static" and ok.partition_policy == "dynamic"  # starts; runs as static
