@@ -8,7 +8,7 @@ import functools
 import math
 from typing import Any, ClassVar, ContextManager, Sequence
 
-from easerve.control.partitioner import DEFAULT_SHARES
+from easerve.control.partitioner import DEFAULT_SHARES, Allocation
 from easerve.control.sm_backends import SMBackend, _check_levels, _stream_scope
 
 
@@ -47,19 +47,41 @@ def _probe_green(device_index: int) -> tuple[bool, str]:
     return True, f"green contexts on {torch.cuda.get_device_name(device_index)}"
 
 
+ROUNDINGS = ("up", "nearest")
+
+
+def sm_split(total: int, granularity: int, min_sms: int, share: float, rounding: str = "up") -> int:
+    """SMs for encode at `share` of `total`, in whole granules of `granularity`, at least
+    `min_sms`: rounded up (dynamic levels: encode-protective) or to the nearest granule (the
+    static 50/50: 132 SMs at 8 -> 64, as near half as Hopper allows; 108 at 2 -> 54).
+    A result >= total means: no split (encode keeps the device)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if total < 1 or granularity < 1 or not 0 < share <= 1:
+        raise ValueError(f"need total >= 1, granularity >= 1 and share in (0, 1], got {total}, {granularity}, {share}")
+    granules = share * total / granularity
+    n = math.ceil(granules - 1e-9) if rounding == "up" else math.floor(granules + 0.5)
+    return max(min_sms, n * granularity)
+
+
 class GreenContextBackend(SMBackend):
     """Per level, an encode stream on ceil-to-granularity(share x SMs) SMs and a prefill
     stream on the disjoint remainder, all created up front; `apply` only picks the index.
     Level 1.0 (or an encode group that would take every SM) uses two plain full-device
     streams, encode's at high priority: prefill then time-slices. `encode_sms` / `prefill_sms` hold what the driver
     actually granted (it may round down). The streams are custom CUDA streams: order work
-    across them with CUDA events."""
+    across them with CUDA events. `rounding` as in `sm_split`; `strict`: a prefill remainder
+    the driver refuses raises instead of letting that level's prefill time-slice."""
 
     name = "green_contexts"
     dynamic = True
     SUPPORTED: ClassVar[bool] = _Supported()  # type: ignore[assignment]
 
-    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES, device_index: int = 0) -> None:
+    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES, device_index: int = 0,
+                 rounding: str = "up", strict: bool = False) -> None:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.rounding, self.strict = rounding, strict
         ok, why = self.probe(device_index)
         if not ok:
             raise RuntimeError(why)
@@ -88,6 +110,14 @@ class GreenContextBackend(SMBackend):
         super().__init__(lv, f"{why}: encode SMs {list(self.encode_sms)}, prefill SMs "
                              f"{list(self.prefill_sms)} of {self.total_sms}"
                              + (f" ({'; '.join(self.notes)})" if self.notes else ""))
+        self.degraded = "; ".join(self.notes)
+
+    def realized(self, level: int | None = None) -> Allocation:
+        i = self.level if level is None else level
+        enc, pre, total = self.encode_sms[i], self.prefill_sms[i], self.total_sms
+        if enc >= total:
+            return Allocation(1.0, 0.0, i)
+        return Allocation(enc / total, pre / total, i)
 
     @staticmethod
     def probe(device_index: int = 0) -> tuple[bool, str]:
@@ -111,8 +141,7 @@ class GreenContextBackend(SMBackend):
         return dev, check(drv.cuDeviceGetDevResource(dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
 
     def _sm_count(self, share: float) -> int:
-        g = self.granularity
-        return max(self.min_sms, math.ceil(share * self.total_sms / g - 1e-9) * g)
+        return sm_split(self.total_sms, self.granularity, self.min_sms, share, self.rounding)
 
     def _make_level(self, share: float) -> tuple[Any, Any, int, int]:
         torch = _torch()
@@ -129,6 +158,9 @@ class GreenContextBackend(SMBackend):
         try:
             pre, pre_sms = self._green_stream(self._dev, remaining), remaining.sm.smCount
         except RuntimeError as e:  # remainder the driver will not turn into a context
+            if self.strict:
+                raise RuntimeError(f"share {share:g}: the driver refused the prefill remainder of "
+                                   f"{remaining.sm.smCount} SMs ({e})") from e
             self.notes.append(f"share {share:g}: prefill time-slices ({e})")
             pre, pre_sms = torch.cuda.Stream(f"cuda:{self.device_index}"), self.total_sms
         return enc, pre, groups[0].sm.smCount, pre_sms

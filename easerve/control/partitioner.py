@@ -7,8 +7,13 @@ tests and the simulator). `SMPartitioner.choose(batch_size)` then returns, per b
 
 - "dynamic":   the smallest share whose latency <= (1 + tolerance) x exclusive (share 1.0)
                latency; prefill gets the rest (0 at share 1.0: prefill then only time-slices)
-- "static":    always 50/50 (the paper's static baseline)
+- "static":    always `static_share` (0.5: the paper's static 50/50 baseline); the backend is
+               built with that one level (`policy_levels`), so it realizes the split itself
+               rather than the nearest profiled level
 - "timeslice": no partition; both sides may use the whole device (uncontrolled baseline)
+
+The two baselines need no profile (`SMPartitioner(None, config)`). `FixedPartitioner` is for a
+backend whose split is fixed at launch (MPS, the static backend): it has nothing to choose.
 
 Pure: no torch, no I/O (`to_json`/`from_json` work on strings; the caller stores them).
 """
@@ -153,21 +158,40 @@ class PartitionerConfig:
             raise ValueError(f"static_share must be in (0, 1), got {self.static_share}")
 
 
-class SMPartitioner:
-    """Maps a micro-batch size to an `Allocation`; O(log n) per call, decisions precomputed."""
+def policy_levels(config: PartitionerConfig) -> tuple[float, ...]:
+    """The encode shares a backend must realize for `config`'s policy."""
+    if config.policy == "static":
+        return (config.static_share,)
+    if config.policy == "timeslice":
+        return (1.0,)
+    return DEFAULT_SHARES
 
-    def __init__(self, table: ProfileTable, config: PartitionerConfig | None = None) -> None:
+
+class SMPartitioner:
+    """Maps a micro-batch size to an `Allocation`; O(log n) per call, decisions precomputed.
+    `table` may be None for the baselines (static, timeslice): they read no latencies."""
+
+    def __init__(self, table: ProfileTable | None, config: PartitionerConfig | None = None) -> None:
         self.table = table
         self.config = config or PartitionerConfig()
-        self._per_size = tuple(self._decide(row) for row in table.latency_s)
+        if table is None and self.config.policy == "dynamic":
+            raise ValueError("the dynamic policy needs a profile table (profile() or ProfileTable.from_json)")
+        rows = table.latency_s if table is not None else ((1.0,),)
+        self._per_size = tuple(self._decide(row) for row in rows)
+
+    @property
+    def policy(self) -> str:
+        return self.config.policy
 
     @property
     def levels(self) -> tuple[float, ...]:
-        return self.table.shares
+        return self.table.shares if self.table is not None else policy_levels(self.config)
 
     def choose(self, batch_size: int) -> Allocation:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self.table is None:
+            return self._per_size[0]
         return self._per_size[self._nearest(batch_size)]
 
     def _decide(self, row: Sequence[float]) -> Allocation:
@@ -175,7 +199,7 @@ class SMPartitioner:
         if c.policy == "timeslice":
             return TIMESLICE
         if c.policy == "static":
-            return _allocation(c.static_share, self.table.shares)
+            return _allocation(c.static_share, self.levels)
         limit = (1.0 + c.tolerance) * row[-1]
         j = next(j for j, lat in enumerate(row) if lat <= limit)  # share 1.0 always qualifies
         return _allocation(self.table.shares[j], self.table.shares)
@@ -189,6 +213,25 @@ class SMPartitioner:
         if i == 0 or bs[i] == b:
             return i
         return i if bs[i] - b <= b - bs[i - 1] else i - 1
+
+
+class FixedPartitioner:
+    """For a backend whose split was fixed at launch: every batch gets `allocation`.
+    `policy` names what runs ("static", "timeslice" or "fixed"); `note` says why."""
+
+    table = None
+
+    def __init__(self, allocation: Allocation, policy: str, note: str = "") -> None:
+        self.allocation, self.policy, self.note = allocation, policy, note
+
+    @property
+    def levels(self) -> tuple[float, ...]:
+        return (self.allocation.encode_share,)
+
+    def choose(self, batch_size: int) -> Allocation:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return self.allocation
 
 
 def _allocation(encode: float, shares: Sequence[float]) -> Allocation:

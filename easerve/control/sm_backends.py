@@ -1,9 +1,13 @@
 """Mechanisms that realize an `Allocation` from `partitioner` on real hardware.
 
 One interface, `SMBackend`: `levels` (the encode shares it can realize), `apply(allocation)`
-(switch to the smallest level >= the requested encode share; returns its index) and
-`encode_context(level)` / `prefill_context(level)` (context managers to run each side's work
-under). `reason` says why this backend is the live one. Backends:
+(switch to the smallest level >= the requested encode share; returns its index),
+`realized(level)` (the shares that level really gives each side: cores or SMs granted over the
+total, which is what metrics report) and `encode_context(level)` / `prefill_context(level)`
+(context managers to run each side's work under). `reason` says why this backend is the live
+one; `degraded` is non-empty when it partitions less than was asked (`select_backend("auto")`
+found no mechanism and time-slices, or a green-context level whose prefill remainder the driver
+refused). Backends:
 
 - GreenContextBackend: CUDA green contexts; per level, one SM split made up front into an
   encode group and the disjoint remainder for prefill, each with its own stream, so switching
@@ -12,7 +16,13 @@ under). `reason` says why this backend is the live one. Backends:
   is fixed per process at launch (`env_for(share)`); `apply` cannot change it.
 - CpuAffinityBackend: splits the process's allowed cores between the encode and local-prefill
   worker threads with os.sched_setaffinity on their native thread ids.
-- TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline).
+- TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline, on
+  one of the mechanisms above built with the single level 0.5).
+
+Selection (`select_backend`): a mechanism named explicitly (`--sm-backend green_contexts`, ...)
+that cannot run here raises `BackendUnavailable` naming the flag; "auto" walks the chain and,
+when nothing can split, time-slices with `degraded` saying why; "static" (or `exact=True`,
+the static policy) never degrades: no mechanism means `BackendUnavailable`.
 
 torch is imported lazily, and only by the CUDA code paths.
 """
@@ -37,6 +47,10 @@ def _torch() -> Any:
     return torch
 
 
+class BackendUnavailable(RuntimeError):
+    """The partition asked for cannot be realized here; the message names the flag to change."""
+
+
 def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
     lv = tuple(float(x) for x in levels)
     if not lv or list(lv) != sorted(set(lv)) or not all(0 < x <= 1 for x in lv):
@@ -55,7 +69,16 @@ class SMBackend:
     def __init__(self, levels: Sequence[float], reason: str) -> None:
         self.levels = _check_levels(levels)
         self.reason = reason
+        self.degraded = ""  # why this backend partitions less than asked ("" = it does not)
         self.level = len(self.levels) - 1  # start encode-protective
+
+    def realized(self, level: int | None = None) -> Allocation:
+        """The shares `level` (default: the live one) gives encode and prefill. Prefill 0.0
+        means it has nothing of its own and time-slices with encode (the partitioner's
+        convention at share 1.0)."""
+        i = self.level if level is None else level
+        share = self.levels[i]
+        return Allocation(share, 0.0 if share >= 1.0 else round(1.0 - share, 9), i)
 
     def level_for(self, encode_share: float) -> int:
         """Index of the smallest level >= encode_share (the largest level if none is)."""
@@ -82,7 +105,8 @@ class SMBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "reason": self.reason, "levels": list(self.levels),
-                "level": self.level, "dynamic": self.dynamic}
+                "level": self.level, "dynamic": self.dynamic, "degraded": self.degraded,
+                "realized": [vars(self.realized(i)) for i in range(len(self.levels))]}
 
     def close(self) -> None:
         pass
@@ -106,6 +130,9 @@ class TimeSliceBackend(SMBackend):
                 raise RuntimeError(f"device {device!r} asked for but CUDA is not available")
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
 
+    def realized(self, level: int | None = None) -> Allocation:
+        return Allocation(1.0, 1.0, 0)
+
     def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
         return self._ctx(0, sync)
 
@@ -119,36 +146,46 @@ class TimeSliceBackend(SMBackend):
 
 
 class StaticSplitBackend(SMBackend):
-    """The fixed-split baseline: realizes `share` on `inner` once and ignores `apply`."""
+    """The fixed-split baseline: realizes `share` on `inner` (a mechanism built with that
+    level) once and ignores `apply`. `realized()` is what `inner` really granted."""
 
     name = "static"
 
-    def __init__(self, inner: SMBackend | None = None, share: float = 0.5) -> None:
+    def __init__(self, inner: SMBackend, share: float = 0.5) -> None:
         if not 0 < share < 1:
             raise ValueError(f"static share must be in (0, 1), got {share}")
         self.inner = inner
-        how = f"on {inner.name} ({inner.reason})" if inner else "bookkeeping only, no mechanism"
-        super().__init__((share,), f"static {share:g}/{1 - share:g} split {how}")
-        if inner is not None:
-            inner.apply(Allocation(share, round(1 - share, 9)))
+        super().__init__((share,), f"static {share:g}/{1 - share:g} split on {inner.name} ({inner.reason})")
+        inner.apply(Allocation(share, round(1 - share, 9)))
+        if inner.degraded:
+            raise BackendUnavailable(f"the static split cannot be realized on {inner.name}: {inner.degraded}")
 
     def apply(self, allocation: Allocation) -> int:
         return 0
 
+    def realized(self, level: int | None = None) -> Allocation:
+        r = self.inner.realized()
+        return Allocation(r.encode_share, r.prefill_share, 0)
+
+    def bind(self, worker: Worker, tid: int | None = None) -> None:
+        if hasattr(self.inner, "bind"):
+            self.inner.bind(worker, tid)
+
     def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return self.inner.encode_context(None, sync) if self.inner else contextlib.nullcontext()
+        return self.inner.encode_context(None, sync)
 
     def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return self.inner.prefill_context(None, sync) if self.inner else contextlib.nullcontext()
+        return self.inner.prefill_context(None, sync)
 
     def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
+        self.inner.close()
 
 
 class CpuAffinityBackend(SMBackend):
     """Core split per level: encode gets ceil(share x n) cores (at least 1), prefill the rest;
     when nothing is left (share 1.0, or one core) prefill shares all cores (time-slices).
+    So share 0.5 is exactly half on an even count; on an odd one encode gets the extra core
+    (3 cores: 2 + 1), and `realized` reports 2/3.
 
     Bound threads (`bind`) are moved by `apply` itself; an unbound thread can pin itself for a
     block with `encode_context` / `prefill_context`. Only the bound threads move: helper
@@ -175,6 +212,14 @@ class CpuAffinityBackend(SMBackend):
         k = min(n, max(1, math.ceil(share * n - 1e-9)))
         enc, rest = self.cores[:k], self.cores[k:]
         return frozenset(enc), frozenset(rest or self.cores)
+
+    def realized(self, level: int | None = None) -> Allocation:
+        i = self.level if level is None else level
+        enc, pre = self._splits[i]
+        n = len(self.cores)
+        if enc & pre:  # prefill has no cores of its own
+            return Allocation(1.0 if len(enc) == n else len(enc) / n, 0.0, i)
+        return Allocation(len(enc) / n, len(pre) / n, i)
 
     def cores_for(self, worker: Worker, level: int | None = None) -> frozenset[int]:
         lv = self.level if level is None else level
@@ -226,7 +271,9 @@ class CpuAffinityBackend(SMBackend):
 
 
 class MPSBackend(SMBackend):
-    """CUDA MPS: this process's share was fixed at CUDA init by its launcher."""
+    """CUDA MPS: this process's share was fixed at CUDA init by its launcher. MPS caps per
+    CUDA context and torch has one per process, so encode and the co-located prefill both run
+    inside that cap and time-slice within it: `realized()` is (share, share)."""
 
     name = "mps"
     ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -243,6 +290,9 @@ class MPSBackend(SMBackend):
     def apply(self, allocation: Allocation) -> int:
         self.mismatches += abs(allocation.encode_share - self.levels[0]) > 1e-9
         return 0
+
+    def realized(self, level: int | None = None) -> Allocation:
+        return Allocation(self.levels[0], self.levels[0], 0)
 
     @classmethod
     def env_for(cls, share: float) -> dict[str, str]:
@@ -284,16 +334,25 @@ class PartitionController:
     """Glue for a worker: per micro-batch, policy `choose` -> mechanism `apply` -> run encode
     under that level's context. `encode_scope` is what services/encode calls per batch."""
 
-    def __init__(self, partitioner: Any, backend: SMBackend) -> None:
-        self.partitioner, self.backend = partitioner, backend
-        self.last: Allocation | None = None
+    def __init__(self, partitioner: Any, backend: SMBackend, note: str = "") -> None:
+        self.partitioner, self.backend, self.note = partitioner, backend, note
+        self.requested: Allocation | None = None  # what the policy asked for the last batch
+        self.last: Allocation | None = None       # what the backend realized for it
 
     @contextlib.contextmanager
     def encode_scope(self, batch_size: int):
-        self.last = self.partitioner.choose(batch_size)
-        level = self.backend.apply(self.last)
+        self.requested = self.partitioner.choose(batch_size)
+        level = self.backend.apply(self.requested)
+        self.last = self.backend.realized(level)
         with self.backend.encode_context(level):
             yield level
+
+    def describe(self) -> dict[str, Any]:
+        table = self.partitioner.table
+        return {**self.backend.describe(), "policy": self.partitioner.policy, "note": self.note,
+                "profile": None if table is None else table.to_json(),
+                "requested": None if self.requested is None else vars(self.requested),
+                "last": None if self.last is None else vars(self.last)}
 
     def prefill_scope(self) -> ContextManager[Any]:
         """Prefill work for the current level (enqueue it in chunks: work already queued on
@@ -302,11 +361,17 @@ class PartitionController:
 
 
 # ---- selection --------------------------------------------------------------------------
+# a missing library or driver, a refused driver call, a bad environment; not a bug (TypeError, ...)
+_MECHANISMS = (RuntimeError, ValueError, ImportError, OSError)
+
+
 def select_backend(preference: str = "auto", device: str = "cpu",
                    levels: Sequence[float] = DEFAULT_SHARES,
-                   env: Mapping[str, str] | None = None) -> SMBackend:
-    """The best available backend for `preference` on `device` ("cpu", "cuda", "cuda:1").
-    Unavailable choices fall through to the next; `reason` of the result records why."""
+                   env: Mapping[str, str] | None = None, *, exact: bool = False) -> SMBackend:
+    """The backend for `preference` on `device` ("cpu", "cuda", "cuda:1"). `exact`: the
+    levels must be realized as nearly as the hardware allows (the static policy): green
+    contexts round to the nearest SM granule instead of up, and nothing degrades.
+    Raises BackendUnavailable (naming --sm-backend) instead of silently time-slicing."""
     pref = _ALIASES.get(preference, preference)
     if pref not in PREFERENCES:
         raise ValueError(f"preference must be one of {PREFERENCES} (or {sorted(_ALIASES)}), "
@@ -316,41 +381,62 @@ def select_backend(preference: str = "auto", device: str = "cpu",
     if pref == "timeslice":
         return TimeSliceBackend(device, "timeslice requested: uncontrolled sharing")
     if pref == "static":
-        inner = select_backend("auto", device, (0.5,), env)
-        if inner.name == "timeslice":
-            return StaticSplitBackend(None, 0.5)
-        return StaticSplitBackend(inner, inner.levels[0] if inner.name == "mps" else 0.5)
-    chain = ["green_contexts", "mps"] if cuda else ["cpu_affinity"]
+        inner = select_backend("auto", device, (0.5,), env, exact=True)
+        return StaticSplitBackend(inner, 0.5)
     if pref != "auto":
-        chain = [pref] + [c for c in chain if c != pref]
-    notes: list[str] = []
-    for name in chain:
         try:
-            backend = _build(name, cuda, index, levels, env)
-        except Exception as e:  # any failure of a mechanism means: try the next one
-            notes.append(f"{name} unavailable: {e}" if isinstance(e, (RuntimeError, ValueError))
-                         else f"{name} unavailable: {type(e).__name__}: {e}")
+            return _build(pref, cuda, index, levels, env, exact)
+        except _MECHANISMS as e:
+            raise BackendUnavailable(f"--sm-backend {pref} is not available on {device}: {_why(e)}. "
+                                     "Pick another --sm-backend (auto takes the best one available here)") from e
+    notes: list[str] = []
+    for name in ["green_contexts", "mps"] if cuda else ["cpu_affinity"]:
+        try:
+            backend = _build(name, cuda, index, levels, env, exact)
+        except _MECHANISMS as e:
+            notes.append(f"{name} unavailable: {_why(e)}")
             continue
         if notes:
             backend.reason = f"{'; '.join(notes)} -> fell back to {name}: {backend.reason}"
         return backend
-    return TimeSliceBackend(device, f"{'; '.join(notes)} -> fell back to timeslice (no partition)")
+    why = "; ".join(notes)
+    if exact:
+        where = ("a GPU with green contexts (CUDA >= 12.8), or MPS with "
+                 f"{MPSBackend.env_for(levels[0])[MPSBackend.ENV]} % active threads") if cuda \
+            else ">= 2 cores (--device cpu:0-1)"
+        raise BackendUnavailable(f"no mechanism on {device} can realize the split {list(levels)} ({why}); "
+                                 f"run the static baseline on {where}, or use --partition-policy timeslice")
+    ts = TimeSliceBackend(device, f"{why} -> no partition: time-slicing")
+    ts.degraded = f"--sm-backend auto found no partition mechanism on {device} ({why}): encode and " \
+                  "co-located prefill time-slice; --sm-backend timeslice asks for that explicitly"
+    return ts
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, (RuntimeError, ValueError)) else f"{type(e).__name__}: {e}"
 
 
 def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
-           env: Mapping[str, str] | None) -> SMBackend:
+           env: Mapping[str, str] | None, exact: bool = False) -> SMBackend:
     if name == "green_contexts":
         if not cuda:
             raise RuntimeError("device is not CUDA")
         from easerve.control.green_contexts import GreenContextBackend
-        return GreenContextBackend(levels, index)
+        return GreenContextBackend(levels, index, rounding="nearest" if exact else "up", strict=exact)
     if name == "mps":
         if not cuda:
             raise RuntimeError("device is not CUDA")
-        return MPSBackend(env)
+        backend = MPSBackend(env)
+        if exact and backend.levels != _check_levels(levels):
+            want = MPSBackend.env_for(levels[0])[MPSBackend.ENV]
+            raise RuntimeError(f"{MPSBackend.ENV}={round(backend.levels[0] * 100)} gives encode "
+                               f"{backend.levels[0]:g}; the split {list(levels)} needs "
+                               f"{MPSBackend.ENV}={want} at launch")
+        return backend
     if cuda:
         raise RuntimeError("core affinity does not partition a GPU")
     backend = CpuAffinityBackend(levels)
     if len(backend.cores) < 2:
         raise RuntimeError(f"only {len(backend.cores)} allowed core: nothing to split")
     return backend
+

@@ -163,8 +163,11 @@ class EncodeConfig(PrefillFields, StageConfig):
     safety_cap_s: float = opt(1.0, "longest a request waits for a batch")
     gap_coef: float = opt(2.0, "gap threshold = gap_coef / lambda")
     max_gap_s: float = opt(0.05, "ceiling of the gap threshold")
-    sm_backend: str = opt("auto", "how co-located prefill shares the device", choices=SM_BACKENDS)
-    partition_policy: str = opt("dynamic", "SM partition policy", choices=PARTITION_POLICIES)
+    sm_backend: str = opt("auto", "how co-located prefill shares the device: auto = the best mechanism here "
+                          "(time-slicing, reported as degraded, when there is none); a named one fails the start "
+                          "when unavailable; static = a fixed 50/50 split", choices=SM_BACKENDS)
+    partition_policy: str = opt("dynamic", "SM partition policy: dynamic (per batch, from the profile), static "
+                                "(exactly 50/50), timeslice (no partition)", choices=PARTITION_POLICIES)
     partition_profile: str = opt("", "partition profile file: loaded if present, else written")
     profile_batch_sizes: str = opt("1,2,4,8", "batch sizes the partition profile measures")
     partition_tolerance: float = opt(0.1, "share kept: encode within this of its exclusive latency")
@@ -190,6 +193,10 @@ class EncodeConfig(PrefillFields, StageConfig):
                              "prefill; add --colocate-prefill or set it to 1.0")
         if self.safety_cap_s <= 0 or self.max_gap_s <= 0 or self.gap_coef <= 0:
             raise ValueError("--safety-cap-s, --max-gap-s and --gap-coef must be > 0")
+        contra = {("static", "timeslice"), ("timeslice", "static")}
+        if (self.partition_policy, self.sm_backend) in contra:
+            raise ValueError(f"--partition-policy {self.partition_policy} contradicts --sm-backend {self.sm_backend}: "
+                             "drop one (--sm-backend static is the 50/50 split, timeslice none)")
         if not self.encoder_cache_gb >= 0:
             raise ValueError(f"--encoder-cache-gb must be >= 0 (0 turns the cache off), got {self.encoder_cache_gb}")
 

@@ -48,6 +48,9 @@ class Encoder:
         self.local_lm = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype) \
             if cfg.colocate_prefill else None
         self.controller = self._controller()
+        if self.controller is not None:
+            self.metrics.on_partition(self.controller.backend.name, self.controller.partitioner.policy,
+                                      self.controller.backend.degraded)
         batcher = AdaptiveBatcher(BatcherConfig(
             max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
             gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
@@ -93,14 +96,15 @@ class Encoder:
     def partition_info(self, _req=None) -> dict:
         if self.controller is None:
             return {"backend": None, "reason": "no co-located prefill: encode has the device alone"}
-        c = self.controller
-        return {"backend": c.backend.name, "reason": c.backend.reason, "policy": c.partitioner.config.policy,
-                "profile": c.partitioner.table.to_json(), "last": None if c.last is None else vars(c.last)}
+        return self.controller.describe()
 
     def trace(self, req) -> dict:
         window = float(req.query.get("window_s", "60"))
         now = time.monotonic()
-        return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05))}
+        spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
+                 for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
+        return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),
+                "spans": spans}
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING

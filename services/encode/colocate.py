@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from easerve.control.partitioner import DEFAULT_SHARES, PartitionerConfig, ProfileTable, SMPartitioner, profile
+from easerve.control.partitioner import (
+    FixedPartitioner, PartitionerConfig, ProfileTable, SMPartitioner, policy_levels, profile)
 from easerve.control.sm_backends import PartitionController, select_backend
 
 log = logging.getLogger("easerve.encode")
@@ -53,20 +54,43 @@ def build_controller(adapter, device: str, backend_pref: str, policy: str, profi
                      batch_sizes: tuple[int, ...], tolerance: float,
                      encode_pool: concurrent.futures.Executor,
                      prefill_pool: concurrent.futures.Executor) -> PartitionController:
-    """Pick the backend, pin the two worker threads, then profile encode on the encode
-    thread itself (so the measured shares are the ones it will run under)."""
-    backend = select_backend(backend_pref, device, DEFAULT_SHARES)
+    """Pick the backend for the policy's levels, pin the two worker threads, then (dynamic
+    policy on a backend that can switch) profile encode on the encode thread itself, so the
+    measured shares are the ones it will run under. A backend that cannot be had raises
+    BackendUnavailable (start fails); "auto" that found none time-slices, logged as degraded."""
+    config = PartitionerConfig(policy=policy, tolerance=tolerance)
+    if policy == "timeslice" and backend_pref == "auto":
+        backend_pref = "timeslice"  # the uncontrolled baseline: no mechanism wanted
+    backend = select_backend(backend_pref, device, policy_levels(config), exact=policy == "static")
     log.info("SM backend %s: %s", backend.name, backend.reason)
+    if backend.degraded:
+        log.warning("SM partition degraded: %s", backend.degraded)
     bind = getattr(backend, "bind", None)
     if bind is not None:
         encode_pool.submit(bind, "encode").result()
         prefill_pool.submit(bind, "prefill").result()
-    if policy == "dynamic":
-        table = encode_pool.submit(_load_or_profile, adapter, backend, profile_path, batch_sizes).result()
-    else:  # static / timeslice decide without latencies
-        table = ProfileTable((1,), tuple(backend.levels), (tuple(1.0 for _ in backend.levels),), device)
-    part = SMPartitioner(table, PartitionerConfig(policy=policy, tolerance=tolerance))
-    return PartitionController(part, backend)
+    part, note = _partitioner(adapter, backend, config, profile_path, batch_sizes, encode_pool)
+    if note:
+        log.warning("%s", note)
+    if part.policy == "static":
+        r = backend.realized(0)
+        log.info("static split: encode %.3f, prefill %.3f of the device", r.encode_share, r.prefill_share)
+    return PartitionController(part, backend, note)
+
+
+def _partitioner(adapter, backend, config: PartitionerConfig, profile_path, batch_sizes, encode_pool):
+    """(partitioner, note): a backend fixed at launch gets a FixedPartitioner; `note` says
+    when the policy asked for has nothing to choose there."""
+    if not backend.dynamic:
+        policy = {"static": "static", "timeslice": "timeslice"}.get(backend.name, "fixed")
+        note = "" if config.policy == policy else (
+            f"--partition-policy {config.policy} has nothing to choose on the {backend.name} backend: its "
+            f"split is fixed at launch (encode {backend.realized(0).encode_share:g}); it runs as {policy}")
+        return FixedPartitioner(backend.realized(0), policy, note), note
+    if config.policy != "dynamic":
+        return SMPartitioner(None, config), ""
+    table = encode_pool.submit(_load_or_profile, adapter, backend, profile_path, batch_sizes).result()
+    return SMPartitioner(table, config), ""
 
 
 def _load_or_profile(adapter, backend, path: str | None, batch_sizes) -> ProfileTable:

@@ -8,7 +8,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from easerve.control.trace import UtilizationTrace
 from easerve.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, new_registry
 
-SHARE_BUCKETS = (0.2, 0.4, 0.6, 0.8, 1.0)
+SHARE_BUCKETS = (0.2, 0.4, 0.5, 0.6, 0.8, 1.0)  # 0.5: the static split
 
 
 class EncodeMetrics:
@@ -31,6 +31,11 @@ class EncodeMetrics:
               registry=r).set(target_remote_fraction)
         self.utilization = Gauge("easerve:stage_utilization", "Busy fraction over the last 10 s", ["worker"],
                                  registry=r)
+        self.partition = Gauge("easerve:encode_sm_partition", "The live SM backend and partition policy (1)",
+                               ["backend", "policy"], registry=r)
+        self.degraded = Gauge("easerve:encode_sm_partition_degraded",
+                              "1 when the SM backend partitions less than asked (see /partition 'degraded')",
+                              registry=r)
         self.trace = UtilizationTrace()
         self._routes = {"local": 0, "remote": 0}
 
@@ -40,6 +45,10 @@ class EncodeMetrics:
         self.encode_time.observe(end - start)
         self.share.observe(share)
         self.trace.record("encode", start, end, share, n_requests)
+
+    def on_partition(self, backend: str, policy: str, degraded: str) -> None:
+        self.partition.labels(backend=backend, policy=policy).set(1)
+        self.degraded.set(1 if degraded else 0)
 
     def on_queue_wait(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)

@@ -1,4 +1,5 @@
-"""SM backends on CPU: the affinity split really moves threads; fallbacks say why."""
+"""SM backends on CPU: the affinity split really moves threads; fallbacks say why, and a
+mechanism asked for by name that is not here fails instead of time-slicing."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import pytest
 from easerve.control import (
     Allocation, CpuAffinityBackend, GreenContextBackend, MPSBackend, PartitionController,
     SMBackend, SMPartitioner, StaticSplitBackend, TimeSliceBackend, profile, select_backend)
+from easerve.control.sm_backends import BackendUnavailable
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -129,8 +131,9 @@ def test_timeslice_and_static_baselines() -> None:
     assert t.apply(Allocation(0.2, 0.8)) == 0 and t.levels == (1.0,)
     with t.encode_context(), t.prefill_context():
         pass
-    s = StaticSplitBackend()
-    assert s.apply(Allocation(1.0, 0.0)) == 0 and s.levels == (0.5,) and "bookkeeping" in s.reason
+    s = StaticSplitBackend(CpuAffinityBackend(levels=(0.5,), cores=[0, 1]))
+    assert s.apply(Allocation(1.0, 0.0)) == 0 and s.levels == (0.5,) and "on cpu_affinity" in s.reason
+    assert s.realized() == Allocation(0.5, 0.5, 0)
 
 
 def test_mps_probe_env_and_static_share(tmp_path) -> None:
@@ -151,11 +154,13 @@ def test_mps_probe_env_and_static_share(tmp_path) -> None:
 def test_select_backend_falls_back_with_reason(tmp_path) -> None:
     cpu = select_backend("auto", "cpu")
     assert cpu.name == ("cpu_affinity" if len(ALLOWED) >= 2 else "timeslice")
-    g = select_backend("green", "cpu")
-    assert "green_contexts unavailable: device is not CUDA -> fell back to" in g.reason
+    with pytest.raises(BackendUnavailable, match=r"--sm-backend green_contexts is not available on cpu: "
+                                                 r"device is not CUDA\. Pick another --sm-backend"):
+        select_backend("green", "cpu")
     assert select_backend("timeslice", "cpu").name == "timeslice"
-    st = select_backend("static", "cpu")
-    assert st.name == "static" and st.levels == (0.5,)
+    if len(ALLOWED) >= 2:
+        st = select_backend("static", "cpu")
+        assert st.name == "static" and st.levels == (0.5,) and st.inner.name == "cpu_affinity"
     with pytest.raises(ValueError, match="preference"):
         select_backend("fastest", "cpu")
     ok, why = GreenContextBackend.probe()
@@ -166,9 +171,11 @@ def test_select_backend_falls_back_with_reason(tmp_path) -> None:
         m = select_backend("auto", "cuda", env=env)
         assert m.name == "mps" and m.reason.startswith("green_contexts unavailable: ")
         assert "-> fell back to mps" in m.reason
-        env[MPSBackend.ENV] = "60"
-        st = select_backend("static", "cuda", env=env)  # MPS share is what the launcher set
-        assert st.name == "static" and st.levels == (0.6,) and "on mps" in st.reason
+        st = select_backend("static", "cuda", env=env)  # MPS at 50 %: the static split
+        assert st.name == "static" and st.realized() == Allocation(0.5, 0.5, 0) and "on mps" in st.reason
+        env[MPSBackend.ENV] = "60"  # not the split asked for: the start fails, saying what to set
+        with pytest.raises(BackendUnavailable, match="needs CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 at launch"):
+            select_backend("static", "cuda", env=env)
 
 
 def test_partition_controller_moves_an_unbound_encode_thread() -> None:
@@ -178,8 +185,10 @@ def test_partition_controller_moves_an_unbound_encode_thread() -> None:
     ctl = PartitionController(part, CpuAffinityBackend())
     before = os.sched_getaffinity(0)
     with ctl.encode_scope(1) as lv:
-        assert ctl.last.encode_share == 0.2 and os.sched_getaffinity(0) == ctl.backend.cores_for("encode", lv)
+        assert ctl.requested.encode_share == 0.2 and os.sched_getaffinity(0) == ctl.backend.cores_for("encode", lv)
         assert len(os.sched_getaffinity(0)) < len(ALLOWED)
+        # what is reported is what the cores give: ceil(0.2 x n) of n
+        assert ctl.last.encode_share == len(os.sched_getaffinity(0)) / len(ALLOWED)
     with ctl.encode_scope(8):
         assert os.sched_getaffinity(0) == set(ALLOWED)
     assert os.sched_getaffinity(0) == before
@@ -189,7 +198,7 @@ def test_levels_validated() -> None:
     with pytest.raises(ValueError, match="levels"):
         SMBackend((0.5, 0.2), "unsorted")
     with pytest.raises(ValueError, match="static share"):
-        StaticSplitBackend(share=1.0)
+        StaticSplitBackend(TimeSliceBackend(), share=1.0)
 
 
 class _FakeStream(tuple):
@@ -204,11 +213,14 @@ class _FakeStream(tuple):
 
 
 class _Res:
+    align = 8
+
     def __init__(self, n: int) -> None:
-        self.sm = type("Sm", (), {"smCount": n, "smCoscheduledAlignment": 8, "minSmPartitionSize": 8})()
+        a = _Res.align
+        self.sm = type("Sm", (), {"smCount": n, "smCoscheduledAlignment": a, "minSmPartitionSize": a})()
 
 
-def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0):
+def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, align: int = 8):
     """Stand-ins for torch.cuda and the cuda.bindings driver, recording what was created."""
     from types import SimpleNamespace as NS
     import contextlib
@@ -216,6 +228,7 @@ def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0):
     from easerve.control import sm_backends
 
     log: dict[str, list] = {"split": [], "destroyed": []}
+    monkeypatch.setattr(_Res, "align", align)
     ok = NS(value=0)
 
     def split(n_groups, res, flags, n):
@@ -281,3 +294,5 @@ def test_green_backend_remainder_that_fails_time_slices(monkeypatch) -> None:
     b = GreenContextBackend()
     assert b.prefill_sms[3] == 132 and b.prefill_stream(3)[0] == "plain"
     assert "share 0.8: prefill time-slices" in b.reason
+    assert b.degraded == "share 0.8: prefill time-slices (CUDA error: fake)"  # visible, not silent
+    assert b.realized(3) == Allocation(112 / 132, 1.0, 3)
