@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 _LAZY = {name: "easerve.client" for name in (
     "Client", "AsyncClient", "Completion", "Chunk", "Usage", "Timings", "ModelInfo", "Stream", "AsyncStream",
     "EAServeError", "InvalidRequestError", "NotFoundError", "OverloadedError", "UnavailableError",
-    "DeadlineExceededError", "RequestCancelled", "InternalError",
+    "DeadlineExceededError", "RequestCancelled", "InternalError", "UnauthenticatedError",
+    "MessageTooLargeError",
 )}
 __all__ = sorted(_LAZY)
 

@@ -5,12 +5,17 @@
         for chunk in c.generate("Tell a story", stream=True):
             print(chunk.text, end="")
 
+`api_key` (default $EASERVE_API_KEY) is sent as `authorization: Bearer KEY` on every call, for
+a gateway started with --api-key; `tls=Tls(ca="ca.pem")` (easerve.rpc.tls) talks TLS to a
+gateway started with --tls-cert (add cert= / key= for one that asks for client certificates).
+
 Errors are the domain errors of `easerve.rpc.errors` (one table maps them to status codes),
 under the names below. Leaving a stream early (break, `close()`, garbage collection) cancels
 the RPC, and with it every stage's work for the request.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
@@ -18,6 +23,7 @@ import grpc
 
 from easerve.client_request import build_request
 from easerve.rpc import errors as _errors
+from easerve.rpc.tls import NO_TLS, Tls, aio_channel, sync_channel
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import gateway_pb2 as gpb
 from easerve.v1 import gateway_pb2_grpc
@@ -30,10 +36,14 @@ UnavailableError = _errors.Unavailable
 DeadlineExceededError = _errors.DeadlineExceeded
 RequestCancelled = _errors.Cancelled
 InternalError = _errors.Internal
+UnauthenticatedError = _errors.Unauthenticated
+MessageTooLargeError = _errors.MessageTooLarge
 from_rpc_error = _errors.from_rpc_error
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-CHANNEL_OPTIONS = (("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20))
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+                   ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
+                   ("grpc.http2.max_pings_without_data", 0))  # the gateway accepts pings >= 0.5 s apart
 FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
                   cpb.FINISH_REASON_CANCELLED: "cancelled", cpb.FINISH_REASON_ERROR: "error"}
 
@@ -205,10 +215,13 @@ async def _acollect(stream: AsyncStream) -> Completion:
 
 # ---- clients ---------------------------------------------------------------------------------
 class _Base:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
+                 api_key: str | None = None, tls: Tls = NO_TLS):
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds (or None for no deadline), got {timeout}")
-        self.target, self.timeout, self.model = target, timeout, model
+        self.target, self.timeout, self.model, self.tls = target, timeout, model, tls
+        key = os.environ.get("EASERVE_API_KEY", "") if api_key is None else api_key
+        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -227,9 +240,10 @@ class Client(_Base):
     (float32 samples, sample_rate). Returns a `Completion`, or with stream=True a `Stream` of `Chunk`s.
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
-        super().__init__(target, timeout=timeout, model=model)
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
+                 api_key: str | None = None, tls: Tls = NO_TLS):
+        super().__init__(target, timeout=timeout, model=model, api_key=api_key, tls=tls)
+        self._channel = sync_channel(target, CHANNEL_OPTIONS, tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
@@ -241,7 +255,7 @@ class Client(_Base):
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id))
-        out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout)))
+        out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
         if stream:
             return out
         with out:
@@ -249,7 +263,8 @@ class Client(_Base):
 
     def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         try:
-            resp = self._stub.ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout))
+            resp = self._stub.ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout),
+                                         metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return [_model_info(m) for m in resp.models]
@@ -267,13 +282,14 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio twin of `Client` (grpc.aio); `await generate(...)` returns a Completion or an AsyncStream."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = ""):
-        super().__init__(target, timeout=timeout, model=model)
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
+                 api_key: str | None = None, tls: Tls = NO_TLS):
+        super().__init__(target, timeout=timeout, model=model, api_key=api_key, tls=tls)
         self._channel = None  # made on first use, inside the caller's event loop
 
     def _stub(self) -> gateway_pb2_grpc.GatewayStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.target, CHANNEL_OPTIONS, self.tls)
         return gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, messages=None, raw_prompt: str | None = None, images=(),
@@ -286,7 +302,7 @@ class AsyncClient(_Base):
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id))
-        out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout)))
+        out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
         if stream:
             return out
         async with out:
@@ -294,7 +310,8 @@ class AsyncClient(_Base):
 
     async def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         try:
-            resp = await self._stub().ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout))
+            resp = await self._stub().ListModels(gpb.ListModelsRequest(), timeout=self._timeout(timeout),
+                                                 metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return [_model_info(m) for m in resp.models]

@@ -43,5 +43,15 @@ class Internal(EAServeError):
     pass
 
 
+class Unauthenticated(EAServeError):
+    """No valid API key (the gateway's --api-key)."""
+    code, http = "UNAUTHENTICATED", 401
+
+
+class MessageTooLarge(InvalidRequest):
+    """A gRPC message over a process's --max-message-mb: never fits, so not a retry-later."""
+    http = 413
+
+
 class RequestTooLarge(InvalidRequest):
     """prompt_len + max_tokens can never fit the engine's KV memory."""

@@ -1,7 +1,8 @@
 """`python -m easerve.healthcheck HOST:PORT [SERVICE]`: exit 0 iff grpc.health.v1 says SERVING.
 
 For container healthchecks (docker compose, Kubernetes exec probes). SERVICE defaults to ""
-(the whole server); stages also report their own, e.g. easerve.v1.Decode.
+(the whole server); stages also report their own, e.g. easerve.v1.Decode. A stage serving
+TLS is checked with --tls-ca (and --tls-cert / --tls-key where it asks for client certificates).
 """
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import argparse
 import sys
 
 
-def check(addr: str, service: str = "", timeout: float = 3.0) -> str:
-    """The health status name ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN") or "UNREACHABLE: <details>"."""
+def check(addr: str, service: str = "", timeout: float = 3.0, tls=None) -> str:
+    """The health status name ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN") or "UNREACHABLE: <details>".
+    `tls`: an easerve.rpc.tls.Tls for a server that serves TLS."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(addr) as ch:
+    from easerve.rpc.tls import NO_TLS, sync_channel
+
+    with sync_channel(addr, (), tls or NO_TLS) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                         timeout=timeout)
@@ -30,8 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("addr", help="host:port of a gRPC server")
     p.add_argument("service", nargs="?", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    for name in ("ca", "cert", "key"):
+        p.add_argument(f"--tls-{name}", default="", help=f"PEM {name} file, for a server that serves TLS")
     args = p.parse_args(argv)
-    status = check(args.addr, args.service, args.timeout)
+    from easerve.rpc.tls import Tls
+    try:
+        tls = Tls(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        p.error(str(e))
+    status = check(args.addr, args.service, args.timeout, tls)
     print(status)
     return 0 if status == "SERVING" else 1
 

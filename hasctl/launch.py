@@ -8,6 +8,8 @@ stderr appended to <run_dir>/<name>.log. `start()` waits until every process rep
 grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
 supervisor thread restarts a process that dies (same argv and port, exponential backoff) and
 counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
+`tls=Tls(cert, key, ca)` runs every process with those --tls-* flags (TLS between all of
+them and on the gateway) and health-checks them over TLS.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from easerve.healthcheck import check
+from easerve.rpc.tls import NO_TLS, Tls
 from hasctl.deployment import STAGES, Command, Deployment, process_names, to_commands
 
 log = logging.getLogger("hasctl.launch")
@@ -71,9 +74,18 @@ def assign_ports(d: Deployment, host: str = "127.0.0.1", base_port: int | None =
     return out
 
 
-def health_ok(addr: str, service: str = "", timeout: float = 1.0) -> bool:
+def health_ok(addr: str, service: str = "", timeout: float = 1.0, tls: Tls = NO_TLS) -> bool:
     """True iff `addr` answers grpc.health.v1 Check(service) with SERVING."""
-    return check(addr, service, timeout) == "SERVING"
+    return check(addr, service, timeout, tls) == "SERVING"
+
+
+def with_tls(d: Deployment, tls: Tls) -> Deployment:
+    """`d` with the --tls-* flags of `tls` on every process."""
+    flags = {k: v for k, v in (("tls_cert", tls.cert), ("tls_key", tls.key), ("tls_ca", tls.ca),
+                               ("tls_client_auth", tls.client_auth)) if v}
+    for stage in (*STAGES, "gateway"):
+        d = d.with_flags(stage, **flags)
+    return d
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -106,9 +118,13 @@ class _Proc:
 class Stack:
     def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
                  run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
-                 backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None):
+                 backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None,
+                 tls: Tls = NO_TLS):
         if not deployment.model:
             raise ValueError("the deployment has no model; call deployment.with_model(path) first")
+        self.tls = tls
+        if tls.serving:
+            deployment = with_tls(deployment, tls)
         self.deployment, self.host, self.restart = deployment, host, restart
         self.backoff_s, self._env = backoff_s, dict(env or {})
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
@@ -142,7 +158,7 @@ class Stack:
 
     def healthy(self, name: str) -> bool:
         p = self._procs[name]
-        return health_ok(self.endpoints.stages[name], p.cmd.health_service)
+        return health_ok(self.endpoints.stages[name], p.cmd.health_service, tls=self.tls)
 
     # ---- life cycle -----------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> Stack:

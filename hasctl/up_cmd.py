@@ -31,7 +31,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="put every stage on this device (cpu, cuda:0, ...)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="every stage's weights dtype (default: the deployment's, else auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds (default loopback only; "
+                   "0.0.0.0 or a host address to be reached from elsewhere)")
+    p.add_argument("--api-key-file", default=None, help="gateway API keys, one a line (clients send Bearer KEY)")
+    p.add_argument("--tls-cert", default="", help="PEM certificate every process serves TLS with (SANs: --host)")
+    p.add_argument("--tls-key", default="", help="its PEM private key")
+    p.add_argument("--tls-ca", default="", help="PEM CA that verifies the processes' certificates")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (default: deployment's, 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (default: deployment's, 50051)")
     p.add_argument("--base-port", type=int, default=None, help="first port of the stage processes (default: free ports)")
@@ -50,6 +55,8 @@ def resolve(args) -> Deployment:
             d = d.with_flags(stage, dtype=args.dtype)
     if args.served_model_name is not None:
         d = dataclasses.replace(d, served_model_name=args.served_model_name)
+    if args.api_key_file:
+        d = d.with_flags("gateway", api_key_file=str(Path(args.api_key_file).resolve()))
     g = d.gateway
     d = d.with_gateway_ports(g.grpc_port if args.grpc_port is None else args.grpc_port,
                              g.http_port if args.http_port is None else args.http_port)
@@ -71,7 +78,10 @@ def _notice_if_tiny(model: str) -> None:
 def run(args) -> int:
     from hasctl.launch import Stack, StageExited
 
-    stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir)
+    from easerve.rpc.tls import Tls
+
+    tls = Tls(*(str(Path(f).resolve()) if f else "" for f in (args.tls_cert, args.tls_key, args.tls_ca)))
+    stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir, tls=tls)
     _notice_if_tiny(stack.deployment.model)
     print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
     done = threading.Event()

@@ -9,6 +9,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import re
 from typing import Any, Callable
 
 import grpc
@@ -17,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 from easerve.errors import (Cancelled, DeadlineExceeded, EAServeError, Internal, InvalidRequest,  # noqa: F401
-                            NotFound, Overloaded, RequestTooLarge, Unavailable)
+                            MessageTooLarge, NotFound, Overloaded, RequestTooLarge, Unauthenticated,
+                            Unavailable)
 
 
 def status_code(err: EAServeError) -> grpc.StatusCode:
@@ -32,8 +34,10 @@ _BUILTIN: tuple[tuple[type[BaseException], type[EAServeError]], ...] = (
 )
 _BY_CODE: dict[grpc.StatusCode, type[EAServeError]] = {
     grpc.StatusCode[c.code]: c for c in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded,
-                                         Cancelled, Internal)
+                                         Cancelled, Internal, Unauthenticated)
 }
+# gRPC core's words for a message over a channel's or server's max message length
+_TOO_LARGE = re.compile(r"(Received|Sent) message larger than max \((\d+) vs\. (\d+)\)")
 
 
 def domain_error(exc: BaseException) -> EAServeError:
@@ -61,6 +65,11 @@ def from_rpc_error(err: grpc.RpcError) -> EAServeError:
     """Client side: a downstream status becomes the matching domain error."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    big = _TOO_LARGE.search(details or "") if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if big is not None:
+        return MessageTooLarge(f"a message of {big[2]} bytes is over the gRPC limit of {big[3]} bytes "
+                               f"(--max-message-mb of the process that {big[1].lower()} it); "
+                               "send smaller media or raise that limit")
     return _BY_CODE.get(code, Internal)(details or code.name)
 
 

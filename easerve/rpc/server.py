@@ -16,6 +16,8 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar, Union
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from easerve.rpc.tls import NO_TLS, Tls, add_port, tls_of
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -27,28 +29,61 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @dataclass(frozen=True)
 class ServerOptions:
+    """gRPC settings of a stage's server and of the channels it opens to its peers.
+
+    Keepalive: channels ping an idle connection every `keepalive_time_ms` (also while no
+    call is open, and without a cap on pings between data frames), so a dead peer is found
+    on long idle streams; servers accept pings down to `min_ping_interval_ms` apart
+    (gRPC's default, 5 minutes, answers a 30 s keepalive with GOAWAY too_many_pings)."""
     max_message_bytes: int = 256 << 20
     grace_s: float = 10.0
     keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 20_000
+    min_ping_interval_ms: int = 500
+    tls: Tls = NO_TLS
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 4 << 20:
             raise ValueError(f"max_message_bytes must be >= 4 MiB, got {self.max_message_bytes}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
-        if self.keepalive_time_ms <= 0:
-            raise ValueError(f"keepalive_time_ms must be > 0, got {self.keepalive_time_ms}")
+        if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
+            raise ValueError(f"keepalive_time_ms and keepalive_timeout_ms must be > 0, got "
+                             f"{self.keepalive_time_ms}, {self.keepalive_timeout_ms}")
+        if not 0 < self.min_ping_interval_ms <= self.keepalive_time_ms:
+            raise ValueError(f"min_ping_interval_ms must be in (0, keepalive_time_ms={self.keepalive_time_ms}], "
+                             f"got {self.min_ping_interval_ms}: a server must accept its peers' keepalive pings")
+
+    @classmethod
+    def of(cls, cfg) -> ServerOptions:
+        """From a stage config: --grace-s, --max-message-mb, --tls-*."""
+        return cls(max_message_bytes=int(cfg.max_message_mb * (1 << 20)), grace_s=cfg.grace_s, tls=tls_of(cfg))
 
     def channel_options(self) -> list[tuple[str, int]]:
-        """Options for servers and for the channels that talk to them. Reconnect backoff is
-        capped at 2 s (gRPC's default grows to 2 minutes): a peer that was down at start,
-        or restarted, is used again within a poll or two."""
+        """Options for the channels that talk to peers (servers add `server_options`).
+        Reconnect backoff is capped at 2 s (gRPC's default grows to 2 minutes): a peer that
+        was down at start, or restarted, is used again within a poll or two."""
         return [("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2000)]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """The server's: message limits, its own keepalive pings, and the pings it accepts."""
+        return [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", self.min_ping_interval_ms),
+                ("grpc.http2.max_ping_strikes", 2),
+                # no SO_REUSEPORT: a second server on a taken port must fail, not share its traffic
+                ("grpc.so_reuseport", 0)]
 
 
 class HealthState:
@@ -83,14 +118,15 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_bound: Callable[[int], None] | None = None,
     health_state: HealthState | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT or `stop` is set, then drain. `addr` like "0.0.0.0:50051"
     (port 0 picks a free one, reported through `on_bound`). Health of "" and each name in
     `health_services` is NOT_SERVING until `warmup()` returns; if warmup raises, the server
-    stops and the error propagates."""
+    stops and the error propagates. TLS when `options.tls` serves it; `interceptors` see
+    every call (the health service's too)."""
     grace = options.grace_s if grace_s is None else grace_s
-    # no SO_REUSEPORT: a second server on a taken port must fail, not share its traffic
-    server = grpc.aio.server(options=[*options.channel_options(), ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=options.server_options(), interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for adder in adders:
@@ -98,11 +134,11 @@ async def serve(
     names = ["", *health_services]
     for name in names:
         await health_servicer.set(name, NOT_SERVING)
-    port = server.add_insecure_port(addr)
+    port = add_port(server, addr, options.tls)
     if port == 0:
         raise OSError(f"could not bind {addr}")
     await server.start()
-    log.info("listening on %s (port %d)", addr, port)
+    log.info("listening on %s (port %d%s)", addr, port, ", TLS" if options.tls.serving else "")
     if on_bound is not None:
         on_bound(port)
     stop = stop or asyncio.Event()

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from easerve.rpc.tls import check_tls_flags
+
 DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
@@ -28,9 +30,11 @@ _DEVICE = re.compile(r"^(cpu(:\d+(-\d+)?(,\d+(-\d+)?)*)?|cuda(:\d+)?)$")
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, wired: bool = False,
-        choices: tuple[str, ...] | None = None):
-    """A config field with its flag help; `wired`: set by the launcher, not by a deployment."""
-    return field(default=default, metadata={"help": help, "wired": wired, "choices": choices})
+        choices: tuple[str, ...] | None = None, repeat: bool = False, secret: bool = False):
+    """A config field with its flag help; `wired`: set by the launcher, not by a deployment;
+    `repeat`: a tuple flag that may also be given several times; `secret`: kept out of repr."""
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "wired": wired, "choices": choices, "repeat": repeat})
 
 
 def _addrs(value: tuple[str, ...], flag: str) -> None:
@@ -72,6 +76,13 @@ class StageConfig:
     dtype: str = opt("auto", "weights dtype; auto = float32 on CPU, bfloat16 on GPU", choices=DTYPES)
     log_level: str = opt("INFO", "logging level")
     metrics_listen: str = opt("", "host:port for GET /metrics (Prometheus); encode adds /trace, /partition")
+    max_message_mb: float = opt(256.0, "largest gRPC message this process receives or sends, MiB (>= 4); "
+                                "a bigger one is refused with RESOURCE_EXHAUSTED 'larger than max'")
+    tls_cert: str = opt("", "PEM certificate: serve TLS (gRPC; the gateway's HTTP too) and call peers over TLS")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt("", "PEM CA bundle that verifies the peers called (and clients, with --tls-client-auth); "
+                      "empty: the system's roots")
+    tls_client_auth: bool = opt(False, "mutual TLS: refuse clients without a certificate signed by --tls-ca")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -89,6 +100,9 @@ class StageConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--listen must be host:port, got {self.listen!r}")
+        if not self.max_message_mb >= 4:
+            raise ValueError(f"--max-message-mb must be >= 4 (MiB), got {self.max_message_mb}")
+        check_tls_flags(self.tls_cert, self.tls_key, self.tls_ca, self.tls_client_auth)
 
     @property
     def torch_device(self) -> str:
@@ -248,6 +262,12 @@ class GatewayConfig(StageConfig):
                                   "for encoder-cache-aware placement and pixel-free requests; 0: no hashing")
     encoder_cache_affinity: int = opt(4, "send a request to the encode instance holding its media unless that "
                                       "instance has this many more calls open than the least loaded one")
+    api_key: tuple[str, ...] = opt((), "API keys clients must send (HTTP Authorization: Bearer KEY, gRPC "
+                                   "metadata authorization); repeatable or comma-separated, default "
+                                   "$EASERVE_API_KEY; empty (and no --api-key-file): no keys asked. Not for "
+                                   "deployment files (keys on a command line show in ps): use --api-key-file",
+                                   repeat=True, secret=True, wired=True)
+    api_key_file: str = opt("", "file of API keys, one a line (# comments); adds to --api-key")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
@@ -289,11 +309,11 @@ def parser(cls: type[StageConfig], stage: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m services.{stage}", description=f"EAServe {stage} stage")
     for f in dataclasses.fields(cls):
         kind, flag = _kind(cls, f), f"--{_flag(f.name)}"
-        default = f.default
-        if f.name == "log_level":
-            default = os.environ.get("EASERVE_LOG_LEVEL", default)
+        default = _default(f)
         helptext = f.metadata.get("help", "")
-        if kind is bool:
+        if f.metadata.get("repeat"):
+            p.add_argument(flag, type=_split, action="append", default=None, help=helptext)
+        elif kind is bool:
             p.add_argument(flag, action="store_true", default=default, help=helptext)
         elif kind is tuple:
             p.add_argument(flag, type=_split, default=default, help=helptext)
@@ -303,6 +323,15 @@ def parser(cls: type[StageConfig], stage: str) -> argparse.ArgumentParser:
     return p
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A flag's default: the field's, or for --log-level / --api-key the environment's."""
+    if f.name == "log_level":
+        return os.environ.get("EASERVE_LOG_LEVEL", f.default)
+    if f.name == "api_key":
+        return _split(os.environ.get("EASERVE_API_KEY", ""))
+    return f.default
+
+
 def _split(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
@@ -310,9 +339,13 @@ def _split(value: str) -> tuple[str, ...]:
 def from_argv(cls: type[StageConfig], stage: str, argv: list[str]):
     """Parse a stage's command line into its config; a bad value exits with the message."""
     p = parser(cls, stage)
-    ns = p.parse_args(argv)
+    kw = vars(p.parse_args(argv))
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("repeat"):  # None: not given (the parser's default); else a list of tuples
+            given = kw[f.name]
+            kw[f.name] = _default(f) if given is None else tuple(a for part in given for a in part)
     try:
-        return cls(**vars(ns))
+        return cls(**kw)
     except ValueError as e:
         p.error(str(e))
 
@@ -338,6 +371,8 @@ def to_argv(cfg: StageConfig) -> list[str]:
             continue
         if isinstance(v, bool):
             out += [f"--{_flag(f.name)}"] if v else []
+        elif f.metadata.get("repeat"):
+            out += [x for a in v for x in (f"--{_flag(f.name)}", a)]
         elif isinstance(v, tuple):
             out += [f"--{_flag(f.name)}", ",".join(v)]
         else:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.control.placement import Candidate, LeastLoaded
 from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.v1 import stage_pb2, stage_pb2_grpc
 
@@ -50,11 +51,11 @@ class Peer:
 
 class Peers:
     def __init__(self, stub_cls, addrs: Sequence[str], channel_options=(), service: str = "",
-                 poll_s: float = POLL_S):
+                 poll_s: float = POLL_S, tls: Tls = NO_TLS):
         self.service, self.poll_s = service, poll_s
         self._peers: dict[str, Peer] = {}
         for a in addrs:
-            ch = grpc.aio.insecure_channel(a, options=list(channel_options))
+            ch = aio_channel(a, channel_options, tls)
             self._peers[a] = Peer(a, stub_cls(ch), ch, load_stub=stage_pb2_grpc.StageStub(ch),
                                   health_stub=health_pb2_grpc.HealthStub(ch))
         self._policy = LeastLoaded()

@@ -114,8 +114,11 @@ def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, s
     from easerve.control.prefill_batch import PrefillBatchConfig
     from easerve.v1 import decode_pb2_grpc
 
-    decode = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, channel_options, service="easerve.v1.Decode")
-    senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options)
+    from easerve.rpc.tls import tls_of
+
+    tls = tls_of(cfg)
+    decode = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, channel_options, service="easerve.v1.Decode", tls=tls)
+    senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options, tls=tls)
     batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
     loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy)
     return PrefillStage(loop, decode, senders, adapter.eos_token_ids, adapter.tokenizer, cfg.max_inflight,

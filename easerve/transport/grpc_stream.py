@@ -18,6 +18,7 @@ import torch
 
 from easerve import codec
 from easerve.rpc.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, grpc_errors
+from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import GrpcHandle, Handle
 from easerve.v1 import kv_pb2, kv_pb2_grpc
@@ -107,19 +108,20 @@ class GrpcStreamTransport(KVTransport):
     name = "grpc"
 
     def __init__(self, *, peer: str | None = None, servicer: KVStreamServicer | None = None,
-                 config: GrpcStreamConfig = GrpcStreamConfig(), channel_options: Sequence = ()) -> None:
+                 config: GrpcStreamConfig = GrpcStreamConfig(), channel_options: Sequence = (),
+                 tls: Tls = NO_TLS) -> None:
         super().__init__()
         if peer is None and servicer is None:
             raise ValueError("give peer= (to send), servicer= (to receive), or both")
         self.peer, self.servicer, self.config = peer, servicer, config
-        self._options = list(channel_options)
+        self._options, self._tls = list(channel_options), tls
         self._channel: grpc.aio.Channel | None = None
 
     def _stub(self) -> kv_pb2_grpc.KVStreamStub:
         if self.peer is None:
             raise ValueError("this grpc transport has no peer= to send to")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.peer, options=self._options)
+            self._channel = aio_channel(self.peer, self._options, self._tls)
         return kv_pb2_grpc.KVStreamStub(self._channel)
 
     async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from easerve.codec import kv_from_parts, kv_to_parts
 from easerve.rpc.errors import InvalidRequest
+from easerve.rpc.tls import NO_TLS, Tls
 from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
@@ -46,10 +47,12 @@ class KVSenders:
     """One sender per kind (a single shm slab serves every decode instance of this host),
     one gRPC stream transport per remote decode instance."""
 
-    def __init__(self, me: NodeIdentity, reach_of: ReachLookup, kind: str = "auto", channel_options=()):
+    def __init__(self, me: NodeIdentity, reach_of: ReachLookup, kind: str = "auto", channel_options=(),
+                 tls: Tls = NO_TLS):
         if kind not in KINDS:
             raise ValueError(f"--kv-transport {kind!r}: choose one of {', '.join(KINDS)}")
         self.me, self.kind, self._reach_of, self._opts = me, kind, reach_of, list(channel_options)
+        self._tls = tls
         self._by_addr: dict[str, KVTransport] = {}
         self._shared: dict[str, KVTransport] = {}
         self.choices: dict[str, tuple[str, str]] = {}  # addr -> (kind, why), for /metrics and logs
@@ -66,7 +69,7 @@ class KVSenders:
 
     def _make(self, kind: str, addr: str) -> KVTransport:
         if kind == "grpc":
-            return GrpcStreamTransport(peer=addr, channel_options=self._opts)
+            return GrpcStreamTransport(peer=addr, channel_options=self._opts, tls=self._tls)
         if kind not in self._shared:
             if kind == "shm":
                 self._shared[kind] = ShmTransport()

@@ -49,7 +49,7 @@ async def main(cfg: DecodeConfig) -> None:
     last_stats = {}
     metrics = DecodeMetrics(registry, lambda: last_stats.get("s"))
     engine = build_engine(cfg, adapter, health, metrics)
-    opts = ServerOptions(grace_s=cfg.grace_s)
+    opts = ServerOptions.of(cfg)
     kv_in, extra = receivers(cfg.torch_device)
     servicer = DecodeServicer(engine, kv_in, cfg.max_waiting, metrics)
     node = local_identity(cfg.torch_device)

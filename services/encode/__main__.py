@@ -38,7 +38,7 @@ class Encoder:
 
     def __init__(self, cfg: EncodeConfig):
         self.cfg = cfg
-        self.opts = ServerOptions(grace_s=cfg.grace_s)
+        self.opts = ServerOptions.of(cfg)
         self.node = local_identity(cfg.torch_device)
         dtype = dtype_of(cfg.dtype)
         self.adapter = load_adapter(cfg.model, role="encode", device=cfg.torch_device, dtype=dtype)
@@ -57,7 +57,7 @@ class Encoder:
         self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
         self.local = self._local_stage()
         self.remote = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, self.opts.channel_options(),
-                            service="easerve.v1.Prefill")
+                            service="easerve.v1.Prefill", tls=self.opts.tls)
         self.cache = self._cache()
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
                                        self.remote, self.metrics, cfg.max_inflight, cache=self.cache)

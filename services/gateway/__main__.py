@@ -10,10 +10,11 @@ from aiohttp import web
 
 from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
 from easerve.models.registry import load_adapter
-from easerve.rpc.server import serve, run
+from easerve.rpc.server import ServerOptions, serve, run
 from easerve.stages.cli import setup_process, write_port_file
 from easerve.stages.configs import GatewayConfig, from_argv
 from easerve.v1 import gateway_pb2_grpc
+from services.gateway.auth import ApiKeys, GrpcAuth, http_middleware, warn_if_open
 from services.gateway.core import GatewayCore
 from services.gateway.http_api import HttpApi
 from services.gateway.metrics import GatewayMetrics
@@ -31,15 +32,18 @@ def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
 
 
 async def main(cfg: GatewayConfig) -> None:
+    keys, opts = ApiKeys.of(cfg), ServerOptions.of(cfg)
+    warn_if_open(cfg, keys)
     adapter = load_adapter(cfg.model, role="processor", device="cpu")
     core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(cfg, adapter))
     core.start()
     ready = asyncio.Event()
-    http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set)
+    http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set,
+                   middlewares=[http_middleware(keys)] if keys.enabled else [])
     runner = web.AppRunner(http.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     host, _, port = cfg.http_listen.rpartition(":")
-    site = web.TCPSite(runner, host, int(port))
+    site = web.TCPSite(runner, host, int(port), ssl_context=opts.tls.server_ssl_context() if opts.tls.serving else None)
     await site.start()
     write_port_file(cfg.http_port_file, site._server.sockets[0].getsockname()[1])
 
@@ -48,7 +52,8 @@ async def main(cfg: GatewayConfig) -> None:
 
     try:
         await serve([(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(core))], cfg.listen,
-                    health_services=["easerve.v1.Gateway"], warmup=warmup, grace_s=cfg.grace_s,
+                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts,
+                    interceptors=[GrpcAuth(keys)] if keys.enabled else [],
                     on_bound=lambda p: write_port_file(cfg.port_file, p))
     finally:
         ready.clear()

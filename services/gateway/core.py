@@ -85,10 +85,11 @@ class GatewayCore:
         self.limit = InflightLimit(cfg.max_inflight, "the gateway")
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
-        opts = ServerOptions().channel_options()
-        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode, opts, service="easerve.v1.Encode")
-        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, opts, service="easerve.v1.Prefill")
-        self._dec = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, opts, service="easerve.v1.Decode")
+        so = ServerOptions.of(cfg)
+        opts, tls = so.channel_options(), so.tls
+        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode, opts, service="easerve.v1.Encode", tls=tls)
+        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, opts, service="easerve.v1.Prefill", tls=tls)
+        self._dec = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, opts, service="easerve.v1.Decode", tls=tls)
         self._holders = HolderMap(cfg.media_hash_entries) if cfg.media_hash_entries else None
         self._fingerprint = processor_fingerprint(adapter.processor, self.media.cfg, adapter.family) \
             if self._holders is not None else b""

@@ -22,9 +22,9 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class HttpApi:
-    def __init__(self, core: GatewayCore, max_body_bytes: int, ready):
+    def __init__(self, core: GatewayCore, max_body_bytes: int, ready, middlewares=()):
         self.core, self.ready = core, ready
-        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=list(middlewares))
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health), web.get("/metrics", self.metrics)])

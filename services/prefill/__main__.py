@@ -20,7 +20,7 @@ from services.prefill.servicer import PrefillServicer
 
 async def main(cfg: PrefillConfig) -> None:
     adapter = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype_of(cfg.dtype))
-    opts = ServerOptions(grace_s=cfg.grace_s)
+    opts = ServerOptions.of(cfg)
     node = local_identity(cfg.torch_device)
     registry = new_registry()
     stage = None
