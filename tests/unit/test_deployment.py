@@ -134,7 +134,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "preprocess-threads": 1, "allowed-media-domains": "127.0.0.1,*.example.com",
           "allowed-local-media-path": "/srv/media", "media-max-mb": 8.0, "media-timeout-s": 5.0,
           "media-max-mpixels": 64.0, "kv-cache-memory-gb": 0.5, "gpu-memory-utilization": 0.8,
-          "encoder-cache-gb": 0.5, "media-hash-entries": 128, "encoder-cache-affinity": 2}
+          "encoder-cache-gb": 0.5, "media-hash-entries": 128, "encoder-cache-affinity": 2,
+          "peer-refresh-s": 2.0}
 
 
 def _parse(stage: str, argv: list[str]):
