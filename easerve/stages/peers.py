@@ -149,12 +149,17 @@ class Peers:
 
     async def _poll_forever(self) -> None:
         while True:
-            if self._source.due():
-                await self.refresh()
-            await asyncio.gather(*(self._poll(p) for p in [*self._peers.values(), *self._retired.values()]))
-            await self._close_retired()
+            await self.poll_once()
             self._polled.set()
             await asyncio.sleep(self.poll_s)
+
+    async def poll_once(self) -> None:
+        """One round of the poll: look the addresses up again when due, ask every instance
+        for its health and load, close the channels of removed ones with no call open."""
+        if self._source.due():
+            await self.refresh()
+        await asyncio.gather(*(self._poll(p) for p in [*self._peers.values(), *self._retired.values()]))
+        await self._close_retired()
 
     async def _poll(self, p: Peer) -> None:
         timeout = max(1.0, 4 * self.poll_s)
