@@ -97,48 +97,55 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], notice_s: float) -> str:
+    """Add a prefill instance, see it take requests, then drain and remove `old`; returns the
+    added instance's name."""
+    port = free_port()
+    added = stack.add_instance("prefill", Worker(flags={"metrics-listen": f"127.0.0.1:{port}", **ONE}))
+    metrics[added] = port
+    new_addr, old_addr = stack.endpoints.stages[added], stack.endpoints.stages[old]
+    for caller in ("gateway", "encode-0"):  # the gateway (text) and encode (images) list it
+        listed = json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"]
+        assert listed == [old_addr, new_addr], caller
+    load.wait(lambda: _prefilled(port) >= 4, 120, f"requests at the added {added}")
+
+    old_port, old_pid = stack.ports[old], stack.pids[old]
+    assert stack.remove_instance(old, notice_s=notice_s) == 0  # it drained and exited by itself
+    assert _gone(old_pid) and _refused(old_port) and _refused(metrics[old])
+    assert old not in stack.endpoints.stages
+    ok_then, images_then, at_new = load.ok, load.images_ok, _prefilled(port)
+    load.wait(lambda: load.ok >= ok_then + 6 and load.images_ok > images_then, 180,
+              f"requests after removing {old}, an image among them")
+    assert _prefilled(port) >= at_new + 6  # what came since went to the instance that is left
+    for caller in ("gateway", "encode-0"):
+        assert json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"] == [new_addr]
+        log = stack.log_tail(caller, 10_000)
+        assert f"easerve.v1.Prefill instance {new_addr} added" in log, caller
+        assert f"easerve.v1.Prefill instance {old_addr} removed" in log, caller
+        assert f"closed the channel to {old_addr}" in log, caller
+    return added
+
+
 def test_a_prefill_instance_added_then_drained_and_removed_under_load_fails_no_request(tiny_root):
+    """Twice: first with the launcher's notice (callers stop sending before the drain), then
+    with none (calls that reach the draining instance are refused and placed on the other)."""
     model = str(cached_tiny("qwen2.5-vl", tiny_root))
-    m0, m1 = free_port(), free_port()
+    metrics = {"prefill-0": free_port()}
     d = Deployment(model=model, name="peers-dynamic",
                    encode=(Worker(flags={"max-batch": 2, **ONE}),),
-                   prefill=(Worker(flags={"metrics-listen": f"127.0.0.1:{m0}", "grace-s": 20, **ONE}),),
+                   prefill=(Worker(flags={"metrics-listen": f"127.0.0.1:{metrics['prefill-0']}", **ONE}),),
                    decode=(Worker(flags={"num-slots": 8, **ONE}),)).with_gateway_ports(0, 0)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "INFO"})
     stack.start(timeout=420)
     try:
         with ClientLoad(stack.endpoints.grpc) as load:
             load.wait(lambda: load.ok >= 4, 120, "the first requests")
-            assert _prefilled(m0) >= 4
-
-            # add: the gateway (text) and encode (images) send to the new instance too
-            added = stack.add_instance("prefill", Worker(flags={"metrics-listen": f"127.0.0.1:{m1}", **ONE}))
-            assert added == "prefill-1"
-            new_addr = stack.endpoints.stages["prefill-1"]
-            for caller in ("gateway", "encode-0"):
-                listed = json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"]
-                assert listed == [stack.endpoints.stages["prefill-0"], new_addr], caller
-            load.wait(lambda: _prefilled(m1) >= 4, 120, "requests at the added instance")
-
-            # drain and remove the first one while requests keep coming
-            old_addr, old_port, old_pid = stack.endpoints.stages["prefill-0"], stack.ports["prefill-0"], \
-                stack.pids["prefill-0"]
-            rc = stack.remove_instance("prefill-0")
-            assert rc == 0  # it drained and exited by itself, not killed
-            assert _gone(old_pid) and _refused(old_port) and _refused(m0)
-            assert "prefill-0" not in stack.endpoints.stages
-            ok_then, images_then, at_new = load.ok, load.images_ok, _prefilled(m1)
-            load.wait(lambda: load.ok >= ok_then + 6 and load.images_ok > images_then, 180,
-                      "requests after the removal, an image among them")
+            assert _prefilled(metrics["prefill-0"]) >= 4
+            first = _cycle(stack, load, "prefill-0", metrics, notice_s=1.0)
+            assert first == "prefill-1"
+            assert _cycle(stack, load, first, metrics, notice_s=0.0) == "prefill-2"
         assert load.errors == [], load.errors
-        assert load.sent == load.ok and load.ok >= 16, (load.sent, load.ok)
-        assert _prefilled(m1) >= at_new + 6  # every request since went to the instance that is left
-        for caller in ("gateway", "encode-0"):
-            assert json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"] == [new_addr]
-            log = stack.log_tail(caller, 10_000)
-            assert f"easerve.v1.Prefill instance {new_addr} added" in log, caller
-            assert f"easerve.v1.Prefill instance {old_addr} removed" in log, caller
-            assert f"closed the channel to {old_addr}" in log, caller
+        assert load.sent == load.ok and load.ok >= 28, (load.sent, load.ok)
         assert stack.restarts == {n: 0 for n in stack.restarts}
     finally:
         stack.stop()
