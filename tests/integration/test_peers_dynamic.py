@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -18,6 +20,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes
+from tests.integration.test_launcher import FAKE_STAGE  # a stage that only serves grpc health
 
 pytestmark = pytest.mark.slow
 ONE = {"threads": 1}
@@ -152,9 +155,6 @@ def test_a_prefill_instance_added_then_drained_and_removed_under_load_fails_no_r
 
 
 def test_the_last_instance_of_a_stage_is_not_removed_and_unknown_names_are_refused(tmp_path):
-    from tests.integration.test_launcher import FAKE_STAGE  # a stage that only serves grpc health
-    import sys
-    import textwrap
     fake = tmp_path / "fake-python"
     fake.write_text(textwrap.dedent(FAKE_STAGE.format(python=sys.executable)))
     fake.chmod(0o755)
