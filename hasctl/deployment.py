@@ -22,7 +22,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from easerve.stages.configs import STAGE_CONFIGS, check_device, flag_kind, tunable_flags, to_argv
 
@@ -263,6 +263,39 @@ def _stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
         raise ValueError(f"{where}: {e}") from None
 
 
+# who calls whom: a stage's peer flag -> the stages whose instances that flag lists
+PEER_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
+    "decode": {}, "monolith": {}, "prefill": {"decode": ("decode",)}, "encode": {"prefill": ("prefill",)},
+    # the gateway reaches a monolith as every stage
+    "gateway": {"encode": ("encode", "monolith"), "prefill": ("prefill", "monolith"),
+                "decode": ("decode", "monolith")},
+}
+
+
+def peer_roles(stage: str, colocated: bool = False) -> dict[str, tuple[str, ...]]:
+    """The peer flags of a `stage` process and the stages each lists (an encode worker that
+    co-locates prefill also hands KV to decode)."""
+    roles = dict(PEER_ROLES[stage])
+    if stage == "encode" and colocated:
+        roles["decode"] = ("decode",)
+    return roles
+
+
+def peer_lists(roles: Mapping[str, tuple[str, ...]], addrs: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """flag -> addresses, from each stage's instance addresses."""
+    return {flag: tuple(a for s in stages for a in addrs.get(s, ())) for flag, stages in roles.items()}
+
+
+def stage_command(d: Deployment, stage: str, w: Worker, name: str, host: str, port: int,
+                  addrs: Mapping[str, Sequence[str]], python: str = "python") -> Command:
+    """The process of one `stage` worker listening on host:port, its peers taken from
+    `addrs` (stage -> instance addresses)."""
+    wired = peer_lists(peer_roles(stage, bool(w.flag("colocate-prefill"))), addrs)
+    cfg = _stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{port}", **wired},
+                        w.flags, name)
+    return Command(name, stage, (python, "-m", f"services.{stage}", *to_argv(cfg)), port, HEALTH_SERVICES[stage])
+
+
 def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str = "python") -> list[Command]:
     """argv of each process (generated from its stage config), ordered decode -> prefill ->
     encode -> monolith -> gateway. Processes bind `host`; peers are reached at `host`
@@ -274,22 +307,12 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
         raise ValueError(f"no port given for {missing}")
     peer = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     addr = {s: tuple(f"{peer}:{ports[f'{s}-{i}']}" for i in range(len(getattr(d, s)))) for s in STAGES}
-    wiring = {"decode": {}, "prefill": {"decode": addr["decode"]}, "monolith": {},
-              "encode": {"prefill": addr["prefill"]}}
-    out = []
-    for stage in STAGES:
-        for i, w in enumerate(getattr(d, stage)):
-            name = f"{stage}-{i}"
-            local = {"decode": addr["decode"]} if stage == "encode" and w.flag("colocate-prefill") else {}
-            cfg = _stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{ports[name]}",
-                                        **wiring[stage], **local}, w.flags, name)
-            argv = (python, "-m", f"services.{stage}", *to_argv(cfg))
-            out.append(Command(name, stage, argv, ports[name], HEALTH_SERVICES[stage]))
-    mono = addr["monolith"]
+    out = [stage_command(d, stage, w, f"{stage}-{i}", host, ports[f"{stage}-{i}"], addr, python)
+           for stage in STAGES for i, w in enumerate(getattr(d, stage))]
     served = {"served_model_name": d.served_model_name} if d.served_model_name else {}
     gw = _stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}", **served,
-                                   "http_listen": f"{host}:{ports['gateway-http']}", "encode": addr["encode"] + mono,
-                                   "prefill": addr["prefill"] + mono, "decode": addr["decode"] + mono},
+                                   "http_listen": f"{host}:{ports['gateway-http']}",
+                                   **peer_lists(peer_roles("gateway"), addr)},
                        d.gateway.flags, "gateway")
     out.append(Command("gateway", "gateway", (python, "-m", "services.gateway", *to_argv(gw)), ports["gateway"],
                        HEALTH_SERVICES["gateway"]))

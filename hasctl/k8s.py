@@ -6,13 +6,14 @@ What it writes, from the deployment file:
 - a ConfigMap holding the deployment file itself (mounted at /etc/easerve/deployment.yaml; its
   hash is a pod annotation, so a changed deployment rolls the pods);
 - per stage (decode, prefill, encode): a StatefulSet of its instances and a headless Service.
-  Peers are passed every instance by its stable DNS name
-  (`easerve-decode-1.easerve-decode.<ns>.svc.cluster.local:50054`): an instance is one gRPC
-  channel on the caller's side, and the KV of a request must reach the decode instance that
-  accepted its reservation, so one name per instance (not one name for all) is what a stage
-  needs. The per-instance records exist while that pod is ready, and follow it to whichever
-  node or address it comes back on. Instances whose flags or devices differ get one
-  StatefulSet each (`easerve-encode-0`, `easerve-encode-1`).
+  Peers are passed the headless Service's name (`easerve-decode.<ns>.svc.cluster.local:50054`),
+  which resolves to the address of every ready instance; the stages look it up again every
+  --peer-refresh-s and keep one channel per address (easerve.stages.peer_sources), so
+  `kubectl scale statefulset easerve-prefill --replicas 4` is followed without a restart, and a
+  pod that drains (NOT_SERVING, so not ready) leaves the records and gets no new calls. The KV
+  of a request goes to the decode address the gateway reserved at, which its prefill finds
+  among the same records. Instances whose flags or devices differ get one StatefulSet (and
+  Service) each (`easerve-encode-0`, `easerve-encode-1`).
 - the gateway: a Deployment and a Service (gRPC and the OpenAI HTTP port).
 Each container runs exactly the argv `hasctl.deployment.to_commands` gives the launcher, but
 for addresses: it binds 0.0.0.0 and names peers by DNS. Devices: cuda:N -> one
@@ -103,14 +104,10 @@ def groups(d: Deployment, opts: K8sOptions) -> list[Group]:
     return out
 
 
-def _instance_names(gs: list[Group], opts: K8sOptions) -> dict[str, str]:
-    """process name (decode-1) -> that pod's DNS name and port."""
-    out = {}
-    for g in gs:
-        for ordinal, i in enumerate(g.instances):
-            out[f"{g.stage}-{i}"] = (f"{g.name}-{ordinal}.{g.name}.{opts.namespace}.svc.{opts.cluster_domain}"
-                                     f":{g.port}")
-    return out
+def _service_names(gs: list[Group], opts: K8sOptions) -> dict[str, str]:
+    """process name (decode-1) -> the DNS name and port of its group's headless Service."""
+    return {f"{g.stage}-{i}": f"{g.name}.{opts.namespace}.svc.{opts.cluster_domain}:{g.port}"
+            for g in gs for i in g.instances}
 
 
 def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str, list[str]]]:
@@ -123,7 +120,7 @@ def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str
         pod_d = pod_d.with_flags("gateway", served_model_name=served_name(d.model))
     ports = {n: g.port for n, g in by_proc.items()}
     ports.update(gateway=d.gateway.grpc_port or 50051, **{"gateway-http": d.gateway.http_port or 8000})
-    names = _instance_names(gs, opts)
+    names = _service_names(gs, opts)
     argvs = {}
     for cmd in to_commands(pod_d, "0.0.0.0", ports):
         argv = list(cmd.argv)
@@ -135,7 +132,7 @@ def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str
                 if cmd.stage == "gateway":  # the gateway reaches a monolith as every stage
                     peers += [f"monolith-{i}" for i in range(len(d.monolith))]
                 assert len(peers) == len(value.split(",")), (cmd.name, flag, value)
-                argv = replace_flag(argv, flag, ",".join(names[n] for n in peers))
+                argv = replace_flag(argv, flag, ",".join(dict.fromkeys(names[n] for n in peers)))
         argvs[cmd.name] = argv
     return gs, argvs
 
@@ -235,7 +232,7 @@ def manifests(d: Deployment, opts: K8sOptions = K8sOptions()) -> list[dict]:
         pod = _pod_spec(d, opts, g, argv, g.stage, [{"name": "grpc", "containerPort": port}],
                         grace_s(g.worker.flags), claim)
         out.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(g.name, opts, labels),
-                    "spec": {"clusterIP": "None", "selector": labels,
+                    "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": labels,
                              "ports": [{"name": "grpc", "port": port, "targetPort": port}]}})
         out.append({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(g.name, opts, labels),
                     "spec": {"serviceName": g.name, "replicas": len(g.instances), "podManagementPolicy": "Parallel",

@@ -10,6 +10,12 @@ supervisor thread restarts a process that dies (same argv and port, exponential 
 counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
 `tls=Tls(cert, key, ca)` runs every process with those --tls-* flags (TLS between all of
 them and on the gateway) and health-checks them over TLS.
+
+Instances come and go while the stack runs: each process that calls others reads its peers
+from <run_dir>/<name>.peers.json (`--peers-file`), which the launcher replaces atomically.
+`add_instance(stage)` starts one more instance and lists it once it is SERVING;
+`remove_instance(name)` unlists it, gives the callers a moment to read the list again, then
+drains it (SIGTERM: NOT_SERVING, its open calls finish, it exits).
 """
 from __future__ import annotations
 
@@ -29,7 +35,9 @@ from pathlib import Path
 
 from easerve.healthcheck import check
 from easerve.rpc.tls import NO_TLS, Tls
-from hasctl.deployment import STAGES, Command, Deployment, process_names, to_commands
+from easerve.stages.peer_sources import write_peers_file
+from hasctl.deployment import (STAGES, Command, Deployment, Worker, peer_roles, peer_lists, process_names,
+                               stage_command, to_commands)
 
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
@@ -113,6 +121,8 @@ class _Proc:
     started: float = 0.0
     failures: int = 0             # consecutive short-lived runs, for the backoff
     restart_at: float | None = None
+    listed: bool = True           # in its callers' peers files
+    peers_file: Path | None = None
 
 
 class Stack:
@@ -133,6 +143,11 @@ class Stack:
         cmds = [_keep_profile(c, self.run_dir) for c in to_commands(deployment, host, self.ports,
                                                                     python or sys.executable)]
         self._procs = {c.name: _Proc(c, self.run_dir / f"{c.name}.log") for c in cmds}
+        self._python = python or sys.executable
+        self._next_index = {s: len(getattr(deployment, s)) for s in STAGES}
+        for p in self._procs.values():
+            self._give_peers_file(p)
+        self._write_peers_files()
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._supervising = False
@@ -222,6 +237,99 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    # ---- instances that come and go ------------------------------------------------------------------
+    def add_instance(self, stage: str, worker: Worker | None = None, timeout: float = 300.0) -> str:
+        """Start one more `stage` instance (`worker`, default: like the deployment's first one)
+        and, once it is SERVING, list it in its callers' peers files. Returns its name."""
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+        workers = getattr(self.deployment, stage)
+        if worker is None and not workers:
+            raise ValueError(f"the deployment has no {stage} worker to copy; pass worker=Worker(...)")
+        w = (worker or workers[0]).check(stage, f"{stage} (added)")
+        with self._lock:
+            name = f"{stage}-{self._next_index[stage]}"
+            self._next_index[stage] += 1
+            port = w.port or free_port(self.host)
+            cmd = stage_command(self.deployment, stage, w, name, self.host, port, self._addrs(), self._python)
+            p = _Proc(_keep_profile(cmd, self.run_dir), self.run_dir / f"{name}.log", listed=False)
+            self._give_peers_file(p)
+            self._procs[name], self.ports[name] = p, port
+            self._write_peers_files()
+            self._spawn(p)
+        try:
+            self._wait_serving(name, timeout)
+        except BaseException:
+            self.remove_instance(name, notice_s=0.0)
+            raise
+        with self._lock:
+            p.listed = True
+            self._write_peers_files()
+        log.info("added %s on port %d", name, port)
+        return name
+
+    def remove_instance(self, name: str, notice_s: float = 1.0, timeout: float = 60.0) -> int:
+        """Unlist `name` from its callers' peers files, wait `notice_s` (they read them again
+        every poll), then drain it: SIGTERM (the stage turns NOT_SERVING, lets its open calls
+        finish and exits), SIGKILL past `timeout`. Returns its exit code (0: drained)."""
+        with self._lock:
+            p = self._procs.get(name)
+            if p is None or name == "gateway":
+                raise ValueError(f"no removable instance {name!r}; running: "
+                                 f"{', '.join(n for n in self._procs if n != 'gateway')}")
+            if p.listed and not any(q.listed and q.cmd.stage == p.cmd.stage for q in self._procs.values()
+                                    if q is not p):
+                raise ValueError(f"{name} is the last {p.cmd.stage} instance; add another one first")
+            p.listed = False
+            self._write_peers_files()
+        time.sleep(notice_s)
+        with self._lock:
+            del self._procs[name]
+            self.ports.pop(name, None)
+        _signal_group(p.popen, signal.SIGTERM)
+        try:
+            rc = p.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not drain in %.0f s; killing it", name, timeout)
+            rc = None
+        _signal_group(p.popen, signal.SIGKILL)
+        rc2 = p.popen.wait()
+        log.info("removed %s (exit code %s)", name, rc2 if rc is None else rc)
+        return rc2 if rc is None else rc
+
+    def _wait_serving(self, name: str, timeout: float) -> None:
+        p, deadline = self._procs[name], time.monotonic() + timeout
+        while not self.healthy(name):
+            rc = p.popen.poll()
+            if rc is not None:
+                raise StageExited(f"{name} exited with code {rc} while starting; {p.log}:\n{self.log_tail(name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not SERVING after {timeout:.0f} s:\n{self.log_tail(name, 10)}")
+            time.sleep(0.3)
+
+    def _addrs(self) -> dict[str, list[str]]:
+        """stage -> the addresses of its listed instances, in launch order."""
+        peer = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        out: dict[str, list[str]] = {}
+        for p in self._procs.values():
+            if p.listed:
+                out.setdefault(p.cmd.stage, []).append(f"{peer}:{p.cmd.port}")
+        return out
+
+    def _roles(self, p: _Proc) -> dict[str, tuple[str, ...]]:
+        return peer_roles(p.cmd.stage, "--colocate-prefill" in p.cmd.argv)
+
+    def _give_peers_file(self, p: _Proc) -> None:
+        if self._roles(p):
+            p.peers_file = self.run_dir / f"{p.cmd.name}.peers.json"
+            p.cmd = dataclasses.replace(p.cmd, argv=(*p.cmd.argv, "--peers-file", str(p.peers_file)))
+
+    def _write_peers_files(self) -> None:
+        addrs = self._addrs()
+        for p in self._procs.values():
+            if p.peers_file is not None:
+                write_peers_file(p.peers_file, peer_lists(self._roles(p), addrs))
 
     # ---- processes ------------------------------------------------------------------------------
     def _spawn(self, p: _Proc) -> None:

@@ -143,7 +143,23 @@ def _check_engine(c) -> None:
 
 
 @dataclass(frozen=True)
-class PrefillFields:
+class PeerFields:
+    """How a stage that calls others follows their instances as they come and go
+    (easerve.stages.peer_sources): its peer flags may name hosts (every address a name
+    resolves to is one instance, looked up again), and the launcher may keep a peers file."""
+    peers_file: str = opt("", "the launcher's list of peers, JSON {\"decode\": [\"host:port\", ...], ...}; "
+                          "read again when it changes, a role it lists replaces that flag", wired=True)
+    peer_refresh_s: float = opt(5.0, "look peer host names up again every this many seconds (DNS: e.g. a "
+                                     "Kubernetes headless Service's instances)")
+
+
+def _check_peers(c) -> None:
+    if not c.peer_refresh_s > 0:
+        raise ValueError(f"--peer-refresh-s must be > 0, got {c.peer_refresh_s}")
+
+
+@dataclass(frozen=True)
+class PrefillFields(PeerFields):
     """Prefill as a stage (remote prefill, and the one co-located in encode)."""
     decode: tuple[str, ...] = opt((), "decode instances this prefill may hand KV to, host:port,...", wired=True)
     kv_transport: str = opt("auto", "KV transport to decode (auto: by node identity)", choices=KV_TRANSPORTS)
@@ -162,6 +178,7 @@ class PrefillConfig(PrefillFields, StageConfig):
 
 
 def _check_prefill(c) -> None:
+    _check_peers(c)
     _addrs(c.decode, "decode")
     if c.max_batched_tokens < 1 or c.max_prefill_batch < 1 or c.max_inflight < 1:
         raise ValueError("--max-batched-tokens, --max-prefill-batch and --max-inflight must be >= 1")
@@ -237,7 +254,7 @@ class MonolithConfig(EngineFields, EncodeConfig):
 
 
 @dataclass(frozen=True)
-class GatewayConfig(StageConfig):
+class GatewayConfig(PeerFields, StageConfig):
     listen: str = opt("127.0.0.1:50051", "gRPC address to bind (the public SDK API)", wired=True)
     http_listen: str = opt("127.0.0.1:8000", "OpenAI-compatible HTTP address", wired=True)
     http_port_file: str = opt("", "write the bound HTTP port here", wired=True)
@@ -271,6 +288,7 @@ class GatewayConfig(StageConfig):
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
+        _check_peers(self)
         for flag in ("encode", "prefill", "decode"):
             _addrs(getattr(self, flag), flag)
         if not self.prefill or not self.decode:

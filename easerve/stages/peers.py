@@ -6,6 +6,12 @@
 skipping instances that are down or NOT_SERVING; `start_call()` opens a streaming call
 and retries once on another instance when it fails before its first message (nothing was
 committed there yet). `relay()` turns a streaming call's failure into the domain error.
+
+The set of instances may change while running (`easerve.stages.peer_sources`: DNS names
+looked up again, the launcher's peers file): the poll loop applies each new list. A new
+instance is a candidate once a poll finds it SERVING; one that left the list (or drains:
+NOT_SERVING) gets no new calls, its open calls finish, and its channel is closed once
+this caller has none open on it.
 """
 from __future__ import annotations
 
@@ -13,13 +19,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.control.placement import Candidate, LeastLoaded
+from easerve.stages.peer_sources import PeerSource
 from easerve.rpc.errors import Unavailable, from_rpc_error
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.node import NodeIdentity, shm_probe
@@ -51,34 +58,88 @@ class Peer:
 
 class Peers:
     def __init__(self, stub_cls, addrs: Sequence[str], channel_options=(), service: str = "",
-                 poll_s: float = POLL_S, tls: Tls = NO_TLS):
+                 poll_s: float = POLL_S, source: PeerSource | None = None,
+                 on_closed: Callable[[str], Awaitable[None]] | None = None, tls: Tls = NO_TLS):
+        """`addrs`: the instances (see PeerSource), or `source` where they may change;
+        `on_closed(addr)`: awaited after a removed instance's channel is closed."""
         self.service, self.poll_s = service, poll_s
+        self._stub_cls, self._options, self._on_closed, self._tls = stub_cls, list(channel_options), on_closed, tls
+        self._source = source or PeerSource(addrs)
         self._peers: dict[str, Peer] = {}
-        for a in addrs:
-            ch = aio_channel(a, channel_options, tls)
-            self._peers[a] = Peer(a, stub_cls(ch), ch, load_stub=stage_pb2_grpc.StageStub(ch),
-                                  health_stub=health_pb2_grpc.HealthStub(ch))
+        self._retired: dict[str, Peer] = {}  # left the list; kept until their calls finish
+        if self._source.static:  # known now: optimistic until the first poll
+            for a in self._source.static_addrs():
+                self._peers[a] = self._new_peer(a, up=True)
         self._policy = LeastLoaded()
         self._task: asyncio.Task | None = None
         self._polled = asyncio.Event()
+        self._refresh_lock: asyncio.Lock | None = None
+
+    def _new_peer(self, addr: str, up: bool) -> Peer:
+        ch = aio_channel(addr, self._options, self._tls)
+        return Peer(addr, self._stub_cls(ch), ch, up=up, load_stub=stage_pb2_grpc.StageStub(ch),
+                    health_stub=health_pb2_grpc.HealthStub(ch))
 
     def __bool__(self) -> bool:
-        return bool(self._peers)
+        """Whether this role has instances, or addresses that may name some."""
+        return bool(self._peers) or bool(self._source.configured)
 
     def __len__(self) -> int:
         return len(self._peers)
 
     @property
     def addrs(self) -> list[str]:
+        """The instances in the current list (not those removed and finishing calls)."""
         return list(self._peers)
 
+    @property
+    def retired(self) -> list[str]:
+        return list(self._retired)
+
     def get(self, addr: str) -> Peer | None:
-        return self._peers.get(addr)
+        """The instance at `addr`, listed or removed but still finishing calls."""
+        return self._peers.get(addr) or self._retired.get(addr)
+
+    async def lookup(self, addr: str) -> Peer | None:
+        """`get`, after looking the addresses up again when `addr` is not known (another
+        stage may have seen a new instance first)."""
+        p = self.get(addr)
+        if p is None and not self._source.static:
+            await self.refresh()
+            p = self.get(addr)
+        return p
+
+    # ---- the list of instances ---------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Look the addresses up now and apply the list (one look-up at a time)."""
+        if self._refresh_lock is None:
+            self._refresh_lock = asyncio.Lock()
+        async with self._refresh_lock:
+            self._apply(await self._source.resolve())
+
+    def _apply(self, addrs: Sequence[str]) -> None:
+        for a in addrs:
+            if a in self._peers:
+                continue
+            back = self._retired.pop(a, None)
+            self._peers[a] = back or self._new_peer(a, up=False)  # a candidate once a poll says SERVING
+            log.info("%s instance %s %s", self.service or "peer", a, "is listed again" if back else "added")
+        for a in [a for a in self._peers if a not in addrs]:
+            self._retired[a] = self._peers.pop(a)
+            log.info("%s instance %s removed; it gets no new calls", self.service or "peer", a)
+
+    async def _close_retired(self) -> None:
+        for a in [a for a, p in self._retired.items() if p.outstanding <= 0]:
+            p = self._retired.pop(a)
+            await p.channel.close()
+            log.info("closed the channel to %s", a)
+            if self._on_closed is not None:
+                await self._on_closed(a)
 
     # ---- polling -------------------------------------------------------------------------
     def start(self) -> None:
         """Begin polling (call from the running event loop; idempotent)."""
-        if self._task is None and self._peers:
+        if self._task is None and (self._peers or not self._source.static):
             self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def stop(self) -> None:
@@ -89,9 +150,17 @@ class Peers:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(p) for p in self._peers.values()))
+            await self.poll_once()
             self._polled.set()
             await asyncio.sleep(self.poll_s)
+
+    async def poll_once(self) -> None:
+        """One round of the poll: look the addresses up again when due, ask every instance
+        for its health and load, close the channels of removed ones with no call open."""
+        if self._source.due():
+            await self.refresh()
+        await asyncio.gather(*(self._poll(p) for p in [*self._peers.values(), *self._retired.values()]))
+        await self._close_retired()
 
     async def _poll(self, p: Peer) -> None:
         timeout = max(1.0, 4 * self.poll_s)
@@ -111,7 +180,7 @@ class Peers:
 
     async def node_of(self, addr: str, timeout: float = 5.0) -> NodeIdentity | None:
         """The instance's node identity (asks it once if no poll has answered yet)."""
-        p = self._peers.get(addr)
+        p = self.get(addr)
         if p is None:
             return None
         if p.node is None:
@@ -122,7 +191,7 @@ class Peers:
 
     async def shm_shared(self, addr: str, timeout: float = 5.0) -> bool:
         """Can the instance read shared memory this process writes? (Tried with a probe.)"""
-        p = self._peers.get(addr)
+        p = self.get(addr)
         if p is None:
             return False
         with shm_probe() as (name, token):
@@ -148,6 +217,9 @@ class Peers:
         key = self._policy.choose([p.candidate() for p in self._peers.values()], exclude)
         if key is None:
             left = [a for a in self._peers if a not in exclude]
+            if not self._peers:
+                raise Unavailable(f"no {self.service or 'peer'} instance is listed now "
+                                  f"(addresses: {', '.join(self._source.configured) or 'none'})")
             if not left:
                 raise Unavailable(f"no {self.service or 'peer'} instance left to try ({', '.join(self._peers)})")
             raise Unavailable(f"every {self.service or 'peer'} instance is down or not serving: {', '.join(left)}")
@@ -161,7 +233,8 @@ class Peers:
             try:
                 return self.pick(exclude, prefer)
             except Unavailable:
-                if time.monotonic() >= end or self._task is None or all(a in exclude for a in self._peers):
+                tried_all = bool(self._peers) and all(a in exclude for a in self._peers)
+                if time.monotonic() >= end or self._task is None or tried_all:
                     raise
                 await asyncio.sleep(self.poll_s)
 
@@ -203,7 +276,15 @@ class Peers:
 
     async def close(self) -> None:
         await self.stop()
-        await asyncio.gather(*(p.channel.close() for p in self._peers.values()), return_exceptions=True)
+        await asyncio.gather(*(p.channel.close() for p in [*self._peers.values(), *self._retired.values()]),
+                             return_exceptions=True)
+
+
+def peers_of(cfg, role: str, stub_cls, channel_options, service: str, **kw) -> Peers:
+    """The instances a stage config's --<role> flag (and its --peers-file) names, followed
+    as they come and go (`cfg` has easerve.stages.configs.PeerFields)."""
+    source = PeerSource(getattr(cfg, role), role, cfg.peers_file, cfg.peer_refresh_s)
+    return Peers(stub_cls, (), channel_options, service=service, source=source, **kw)
 
 
 async def relay(call) -> AsyncIterator:

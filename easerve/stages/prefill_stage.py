@@ -20,7 +20,7 @@ from easerve.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import InvalidRequest, from_rpc_error
 from easerve.stages.limits import InflightLimit
-from easerve.stages.peers import Peers
+from easerve.stages.peers import Peers, peers_of
 from easerve.stages.prefill_loop import PrefillLoop
 from easerve.transport.handoff import KVSenders
 from easerve.types import KVPayload, PrefillRequest
@@ -59,8 +59,8 @@ class PrefillStage:
         await self.decode.close()
         await self.senders.close()
 
-    def _target(self, addr: str):
-        peer = self.decode.get(addr)
+    async def _target(self, addr: str):
+        peer = await self.decode.lookup(addr)
         if peer is None:
             raise InvalidRequest(f"decode target {addr or '(none)'!r} is not one of this prefill's decode "
                                  f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
@@ -70,23 +70,34 @@ class PrefillStage:
                   **timings: float) -> AsyncIterator[cpb.TokenChunk]:
         """Yield the first-token chunk; return once the KV is at `target` (a decode address)."""
         with self.limit.admit():
-            peer = None if self.local_submit is not None else self._target(target)
-            one = await self.loop.prefill(req)
-            deadline.check("prefill")
-            if self.m is not None:
-                self.m.on_request(one.batch_size, one.result.prompt_len)
-            verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
-            usage = (one.result.prompt_len, 1) if verdict.finished else None
-            lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
-                                               [req.sampling.logprobs]) if lp is not None]
-            yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
-                              usage=usage, logprobs=lps, prefill_ms=one.prefill_ms, **timings)
-            if verdict.finished:
-                return  # the gateway ends its reservation at decode
-            r = one.result
-            payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
-                                req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))
-            await self._handoff(peer, payload, deadline)
+            peer = None if self.local_submit is not None else await self._target(target)
+            if peer is not None:
+                peer.outstanding += 1  # its channel stays open while this request needs it
+            try:
+                async for chunk in self._run(req, peer, deadline, timings):
+                    yield chunk
+            finally:
+                if peer is not None:
+                    self.decode.finish(peer)
+
+    async def _run(self, req: PrefillRequest, peer, deadline: Deadline,
+                   timings: dict) -> AsyncIterator[cpb.TokenChunk]:
+        one = await self.loop.prefill(req)
+        deadline.check("prefill")
+        if self.m is not None:
+            self.m.on_request(one.batch_size, one.result.prompt_len)
+        verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
+        usage = (one.result.prompt_len, 1) if verdict.finished else None
+        lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
+                                           [req.sampling.logprobs]) if lp is not None]
+        yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
+                          usage=usage, logprobs=lps, prefill_ms=one.prefill_ms, **timings)
+        if verdict.finished:
+            return  # the gateway ends its reservation at decode
+        r = one.result
+        payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
+                            req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))
+        await self._handoff(peer, payload, deadline)
 
     async def _handoff(self, peer, payload: KVPayload, deadline: Deadline) -> None:
         t0 = time.monotonic()
@@ -117,7 +128,8 @@ def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, s
     from easerve.rpc.tls import tls_of
 
     tls = tls_of(cfg)
-    decode = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, channel_options, service="easerve.v1.Decode", tls=tls)
+    decode = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, channel_options, "easerve.v1.Decode",
+                      on_closed=lambda addr: senders.forget(addr), tls=tls)  # forget: a removed decode instance
     senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options, tls=tls)
     batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
     loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy)

@@ -87,6 +87,13 @@ class KVSenders:
         handle = await t.send(payload.request_id, header, tensors, timeout=timeout)
         return handle_to_proto(handle), t
 
+    async def forget(self, addr: str) -> None:
+        """Drop what was kept for a decode instance that is gone (its own gRPC stream transport)."""
+        t = self._by_addr.pop(addr, None)
+        self.choices.pop(addr, None)
+        if t is not None and t not in self._shared.values():
+            await t.close()
+
     @staticmethod
     def release(transport: KVTransport, msg: kv_pb2.KVTransfer) -> None:
         """Free sender-side resources once decode has taken the payload (or gave up)."""

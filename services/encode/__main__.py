@@ -16,7 +16,7 @@ from easerve.stages.cli import dtype_of, setup_process, write_port_file
 from easerve.stages.configs import EncodeConfig, from_argv
 from easerve.stages.encode_loop import EncodeLoop
 from easerve.stages.metrics_http import start_metrics_server
-from easerve.stages.peers import Peers
+from easerve.stages.peers import peers_of
 from easerve.stages.prefill_stage import build_prefill_stage
 from easerve.stages.warmup import prefill_once
 from easerve.transport.node import local_identity
@@ -56,8 +56,8 @@ class Encoder:
             gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
         self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
         self.local = self._local_stage()
-        self.remote = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, self.opts.channel_options(),
-                            service="easerve.v1.Prefill", tls=self.opts.tls)
+        self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
+                               "easerve.v1.Prefill", tls=self.opts.tls)
         self.cache = self._cache()
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
                                        self.remote, self.metrics, cfg.max_inflight, cache=self.cache)

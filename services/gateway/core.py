@@ -40,7 +40,7 @@ from easerve.rpc.server import ServerOptions
 from easerve.stages.cli import default_max_len
 from easerve.stages.configs import GatewayConfig
 from easerve.stages.limits import InflightLimit
-from easerve.stages.peers import Peers
+from easerve.stages.peers import peers_of
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -87,9 +87,9 @@ class GatewayCore:
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
         so = ServerOptions.of(cfg)
         opts, tls = so.channel_options(), so.tls
-        self._enc = Peers(encode_pb2_grpc.EncodeStub, cfg.encode, opts, service="easerve.v1.Encode", tls=tls)
-        self._pre = Peers(prefill_pb2_grpc.PrefillStub, cfg.prefill, opts, service="easerve.v1.Prefill", tls=tls)
-        self._dec = Peers(decode_pb2_grpc.DecodeStub, cfg.decode, opts, service="easerve.v1.Decode", tls=tls)
+        self._enc = peers_of(cfg, "encode", encode_pb2_grpc.EncodeStub, opts, "easerve.v1.Encode", tls=tls)
+        self._pre = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, opts, "easerve.v1.Prefill", tls=tls)
+        self._dec = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, opts, "easerve.v1.Decode", tls=tls)
         self._holders = HolderMap(cfg.media_hash_entries) if cfg.media_hash_entries else None
         self._fingerprint = processor_fingerprint(adapter.processor, self.media.cfg, adapter.family) \
             if self._holders is not None else b""

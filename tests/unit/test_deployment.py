@@ -136,7 +136,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "media-max-mpixels": 64.0, "kv-cache-memory-gb": 0.5, "gpu-memory-utilization": 0.8,
           "encoder-cache-gb": 0.5, "media-hash-entries": 128, "encoder-cache-affinity": 2,
           "max-message-mb": 64.0, "tls-cert": "/etc/easerve/tls.crt", "tls-key": "/etc/easerve/tls.key",
-          "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys"}
+          "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
+          "peer-refresh-s": 2.0}
 
 
 def _parse(stage: str, argv: list[str]):

@@ -1,0 +1,181 @@
+"""Peers that come and go, live: under a steady client load, the launcher adds a second prefill
+instance (its callers, the gateway and encode, start sending to it without a restart), then
+drains and removes the first (they stop sending to it, its open calls finish, it exits).
+No request fails, and the removed process leaves no port behind."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from easerve import Client
+from easerve.models.tiny import cached_tiny
+from hasctl.deployment import Deployment, Worker
+from hasctl.launch import Stack, free_port
+from tests.integration.conftest import png_bytes
+from tests.integration.test_launcher import FAKE_STAGE  # a stage that only serves grpc health
+
+pytestmark = pytest.mark.slow
+ONE = {"threads": 1}
+
+
+class ClientLoad:
+    """`workers` threads sending requests back to back (every 4th of worker 0 with an image),
+    counting what was sent, what completed and each failure."""
+
+    def __init__(self, target: str, workers: int = 3):
+        self.client = Client(target, timeout=120)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sent = self.ok = self.images_ok = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(workers)]
+
+    def __enter__(self) -> ClientLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+        self.client.close()
+
+    def _run(self, w: int) -> None:
+        k = 0
+        while not self.stop.is_set():
+            image = w == 0 and k % 4 == 3
+            kw = {"images": [png_bytes(40, 48, k)], "prompt": "What is this?"} if image else \
+                {"prompt": f"Count to {k} please"}
+            with self.lock:
+                self.sent += 1
+            try:
+                out = self.client.generate(max_tokens=4, **kw)
+                assert len(out.token_ids) >= 1, out
+            except Exception as e:  # noqa: BLE001 - every failure is recorded and asserted on
+                with self.lock:
+                    self.errors.append(f"{'image' if image else 'text'} request {w}/{k}: {e!r}")
+            else:
+                with self.lock:
+                    self.ok += 1
+                    self.images_ok += image
+            k += 1
+
+    def wait(self, cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert not self.errors, self.errors
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what} (sent {self.sent}, ok {self.ok})")
+            time.sleep(0.2)
+
+
+def _prefilled(metrics_port: int) -> float:
+    """Requests the prefill instance has prefilled (its /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("easerve:prefill_batch_size_count"))
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], notice_s: float) -> str:
+    """Add a prefill instance, see it take requests, then drain and remove `old`; returns the
+    added instance's name."""
+    port = free_port()
+    added = stack.add_instance("prefill", Worker(flags={"metrics-listen": f"127.0.0.1:{port}", **ONE}))
+    metrics[added] = port
+    new_addr, old_addr = stack.endpoints.stages[added], stack.endpoints.stages[old]
+    for caller in ("gateway", "encode-0"):  # the gateway (text) and encode (images) list it
+        listed = json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"]
+        assert listed == [old_addr, new_addr], caller
+    load.wait(lambda: _prefilled(port) >= 4, 120, f"requests at the added {added}")
+
+    old_port, old_pid = stack.ports[old], stack.pids[old]
+    assert stack.remove_instance(old, notice_s=notice_s) == 0  # it drained and exited by itself
+    assert _gone(old_pid) and _refused(old_port) and _refused(metrics[old])
+    assert old not in stack.endpoints.stages
+    ok_then, images_then, at_new = load.ok, load.images_ok, _prefilled(port)
+    load.wait(lambda: load.ok >= ok_then + 6 and load.images_ok > images_then, 180,
+              f"requests after removing {old}, an image among them")
+    assert _prefilled(port) >= at_new + 6  # what came since went to the instance that is left
+    for caller in ("gateway", "encode-0"):
+        assert json.loads((stack.run_dir / f"{caller}.peers.json").read_text())["prefill"] == [new_addr]
+        log = stack.log_tail(caller, 10_000)
+        assert f"easerve.v1.Prefill instance {new_addr} added" in log, caller
+        assert f"easerve.v1.Prefill instance {old_addr} removed" in log, caller
+        assert f"closed the channel to {old_addr}" in log, caller
+    return added
+
+
+def test_a_prefill_instance_added_then_drained_and_removed_under_load_fails_no_request(tiny_root):
+    """Twice: first with the launcher's notice (callers stop sending before the drain), then
+    with none (calls that reach the draining instance are refused and placed on the other)."""
+    model = str(cached_tiny("qwen2.5-vl", tiny_root))
+    metrics = {"prefill-0": free_port()}
+    d = Deployment(model=model, name="peers-dynamic",
+                   encode=(Worker(flags={"max-batch": 2, **ONE}),),
+                   prefill=(Worker(flags={"metrics-listen": f"127.0.0.1:{metrics['prefill-0']}", **ONE}),),
+                   decode=(Worker(flags={"num-slots": 8, **ONE}),)).with_gateway_ports(0, 0)
+    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "INFO"})
+    stack.start(timeout=420)
+    try:
+        with ClientLoad(stack.endpoints.grpc) as load:
+            load.wait(lambda: load.ok >= 4, 120, "the first requests")
+            assert _prefilled(metrics["prefill-0"]) >= 4
+            first = _cycle(stack, load, "prefill-0", metrics, notice_s=1.0)
+            assert first == "prefill-1"
+            assert _cycle(stack, load, first, metrics, notice_s=0.0) == "prefill-2"
+        assert load.errors == [], load.errors
+        assert load.sent == load.ok and load.ok >= 28, (load.sent, load.ok)
+        assert stack.restarts == {n: 0 for n in stack.restarts}
+    finally:
+        stack.stop()
+
+
+def test_the_last_instance_of_a_stage_is_not_removed_and_unknown_names_are_refused(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text(textwrap.dedent(FAKE_STAGE.format(python=sys.executable)))
+    fake.chmod(0o755)
+    d = Deployment(model="/no/model/needed").with_gateway_ports(0, 0)
+    stack = Stack(d, run_dir=tmp_path / "run", python=str(fake), env={"FAKE_KIDS": str(tmp_path / "kids")})
+    stack.start(timeout=60)
+    try:
+        with pytest.raises(ValueError, match="prefill-0 is the last prefill instance; add another one first"):
+            stack.remove_instance("prefill-0")
+        with pytest.raises(ValueError, match="no removable instance 'prefill-7'"):
+            stack.remove_instance("prefill-7")
+        with pytest.raises(ValueError, match="stage must be one of"):
+            stack.add_instance("gateway")
+        name = stack.add_instance("prefill")
+        assert name == "prefill-1" and stack.healthy(name)
+        assert "--peers-file" in stack._procs["gateway"].cmd.argv
+        assert stack.remove_instance("prefill-0", notice_s=0.0) == 0
+        gw = json.loads((stack.run_dir / "gateway.peers.json").read_text())
+        assert gw["prefill"] == [stack.endpoints.stages["prefill-1"]]
+        assert gw["decode"] == [stack.endpoints.stages["decode-0"]] and gw["encode"] == []
+        pre = json.loads((stack.run_dir / "prefill-1.peers.json").read_text())
+        assert pre == {"decode": [stack.endpoints.stages["decode-0"]]}
+    finally:
+        stack.stop()
