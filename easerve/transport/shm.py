@@ -1,6 +1,7 @@
 """Same-host transport through POSIX shared memory.
 
-Default path: a slab the sender creates once and reuses (`shm_slab`), so a warm transfer is
+Default path: a slab the sender creates once and reuses (`shm_slab`, whose region locks keep
+the sender's TTL free and the receiver's take apart), so a warm transfer is
 one copy into already-mapped memory and the receiver gets views of it, no copy (or copies,
 `copy_out=True`); the region is recycled when the receiver's last view dies.
 Fallback (slab full, payload too large, or `slab_bytes=0`): a one-off segment of exactly the
