@@ -89,8 +89,16 @@ class KVSenders:
         """Free sender-side resources once decode has taken the payload (or gave up)."""
         transport.release(handle_from_proto(msg))
 
+    def _all(self) -> list[KVTransport]:
+        return list({id(t): t for t in [*self._by_addr.values(), *self._shared.values()]}.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes the transports still hold for decode instances (shm regions not yet let go)."""
+        return sum(t.held_bytes for t in self._all())
+
     async def close(self) -> None:
-        for t in {id(t): t for t in [*self._by_addr.values(), *self._shared.values()]}.values():
+        for t in self._all():
             await t.close()
 
 

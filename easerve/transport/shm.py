@@ -57,7 +57,7 @@ class ShmTransport(KVTransport):
     def __init__(self, config: ShmConfig = ShmConfig()) -> None:
         super().__init__()
         self.config = config
-        self._pending: dict[str, float] = {}  # one-off segment name -> expiry, sender side
+        self._pending: dict[str, tuple[float, int]] = {}  # one-off segment -> (expiry, bytes), sender side
         self._slab: SlabWriter | None = None
         self._slab_off = False
         self._reader = SlabReader()
@@ -66,6 +66,16 @@ class ShmTransport(KVTransport):
     def pending(self) -> list[str]:
         """Segments this sender created that it has not released yet."""
         return list(self._pending)
+
+    @property
+    def held_bytes(self) -> int:
+        """Slab regions not yet given back (after reclaiming what receivers let go of) plus
+        one-off segments not yet released."""
+        slab = 0
+        if self._slab is not None:
+            self._slab.reclaim()
+            slab = self._slab.used_bytes
+        return slab + sum(size for _, size in self._pending.values())
 
     async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
                    *, timeout: float | None = None) -> ShmHandle:
@@ -107,7 +117,7 @@ class ShmTransport(KVTransport):
                              "(raise the container's shm_size)")
         name = f"{self.config.prefix}-{uuid.uuid4().hex}"
         mm = _create(name, size)
-        self._pending[name] = time.monotonic() + self.config.ttl_s
+        self._pending[name] = (time.monotonic() + self.config.ttl_s, size)
         try:
             await _maybe_thread(size, _write, header, tensors, mm)
         except BaseException:
@@ -153,7 +163,7 @@ class ShmTransport(KVTransport):
 
     def _sweep(self) -> None:
         now = time.monotonic()
-        for name, expiry in list(self._pending.items()):
+        for name, (expiry, _) in list(self._pending.items()):
             if expiry <= now:
                 self._unlink(name)
 
