@@ -196,7 +196,8 @@ def test_stages_in_separate_namespaces_survive_a_cut_link(tmp_path):
                 break
             time.sleep(1)
         assert out and out.get("tokens") == 6, f"service did not come back after the link was restored: {out}"
-        print(f"\nnetns: cut after {lines[-1]['tokens']} tokens -> {end['error']} '{end['message'][:120]}' {cut_to_error:.1f} s after "
+        print(f"\nnetns: cut after {lines[-1]['tokens']} tokens -> {end['error']} '{end['message'][:120]}' "
+              f"{cut_to_error:.1f} s after "
               f"the cut ({end['elapsed_s']:.1f} s into a {DEADLINE_S:.0f} s deadline)")
     finally:
         procs.stop()
