@@ -27,8 +27,10 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class PrefillMetrics:
-    def __init__(self, registry: CollectorRegistry, queued: Callable[[], int] | None = None):
-        """`queued()`: requests waiting for a prefill batch (read when scraped)."""
+    def __init__(self, registry: CollectorRegistry, queued: Callable[[], int] | None = None,
+                 kv_held: Callable[[], int] | None = None):
+        """`queued()`: requests waiting for a prefill batch; `kv_held()`: KV bytes the senders
+        still hold for decode (both read when scraped)."""
         r = registry
         self.batch_size = Histogram("easerve:prefill_batch_size",
                                     "Size of the prefill batch each request ran in", buckets=SIZE_BUCKETS, registry=r)
@@ -40,6 +42,9 @@ class PrefillMetrics:
         if queued is not None:
             Gauge("easerve:prefill_queue_depth", "Requests waiting for a prefill batch",
                   registry=r).set_function(queued)
+        if kv_held is not None:
+            Gauge("easerve:kv_sender_held_bytes", "KV bytes held for decode instances that have not let go "
+                  "of them yet (shm slab regions, one-off segments)", registry=r).set_function(kv_held)
 
     def on_batch(self, start: float, end: float) -> None:
         self.batch_time.observe(end - start)

@@ -37,6 +37,11 @@ class KVTransport(ABC):
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
         """Fetch the payload a handle points to (once); the receiver owns the result."""
 
+    @property
+    def held_bytes(self) -> int:
+        """Sender side: bytes still held for payloads no receiver has let go of yet."""
+        return 0
+
     def release(self, handle: Handle) -> None:
         """Free what this side still holds for `handle` (no-op when nothing is held)."""
 

@@ -1,12 +1,17 @@
 """Anywhere transport: the codec frame pushed in chunks over the KVStream service.
 
 Receiver: a `KVStreamServicer` (register it on the receiver's gRPC server) parks each pushed
-payload under its key until `recv(handle)` takes it, or until it expires. Sender: pushes to
-the receiver's address and returns a handle once the receiver has acknowledged the payload.
+payload under its key until `recv(handle)` takes it, or until it expires. A push whose next
+chunk does not come within `stall_s` is aborted (DEADLINE_EXCEEDED) and its buffer dropped;
+`held_bytes` counts what is parked and what is still arriving. Sender: pushes to the
+receiver's address and returns a handle once the receiver has acknowledged the payload; a
+receiver that does not answer within the call's timeout (or is unreachable) is a
+DeadlineExceeded (or Unavailable) naming it.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,7 +22,8 @@ import numpy as np
 import torch
 
 from easerve import codec
-from easerve.rpc.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, grpc_errors
+from easerve.rpc.errors import (DeadlineExceeded, InvalidRequest, NotFound, Overloaded, Unavailable,
+                                from_rpc_error, grpc_errors)
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import GrpcHandle, Handle
@@ -30,12 +36,13 @@ class GrpcStreamConfig:
     park_ttl_s: float = 60.0  # receiver drops payloads nobody took within this time
     max_parked_bytes: int = 8 << 30
     recv_timeout_s: float = 30.0  # how long recv() waits for a payload still in flight
+    stall_s: float = 10.0  # receiver aborts a push whose next chunk takes longer than this
 
     def __post_init__(self) -> None:
         if not 4 << 10 <= self.chunk_bytes <= 64 << 20:
             raise ValueError(f"chunk_bytes must be in [4 KiB, 64 MiB], got {self.chunk_bytes}")
-        if self.park_ttl_s <= 0 or self.recv_timeout_s <= 0:
-            raise ValueError("park_ttl_s and recv_timeout_s must be > 0 seconds")
+        if self.park_ttl_s <= 0 or self.recv_timeout_s <= 0 or self.stall_s <= 0:
+            raise ValueError("park_ttl_s, recv_timeout_s and stall_s must be > 0 seconds")
         if self.max_parked_bytes <= 0:
             raise ValueError(f"max_parked_bytes must be > 0, got {self.max_parked_bytes}")
 
@@ -46,19 +53,47 @@ class KVStreamServicer(kv_pb2_grpc.KVStreamServicer):
     def __init__(self, config: GrpcStreamConfig = GrpcStreamConfig()) -> None:
         self.config = config
         self._parked: dict[str, tuple[float, np.ndarray]] = {}
+        self._arriving: dict[int, int] = {}  # push -> bytes of its buffer, until parked or dropped
+        self._pushes = itertools.count()
         self._arrived = asyncio.Condition()
 
     @property
     def parked_bytes(self) -> int:
         return sum(len(b) for _, b in self._parked.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Parked payloads plus the buffers of pushes still arriving."""
+        return self.parked_bytes + sum(self._arriving.values())
+
     @grpc_errors
     async def Push(self, request_iterator: AsyncIterator[kv_pb2.KVChunk], context) -> kv_pb2.KVPushAck:
         self._sweep()
+        push = next(self._pushes)
+        try:
+            key, buf, ttl = await self._receive(aiter(request_iterator), push)
+        finally:
+            self._arriving.pop(push, None)
+        async with self._arrived:
+            self._parked[key] = (time.monotonic() + ttl, buf)
+            self._arrived.notify_all()
+        return kv_pb2.KVPushAck(key=key, received_bytes=len(buf))
+
+    async def _receive(self, chunks, push: int) -> tuple[str, np.ndarray, float]:
+        """(key, payload, park TTL) of one push; DeadlineExceeded when it stalls."""
         key, buf, pos, ttl = "", np.empty(0, np.uint8), 0, 0.0
-        async for chunk in request_iterator:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), self.config.stall_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"KV push {key or '(no key yet)'!r} stalled: no chunk for "
+                                       f"{self.config.stall_s:g} s after {pos} of {len(buf)} bytes; "
+                                       "dropped") from None
             if not key:
                 key, buf, ttl = self._start(chunk)
+                self._arriving[push] = len(buf)
             data = chunk.data
             if pos + len(data) > len(buf):
                 raise InvalidRequest(f"payload {key!r} overflows its declared {len(buf)} bytes")
@@ -66,16 +101,13 @@ class KVStreamServicer(kv_pb2_grpc.KVStreamServicer):
             pos += len(data)
         if not key or pos != len(buf):
             raise InvalidRequest(f"payload {key!r} ended at {pos} of {len(buf)} bytes")
-        async with self._arrived:
-            self._parked[key] = (time.monotonic() + ttl, buf)
-            self._arrived.notify_all()
-        return kv_pb2.KVPushAck(key=key, received_bytes=pos)
+        return key, buf, ttl
 
     def _start(self, chunk: kv_pb2.KVChunk) -> tuple[str, np.ndarray, float]:
         if not chunk.key:
             raise InvalidRequest("the first KVChunk must carry the payload key")
-        if self.parked_bytes + chunk.total_bytes > self.config.max_parked_bytes:
-            raise Overloaded(f"{self.parked_bytes} bytes parked; no room for {chunk.total_bytes} more")
+        if self.held_bytes + chunk.total_bytes > self.config.max_parked_bytes:
+            raise Overloaded(f"{self.held_bytes} bytes parked or arriving; no room for {chunk.total_bytes} more")
         ttl = min(self.config.park_ttl_s, chunk.deadline_ms / 1000 or self.config.park_ttl_s)
         return chunk.key, np.empty(chunk.total_bytes, np.uint8), ttl  # not zeroed: one pass
 
@@ -130,7 +162,10 @@ class GrpcStreamTransport(KVTransport):
         total, key = codec.frame_size(header), f"{request_id}/{uuid.uuid4().hex[:12]}"
         deadline_ms = int(timeout * 1000) if timeout else 0
         chunks = _chunks(key, total, deadline_ms, codec.iter_frame(header, tensors), self.config.chunk_bytes)
-        ack = await stub.Push(chunks, timeout=timeout)
+        try:
+            ack = await stub.Push(chunks, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _push_error(e, self.peer, key, timeout) from None
         if ack.received_bytes != total:
             raise InvalidRequest(f"receiver took {ack.received_bytes} of {total} bytes of {key!r}")
         self._measured(total, t0)
@@ -154,6 +189,18 @@ class GrpcStreamTransport(KVTransport):
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+def _push_error(e: grpc.aio.AioRpcError, peer: str, key: str, timeout: float | None) -> Exception:
+    """A failed push as the domain error, naming the receiver (a stalled or unreachable
+    decode instance reads differently from a refusal it sent)."""
+    code = e.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"KV push {key!r} to {peer}: no answer within "
+                                f"{timeout if timeout is not None else 'the deadline'} s ({e.details()})")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"KV push {key!r} to {peer}: receiver unreachable ({e.details()})")
+    return from_rpc_error(e)
 
 
 async def _chunks(key, total, deadline_ms, pieces, chunk_bytes) -> AsyncIterator[kv_pb2.KVChunk]:

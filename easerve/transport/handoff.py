@@ -21,7 +21,7 @@ from easerve.transport.base import KVTransport, handle_from_proto, handle_to_pro
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
 from easerve.transport.node import NodeIdentity
-from easerve.transport.shm import ShmTransport
+from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload
 from easerve.v1 import kv_pb2, kv_pb2_grpc
 
@@ -99,8 +99,16 @@ class KVSenders:
         """Free sender-side resources once decode has taken the payload (or gave up)."""
         transport.release(handle_from_proto(msg))
 
+    def _all(self) -> list[KVTransport]:
+        return list({id(t): t for t in [*self._by_addr.values(), *self._shared.values()]}.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes the transports still hold for decode instances (shm regions not yet let go)."""
+        return sum(t.held_bytes for t in self._all())
+
     async def close(self) -> None:
-        for t in {id(t): t for t in [*self._by_addr.values(), *self._shared.values()]}.values():
+        for t in self._all():
             await t.close()
 
 
@@ -124,7 +132,10 @@ def receivers(device: str) -> tuple[KVReceiver, list]:
     """Decode side: a receiver for every backend this process can take, plus the
     servicers to mount (the gRPC stream's parking lot)."""
     kvs = KVStreamServicer()
-    found: dict[str, KVTransport] = {"shm": ShmTransport(), "grpc": GrpcStreamTransport(servicer=kvs)}
+    # shm: copy out of the sender's slab, so its region is back the moment the payload is read,
+    # however long the payload then lives here (an engine queue, a traceback of a late request)
+    found: dict[str, KVTransport] = {"shm": ShmTransport(ShmConfig(copy_out=True)),
+                                     "grpc": GrpcStreamTransport(servicer=kvs)}
     if device.startswith("cuda"):
         from easerve.transport.cuda_ipc import CudaIpcTransport
         found["cuda_ipc"] = CudaIpcTransport()

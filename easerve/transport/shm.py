@@ -1,6 +1,7 @@
 """Same-host transport through POSIX shared memory.
 
-Default path: a slab the sender creates once and reuses (`shm_slab`), so a warm transfer is
+Default path: a slab the sender creates once and reuses (`shm_slab`, whose region locks keep
+the sender's TTL free and the receiver's take apart), so a warm transfer is
 one copy into already-mapped memory and the receiver gets views of it, no copy (or copies,
 `copy_out=True`); the region is recycled when the receiver's last view dies.
 Fallback (slab full, payload too large, or `slab_bytes=0`): a one-off segment of exactly the
@@ -56,7 +57,7 @@ class ShmTransport(KVTransport):
     def __init__(self, config: ShmConfig = ShmConfig()) -> None:
         super().__init__()
         self.config = config
-        self._pending: dict[str, float] = {}  # one-off segment name -> expiry, sender side
+        self._pending: dict[str, tuple[float, int]] = {}  # one-off segment -> (expiry, bytes), sender side
         self._slab: SlabWriter | None = None
         self._slab_off = False
         self._reader = SlabReader()
@@ -65,6 +66,16 @@ class ShmTransport(KVTransport):
     def pending(self) -> list[str]:
         """Segments this sender created that it has not released yet."""
         return list(self._pending)
+
+    @property
+    def held_bytes(self) -> int:
+        """Slab regions not yet given back (after reclaiming what receivers let go of) plus
+        one-off segments not yet released."""
+        slab = 0
+        if self._slab is not None:
+            self._slab.reclaim()
+            slab = self._slab.used_bytes
+        return slab + sum(size for _, size in self._pending.values())
 
     async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
                    *, timeout: float | None = None) -> ShmHandle:
@@ -106,7 +117,7 @@ class ShmTransport(KVTransport):
                              "(raise the container's shm_size)")
         name = f"{self.config.prefix}-{uuid.uuid4().hex}"
         mm = _create(name, size)
-        self._pending[name] = time.monotonic() + self.config.ttl_s
+        self._pending[name] = (time.monotonic() + self.config.ttl_s, size)
         try:
             await _maybe_thread(size, _write, header, tensors, mm)
         except BaseException:
@@ -152,7 +163,7 @@ class ShmTransport(KVTransport):
 
     def _sweep(self) -> None:
         now = time.monotonic()
-        for name, expiry in list(self._pending.items()):
+        for name, (expiry, _) in list(self._pending.items()):
             if expiry <= now:
                 self._unlink(name)
 

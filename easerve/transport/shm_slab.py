@@ -1,16 +1,30 @@
 """A sender-owned shared-memory slab, reused across payloads (no page faults once warm).
 
-Each region starts with a 64-byte header {state u8, generation u64}, the payload follows.
-The sender allocates (first fit) and marks a region WRITTEN; the receiver checks the
-generation of its handle, marks it TAKEN, and rebuilds tensors as views of it; when the last
-view dies a finalizer marks it FREE, and the sender's next allocation reclaims it.
-One writer per slab (the sending process) and one byte flipped per transition, so no locks.
+Each region starts with a 64-byte header {state u8, lease u8, generation u64}, the payload
+follows. Who may change a region's state:
+
+    FREE    -> WRITTEN  sender, on alloc
+    WRITTEN -> FREE     sender, on free() or once the region's TTL passed untaken
+    WRITTEN -> TAKEN    receiver, on take(): it also locks the region's lease byte
+    TAKEN   -> FREE     receiver, when its last view dies (then unlocks the lease); or the
+                        sender, past the TTL, when it can lock the lease (the reader died)
+
+Every transition out of WRITTEN (and alloc's header write) happens under an exclusive
+open-file-description lock (`F_OFD_SETLKW`) on the region's state byte, through each side's
+own descriptor, so the sender's TTL free and the receiver's check-then-take cannot
+interleave: a receiver gets the payload its handle names, or NotFound. The lease is a lock
+the reader holds for as long as its views live; the kernel drops it when the reader's
+process dies (kill -9 included), which is how the sender tells a dead reader from a slow one.
+OFD locks belong to a descriptor, not a process, so a sender and receiver in one process
+exclude each other too.
 The sender's process registers the slab with Python's resource tracker, which unlinks it
 even if the process dies; close() unlinks it at once.
 """
 from __future__ import annotations
 
 import bisect
+import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -26,13 +40,31 @@ import numpy as np
 from easerve.rpc.errors import NotFound
 
 REGION_HDR = 64
-_HDR = struct.Struct("<B7xQ")  # state, generation
+_HDR = struct.Struct("<B7xQ")  # state, (lease byte, padding), generation
+_LEASE = 1  # offset of the lease byte in the region header
 FREE, WRITTEN, TAKEN = 0, 1, 2
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD locks)
 
 
 def _align(n: int) -> int:
     return (n + 63) // 64 * 64
+
+
+def _lock(fd: int, start: int, wait: bool = True) -> bool:
+    """Exclusive OFD lock on byte `start`; False when `wait` is off and another holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
+                    _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
+    except OSError as e:
+        if not wait and e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _unlock(fd: int, start: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
 
 
 class SlabWriter:
@@ -43,10 +75,10 @@ class SlabWriter:
             os.ftruncate(fd, self.size)
             self._mm = mmap.mmap(fd, self.size, flags=_FLAGS)
         except BaseException:
+            os.close(fd)
             _posixshmem.shm_unlink("/" + name)
             raise
-        finally:
-            os.close(fd)
+        self._fd = fd  # kept open: the region locks are taken through it
         resource_tracker.register("/" + name, "shared_memory")
         self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
         self._used: dict[int, tuple[int, int, float]] = {}  # region -> (length, generation, expiry)
@@ -64,7 +96,11 @@ class SlabWriter:
             if length >= need:
                 self._free[i: i + 1] = [(off + need, length - need)] if length > need else []
                 gen = next(self._gens)
-                _HDR.pack_into(self._mm, off, WRITTEN, gen)
+                _lock(self._fd, off)  # a receiver holding a stale handle must not see a torn header
+                try:
+                    _HDR.pack_into(self._mm, off, WRITTEN, gen)
+                finally:
+                    _unlock(self._fd, off)
                 self._used[off] = (need, gen, time.monotonic() + ttl_s)
                 return off + REGION_HDR, gen
         return None
@@ -76,19 +112,36 @@ class SlabWriter:
         """Give back a region no receiver took (a region being read is left alone)."""
         off = payload_off - REGION_HDR
         entry = self._used.get(off)
-        if entry and entry[1] == generation and self._mm[off] == WRITTEN:
-            self._mm[off] = FREE
+        if entry and entry[1] == generation:
+            self._transition(off, generation, expired=False)
         self.reclaim()
 
     def reclaim(self) -> None:
-        """Regions receivers freed, and WRITTEN ones nobody took before their expiry."""
+        """Regions receivers freed, WRITTEN ones nobody took before their expiry, and TAKEN
+        ones past it whose reader is gone."""
         now = time.monotonic()
-        for off, (length, _, expiry) in list(self._used.items()):
-            if self._mm[off] == WRITTEN and expiry <= now:
-                self._mm[off] = FREE
-            if self._mm[off] == FREE:
+        for off, (length, gen, expiry) in list(self._used.items()):
+            if self._mm[off] != FREE and expiry <= now:
+                self._transition(off, gen, expired=True)
+            if self._mm[off] == FREE:  # only this side leaves FREE: no lock needed to see it
                 del self._used[off]
                 self._insert_free(off, length)
+
+    def _transition(self, off: int, gen: int, expired: bool) -> None:
+        """Under the region's lock: WRITTEN -> FREE; past the TTL also TAKEN -> FREE when
+        the reader's lease is free (its process died)."""
+        _lock(self._fd, off)
+        try:
+            state, now_gen = _HDR.unpack_from(self._mm, off)
+            if now_gen != gen:
+                return
+            if state == WRITTEN:
+                self._mm[off] = FREE
+            elif state == TAKEN and expired and _lock(self._fd, off + _LEASE, wait=False):
+                self._mm[off] = FREE
+                _unlock(self._fd, off + _LEASE)
+        finally:
+            _unlock(self._fd, off)
 
     def _insert_free(self, off: int, length: int) -> None:
         i = bisect.bisect(self._free, (off, length))
@@ -104,58 +157,79 @@ class SlabWriter:
             resource_tracker.unregister("/" + self.name, "shared_memory")
         except FileNotFoundError:
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self._mm.close()
         except BufferError:
             pass  # a view is alive; the mapping goes with it
 
 
-class SlabReader:
-    """Receiver side: maps each sender's slab once (the `max_slabs` most recent ones)."""
+class _Mapped:
+    """One receiver-side mapping of a slab and the descriptor its locks are held through;
+    the descriptor closes when the last view (and so the last lease) is gone."""
 
-    def __init__(self, max_slabs: int = 16) -> None:
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-        self.max_slabs = max_slabs
-
-    def take(self, name: str, offset: int, size: int, generation: int) -> np.ndarray:
-        """The region's payload bytes, marked TAKEN; FREE again once the array (and every
-        view built on it) is gone."""
-        mm = self._map(name)
-        off = offset - REGION_HDR
-        if off < 0 or offset + size > len(mm):
-            raise NotFound(f"region [{offset}, +{size}) lies outside slab {name!r} of {len(mm)} bytes")
-        state, gen = _HDR.unpack_from(mm, off)
-        if gen != generation or state != WRITTEN:
-            raise NotFound(f"slab {name!r} region at {offset} was already taken, released or reused "
-                           f"(state {state}, generation {gen}, handle has {generation})")
-        mm[off] = TAKEN
-        arr = np.frombuffer(mm, dtype=np.uint8, count=size, offset=offset)
-        weakref.finalize(arr, _mark_free, mm, off)
-        return arr
-
-    def _map(self, name: str) -> mmap.mmap:
-        if name in self._maps:
-            self._maps.move_to_end(name)
-            return self._maps[name]
+    def __init__(self, name: str) -> None:
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         except FileNotFoundError:
             raise NotFound(f"slab {name!r} is gone (its sender closed or exited)") from None
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=_FLAGS)
-        finally:
+            self.mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=_FLAGS)
+        except BaseException:
             os.close(fd)
-        self._maps[name] = mm
-        while len(self._maps) > self.max_slabs:  # views of an evicted slab keep it mapped
+            raise
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+
+class SlabReader:
+    """Receiver side: maps each sender's slab once (the `max_slabs` most recent ones)."""
+
+    def __init__(self, max_slabs: int = 16) -> None:
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self.max_slabs = max_slabs
+
+    def take(self, name: str, offset: int, size: int, generation: int) -> np.ndarray:
+        """The region's payload bytes, marked TAKEN; FREE again once the array (and every
+        view built on it) is gone."""
+        m = self._map(name)
+        off = offset - REGION_HDR
+        if off < 0 or offset + size > len(m.mm):
+            raise NotFound(f"region [{offset}, +{size}) lies outside slab {name!r} of {len(m.mm)} bytes")
+        _lock(m.fd, off)
+        try:
+            state, gen = _HDR.unpack_from(m.mm, off)
+            if gen != generation or state != WRITTEN:
+                raise NotFound(f"slab {name!r} region at {offset} was already taken, released or reused "
+                               f"(state {state}, generation {gen}, handle has {generation})")
+            _lock(m.fd, off + _LEASE)  # a previous reader may be a step from letting go of it
+            m.mm[off] = TAKEN
+        finally:
+            _unlock(m.fd, off)
+        arr = np.frombuffer(m.mm, dtype=np.uint8, count=size, offset=offset)
+        weakref.finalize(arr, _let_go, m, off)
+        return arr
+
+    def _map(self, name: str) -> _Mapped:
+        if name in self._maps:
+            self._maps.move_to_end(name)
+            return self._maps[name]
+        m = self._maps[name] = _Mapped(name)
+        while len(self._maps) > self.max_slabs:  # views of an evicted slab keep it (and its fd) alive
             self._maps.popitem(last=False)
-        return mm
+        return m
 
     def close(self) -> None:
         self._maps.clear()
 
 
-def _mark_free(mm: mmap.mmap, off: int) -> None:
+def _let_go(m: _Mapped, off: int) -> None:
+    """TAKEN -> FREE by the lease holder, then the lease goes (never blocks: it may run in
+    any thread, at any garbage collection)."""
     try:
-        mm[off] = FREE
+        m.mm[off] = FREE
     except ValueError:  # mapping already closed
-        pass
+        return
+    _unlock(m.fd, off + _LEASE)

@@ -24,7 +24,8 @@ async def main(cfg: PrefillConfig) -> None:
     node = local_identity(cfg.torch_device)
     registry = new_registry()
     stage = None
-    metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0)
+    metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0,
+                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0)
     stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
                                 metrics=metrics)
 
