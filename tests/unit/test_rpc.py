@@ -83,7 +83,7 @@ def test_health_not_serving_until_warmup_done():
 
 
 @pytest.mark.parametrize("exc, code", [
-    (ValueError("max_tokens must be >= 1"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("an internal bug"), grpc.StatusCode.INTERNAL),  # only InvalidRequest blames the caller
     (CodecError("truncated: 3 bytes"), grpc.StatusCode.INVALID_ARGUMENT),
     (errors.InvalidRequest("bad image"), grpc.StatusCode.INVALID_ARGUMENT),
     (errors.Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -125,8 +125,8 @@ def test_streaming_error_after_first_chunk_and_deadline_passed_on():
 
 def test_http_status_table():
     assert [errors.http_status(e) for e in (
-        ValueError("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
-        errors.NotFound(), KeyError("k"))] == [400, 429, 503, 504, 404, 500]
+        errors.InvalidRequest("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
+        errors.NotFound(), KeyError("k"), ValueError("a bug"))] == [400, 429, 503, 504, 404, 500, 500]
 
 
 def test_deadline_value_type():
