@@ -230,9 +230,9 @@ def test_bad_json(vl, body, path):
 
 
 @fuzz(150)
-@given(wrong_types)
-def test_wrong_types(vl, case):
-    vl.refused("wrong types", case[0], dumps(case[1]))
+@given(wrong_types, st.booleans())
+def test_wrong_types(vl, case, stream):
+    vl.refused("wrong types", case[0], dumps({**case[1], "stream": stream} if "stream" not in case[1] else case[1]))
 
 
 @fuzz(120)
@@ -300,10 +300,10 @@ OVERSIZE = [media_part("image", data_uri(b"\x89PNG" + bytes(1_200_000), "image/p
 
 
 @fuzz(40)
-@given(st.sampled_from([("empty media", p) for p in EMPTY] + [("oversize media", p) for p in OVERSIZE]))
-def test_empty_and_oversize_media(vl, case):
+@given(st.sampled_from([("empty media", p) for p in EMPTY] + [("oversize media", p) for p in OVERSIZE]), st.booleans())
+def test_empty_and_oversize_media(vl, case, stream):
     family, part = case
-    vl.refused(family, CHAT, dumps(chat(with_text(part))))
+    vl.refused(family, CHAT, dumps(chat(with_text(part), stream=stream)))
 
 
 @fuzz(10)
