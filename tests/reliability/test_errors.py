@@ -23,7 +23,6 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import png_bytes
 
 SERVED = "tiny"
 DEAD = "127.0.0.1:1"  # nothing listens: the bug surfaces before any stage is called
