@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from easerve.errors import InvalidRequest
 from easerve.types import KVPayload, SamplingParams
 
 MAGIC = b"EASV"
@@ -41,8 +42,9 @@ KV_DTYPES = ("bfloat16", "float16", "float32")
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class CodecError(ValueError):
-    """A payload that cannot be encoded or decoded; the message says what is wrong."""
+class CodecError(InvalidRequest):
+    """A payload that cannot be encoded or decoded; the message says what is wrong
+    (an InvalidRequest, hence a ValueError: the bytes came from a caller)."""
 
 
 @dataclass(frozen=True)

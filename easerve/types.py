@@ -5,8 +5,11 @@ These are the typed objects that cross module boundaries (and, through
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+
+from easerve.errors import InvalidRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,17 +36,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InvalidRequest("stop strings must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} (top tokens per position), got {self.logprobs}")
+            raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS} (top tokens per position), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,7 @@ from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
+from easerve.errors import InvalidRequest
 from easerve.types import KVPayload, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -118,9 +119,9 @@ class DecodeEngine:
         token already finishes it never enters the queue and gives back its reservation."""
         rid, sp = payload.request_id, payload.sampling
         if rid in self._reqs:
-            raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
+            raise InvalidRequest(f"request id {rid!r} is already in the engine; ids must be unique")
         if payload.num_tokens != payload.prompt_len:
-            raise ValueError(f"payload KV holds {payload.num_tokens} tokens but prompt_len is {payload.prompt_len}")
+            raise InvalidRequest(f"payload KV holds {payload.num_tokens} tokens but prompt_len is {payload.prompt_len}")
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
         req = _Request(payload, sp, payload.rope_delta,
                        StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [])

@@ -2,6 +2,6 @@
 mapped to RPC status codes in one place, `easerve.rpc.errors`."""
 from __future__ import annotations
 
-from easerve.errors import Overloaded, RequestTooLarge
+from easerve.errors import InvalidRequest, Overloaded, RequestTooLarge
 
-__all__ = ["Overloaded", "RequestTooLarge"]
+__all__ = ["InvalidRequest", "Overloaded", "RequestTooLarge"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from easerve.errors import InvalidRequest
 from easerve.engine.block_manager import BlockManager
 
 
@@ -67,11 +68,11 @@ class _Pool:
         lay = self.layout
         want = (lay.kv_heads, prompt_len, lay.head_dim)
         if len(keys) != lay.num_layers or len(values) != lay.num_layers:
-            raise ValueError(f"KV has {len(keys)}/{len(values)} layers, this model has {lay.num_layers}; "
+            raise InvalidRequest(f"KV has {len(keys)}/{len(values)} layers, this model has {lay.num_layers}; "
                              "the payload must come from a prefill of the same model")
         for i, (k, v) in enumerate(zip(keys, values)):
             if tuple(k.shape) != want or tuple(v.shape) != want:
-                raise ValueError(f"layer {i} KV shapes {tuple(k.shape)}/{tuple(v.shape)}, expected {want} "
+                raise InvalidRequest(f"layer {i} KV shapes {tuple(k.shape)}/{tuple(v.shape)}, expected {want} "
                                  "([kv_heads, prompt_len, head_dim])")
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.errors import Overloaded, RequestTooLarge
+from easerve.engine.errors import InvalidRequest, Overloaded, RequestTooLarge
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Scheduler:
         takes it. Raises like `add`."""
         self._expire(now)
         if request_id in self._held or request_id in self:
-            raise ValueError(f"request id {request_id!r} is already in the engine; ids must be unique")
+            raise InvalidRequest(f"request id {request_id!r} is already in the engine; ids must be unique")
         reserve = self._check_size(request_id, prompt_len, max_tokens)
         if self._full(reserve):
             raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
@@ -80,7 +80,7 @@ class Scheduler:
         A reserved request always gets in; others raise Overloaded if the queue is full
         (RequestTooLarge if it could never fit)."""
         if request_id in self:
-            raise ValueError(f"request id {request_id!r} is already in the engine; ids must be unique")
+            raise InvalidRequest(f"request id {request_id!r} is already in the engine; ids must be unique")
         reserve = self._check_size(request_id, prompt_len, max_tokens)
         held = self._held.pop(request_id, None) is not None
         if not held and self._full(reserve):

@@ -1,7 +1,7 @@
 """Decoding user media at the gateway: images, videos and audio into what HF processors take,
 and fetching media by URL under a host policy.
 
-Every failure raises `MediaError` (a ValueError) saying what is wrong and what is accepted,
+Every failure raises `MediaError` (an `easerve.errors.InvalidRequest`) saying what is wrong and what is accepted,
 so the gateway can return it to the client as INVALID_ARGUMENT / HTTP 400 unchanged.
 
 - `common`: MediaError, inline payloads (bytes / base64 / data: URIs), MediaLimits, PixelBudget

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem, PrefillRequest, PrefillResult, ProcessedPrompt
 
 
@@ -75,7 +76,7 @@ class ModelAdapter(ABC):
         """Raise ValueError naming what to change when `req` cannot be prefilled, without
         running the model (batching callers fail one bad request alone this way)."""
         if not req.input_ids:
-            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+            raise InvalidRequest(f"request {req.request_id}: empty prompt; send at least one token")
 
     # ---- decode hooks used by the engine ---------------------------------------------
     @abstractmethod

@@ -38,6 +38,7 @@ from easerve.models import prefill_batch as pb
 from easerve.models.base import ModelAdapter
 from easerve.models.weights import (fast_init, get_submodule, held_parameters, load_into,
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem, PrefillRequest, PrefillResult, ProcessedPrompt
 
 ROLES = ("processor", "encode", "prefill", "decode", "full")
@@ -241,26 +242,26 @@ class HFAdapter(ModelAdapter):
 
     def _check_embeddings(self, req: PrefillRequest, ids: torch.Tensor) -> None:
         if len(req.embeddings) != len(req.items_meta):
-            raise ValueError(f"request {req.request_id}: {len(req.embeddings)} embeddings for "
+            raise InvalidRequest(f"request {req.request_id}: {len(req.embeddings)} embeddings for "
                              f"{len(req.items_meta)} media items; send one embedding per item")
         unknown = {m for m, _ in req.items_meta} - set(self.placeholder_ids)
         if unknown:
-            raise ValueError(f"{self.family} has no placeholder for {sorted(unknown)}; "
+            raise InvalidRequest(f"{self.family} has no placeholder for {sorted(unknown)}; "
                              f"it accepts {list(self.modalities)}")
         hidden = self.text_config.hidden_size
         for i, (emb, (mod, meta)) in enumerate(zip(req.embeddings, req.items_meta)):
             want = self.expected_tokens(mod, meta)
             if emb.dim() != 2 or emb.shape[1] != hidden:
-                raise ValueError(f"request {req.request_id}: item {i} embedding has shape "
+                raise InvalidRequest(f"request {req.request_id}: item {i} embedding has shape "
                                  f"{tuple(emb.shape)}; expected [num_tokens, {hidden}]")
             if want is not None and emb.shape[0] != want:
-                raise ValueError(f"request {req.request_id}: {mod} item {i} has {emb.shape[0]} "
+                raise InvalidRequest(f"request {req.request_id}: {mod} item {i} has {emb.shape[0]} "
                                  f"embedding rows but its meta needs {want} placeholder tokens")
         for mod, tid in self.placeholder_ids.items():
             rows = sum(e.shape[0] for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod)
             n = int((ids == tid).sum())
             if rows != n:
-                raise ValueError(f"request {req.request_id}: the prompt has {n} {mod} placeholder "
+                raise InvalidRequest(f"request {req.request_id}: the prompt has {n} {mod} placeholder "
                                  f"tokens but the {mod} embeddings have {rows} rows; the prompt and "
                                  f"media items must come from the same preprocess call")
 
@@ -269,7 +270,7 @@ class HFAdapter(ModelAdapter):
         prompt, embeddings that do not fit its placeholders). Cheap: no forward; `prefill`
         runs it too, so callers batching requests can fail one bad request alone first."""
         if not req.input_ids:
-            raise ValueError(f"request {req.request_id}: empty prompt; send at least one token")
+            raise InvalidRequest(f"request {req.request_id}: empty prompt; send at least one token")
         self._check_embeddings(req, torch.tensor(req.input_ids, dtype=torch.long))
 
     def _place_items(self, embeds: torch.Tensor, ids: torch.Tensor, req: PrefillRequest) -> None:
@@ -342,7 +343,7 @@ class HFAdapter(ModelAdapter):
     def _check_modalities(self, found: list[str]) -> None:
         bad = sorted(set(found) - set(self.modalities))
         if bad:
-            raise ValueError(f"{self.family} does not accept {bad} inputs; it accepts "
+            raise InvalidRequest(f"{self.family} does not accept {bad} inputs; it accepts "
                              f"{list(self.modalities)}: remove those parts or use another model")
 
     def _to_prompt(self, out: Any) -> ProcessedPrompt:
@@ -359,7 +360,7 @@ class HFAdapter(ModelAdapter):
         for mod, tid in self.placeholder_ids.items():
             have = sum(i.num_tokens for i in items if i.modality == mod)
             if have != int((ids == tid).sum()):
-                raise ValueError(f"{mod} placeholders in the prompt ({int((ids == tid).sum())}) "
+                raise InvalidRequest(f"{mod} placeholders in the prompt ({int((ids == tid).sum())}) "
                                  f"do not match the processed {mod} items ({have} tokens)")
         return ProcessedPrompt(input_ids=ids.tolist(), items=items)
 
@@ -380,7 +381,7 @@ class HFAdapter(ModelAdapter):
         for mod, token in self.placeholder_tokens.items():
             n = prompt.count(token)
             if n != len(media[mod]):
-                raise ValueError(f"the prompt has {n} {mod} placeholder(s) {token!r} but "
+                raise InvalidRequest(f"the prompt has {n} {mod} placeholder(s) {token!r} but "
                                  f"{len(media[mod])} {mod}(s) were given; use one {token!r} per {mod}")
         kwargs = {MEDIA_KWARGS[m]: v for m, v in media.items() if v}
         out = self.processor(text=prompt, return_tensors="pt",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from easerve.models.common import HFAdapter
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem
 
 
@@ -58,7 +59,7 @@ class LlavaNextAdapter(HFAdapter):
             return []
         bad = [i.modality for i in items if i.modality != "image"]
         if bad:
-            raise ValueError(f"llava-next encodes images only; got {sorted(set(bad))} items")
+            raise InvalidRequest(f"llava-next encodes images only; got {sorted(set(bad))} items")
         pixels = torch.cat([i.pixels["pixel_values"] for i in items]).to(self.device, self.dtype)
         sizes = torch.stack([i.meta["image_sizes"] for i in items]).to(self.device)
         feats = self._need_model().model.get_image_features(pixels, sizes).pooler_output

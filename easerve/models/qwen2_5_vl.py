@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from easerve.models.common import HFAdapter
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem, PrefillRequest
 
 # modality -> (pixels key, grid key) in the processor outputs
@@ -69,7 +70,7 @@ class Qwen25VLAdapter(HFAdapter):
                     out[k] = feat
         missing = sorted({items[k].modality for k, o in enumerate(out) if o is None})
         if missing:
-            raise ValueError(f"qwen2.5-vl encodes images and videos; got {missing} items")
+            raise InvalidRequest(f"qwen2.5-vl encodes images and videos; got {missing} items")
         return out
 
     def _encode_group(self, modality: str, items: list[MMItem]) -> tuple[torch.Tensor, ...]:

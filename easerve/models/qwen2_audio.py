@@ -15,6 +15,7 @@ from transformers import Qwen2AudioForConditionalGeneration
 from transformers.masking_utils import create_bidirectional_mask
 
 from easerve.models.common import HFAdapter
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem, ProcessedPrompt
 
 
@@ -23,9 +24,9 @@ def check_audio(clips: list[Any]) -> None:
     for i, clip in enumerate(clips):
         arr = np.asarray(clip)
         if arr.ndim != 1:
-            raise ValueError(f"audio clip {i} has shape {arr.shape}; send mono samples as a 1-D array")
+            raise InvalidRequest(f"audio clip {i} has shape {arr.shape}; send mono samples as a 1-D array")
         if arr.size == 0:
-            raise ValueError(f"audio clip {i} is empty; send at least a few samples of audio")
+            raise InvalidRequest(f"audio clip {i} is empty; send at least a few samples of audio")
 
 
 def message_audio(messages: list[dict]) -> list[Any]:
@@ -37,7 +38,7 @@ def message_audio(messages: list[dict]) -> list[Any]:
 def check_items(items: list[MMItem], family: str) -> None:
     bad = sorted({i.modality for i in items} - {"audio"})
     if bad:
-        raise ValueError(f"{family} encodes audio items only, got {bad}; route other media elsewhere")
+        raise InvalidRequest(f"{family} encodes audio items only, got {bad}; route other media elsewhere")
 
 
 class AudioPreprocess:
@@ -92,7 +93,7 @@ class Qwen2AudioAdapter(AudioPreprocess, HFAdapter):
         lengths = torch.cat([i.meta["feature_lengths"] for i in items]).to(self.device)
         conv_len, out_len = model.audio_tower._get_feat_extract_output_lengths(lengths)
         if int(out_len.min()) <= 0:
-            raise ValueError("an audio item has no feature frames; send a non-empty clip")
+            raise InvalidRequest("an audio item has no feature frames; send a non-empty clip")
         mask = self._attention_mask(model, conv_len, feats)
         hidden = model.audio_tower(feats, attention_mask=mask).last_hidden_state
         embeds = model.multi_modal_projector(hidden)
@@ -101,7 +102,7 @@ class Qwen2AudioAdapter(AudioPreprocess, HFAdapter):
     def _stack_features(self, items: list[MMItem]) -> torch.Tensor:
         widths = {i.pixels["input_features"].shape[-1] for i in items}
         if len(widths) != 1:
-            raise ValueError(f"audio items have mel widths {sorted(widths)}; Qwen2-Audio needs every "
+            raise InvalidRequest(f"audio items have mel widths {sorted(widths)}; Qwen2-Audio needs every "
                              "clip padded to the encoder context by this model's processor")
         return torch.cat([i.pixels["input_features"] for i in items]).to(self.device, self.dtype)
 

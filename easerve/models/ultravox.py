@@ -17,6 +17,7 @@ from easerve.models.qwen2_audio import AudioPreprocess, check_items
 from easerve.models.ultravox_hf import (AUDIO_PLACEHOLDER, UltravoxModel, audio_token_lengths, referenced_folder,
                                        upstream_to_native)
 from easerve.models.weights import read_tensors, under
+from easerve.errors import InvalidRequest
 from easerve.types import MMItem, ProcessedPrompt
 
 
@@ -107,7 +108,7 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
         model = self._need_model()
         values, lens, token_len = self._stack_chunks(items)
         if int(lens.min()) <= 0:
-            raise ValueError("an audio item has a chunk with no mel frames; send a non-empty clip")
+            raise InvalidRequest("an audio item has a chunk with no mel frames; send a non-empty clip")
         rows = model.get_audio_features(values, lens, token_len)
         out, start = [], 0
         for item in items:

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 from transformers.processing_utils import ProcessorMixin
+from easerve.errors import InvalidRequest
 
 AUDIO_PLACEHOLDER = "<|audio|>"
 AUDIO_KEYS = ("audio_values", "audio_lens", "audio_token_len", "audio_num_chunks")
@@ -99,7 +100,7 @@ class UltravoxWhisperEncoder(WhisperEncoder):
                 **kwargs) -> BaseModelOutput:
         b, _, t = input_features.shape
         if t > self.max_context_length:
-            raise ValueError(f"mel input has {t} frames but this Whisper encoder takes at most "
+            raise InvalidRequest(f"mel input has {t} frames but this Whisper encoder takes at most "
                              f"{self.max_context_length}; split the audio into chunks (the processor does)")
         if audio_len is None:
             audio_len = torch.full((b,), t, dtype=torch.long, device=input_features.device)
@@ -170,11 +171,11 @@ class UltravoxProjector(nn.Module):
 def upstream_audio_mask(input_ids: torch.Tensor, start_idx: torch.Tensor, token_len: torch.Tensor) -> torch.Tensor:
     """[1, L] mask of the audio positions upstream's processor marks by start index and length."""
     if input_ids.shape[0] != 1:
-        raise ValueError("upstream Ultravox processor outputs hold one sample; send one prompt at a time")
+        raise InvalidRequest("upstream Ultravox processor outputs hold one sample; send one prompt at a time")
     mask = torch.zeros_like(input_ids, dtype=torch.bool)
     for start, n in zip(start_idx.tolist(), token_len.tolist()):
         if start < 0 or start + n > input_ids.shape[1]:
-            raise ValueError(f"audio_token_start_idx {start} + audio_token_len {n} lies outside the "
+            raise InvalidRequest(f"audio_token_start_idx {start} + audio_token_len {n} lies outside the "
                              f"{input_ids.shape[1]}-token prompt; pass the processor's outputs unchanged")
         mask[0, start:start + n] = True
     return mask
@@ -260,7 +261,7 @@ class UltravoxModel(PreTrainedModel):
             return embeds
         rows = torch.cat(self.get_audio_features(audio_values, audio_lens, audio_token_len))
         if rows.shape[0] != int(mask.sum()):
-            raise ValueError(f"the prompt has {int(mask.sum())} audio tokens but the audio gives "
+            raise InvalidRequest(f"the prompt has {int(mask.sum())} audio tokens but the audio gives "
                              f"{rows.shape[0]} rows; build the prompt and audio with UltravoxProcessor")
         return embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
 
@@ -306,7 +307,7 @@ class UltravoxProcessor(ProcessorMixin):
     def _process_audio(self, audio, **kwargs):
         audio = list(audio)  # already fetched and listed by `prepare_inputs_layout`
         if any(len(a) == 0 for a in audio):
-            raise ValueError("an audio clip is empty; send at least a few samples of audio")
+            raise InvalidRequest("an audio clip is empty; send at least a few samples of audio")
         hop = self.feature_extractor.hop_length
         audio = [a if len(a) >= 2 * hop else _pad_np(a, 2 * hop) for a in audio]
         kwargs.update(padding="longest", pad_to_multiple_of=hop, truncation=False,

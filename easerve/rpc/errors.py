@@ -26,10 +26,10 @@ def status_code(err: EAServeError) -> grpc.StatusCode:
     return grpc.StatusCode[err.code]
 
 
-# Builtin exceptions that stand for a domain error. ValueError covers easerve.codec.CodecError
-# and SamplingParams validation; TimeoutError covers asyncio.TimeoutError (3.11+).
+# Builtin exceptions that stand for a domain error: TimeoutError (asyncio.TimeoutError too).
+# A bare ValueError is NOT one: only `InvalidRequest` (CodecError, MediaError, SamplingParams
+# validation, ...) blames the caller; any other ValueError is a bug here, INTERNAL / 500.
 _BUILTIN: tuple[tuple[type[BaseException], type[EAServeError]], ...] = (
-    (ValueError, InvalidRequest),
     (TimeoutError, DeadlineExceeded),
 )
 _BY_CODE: dict[grpc.StatusCode, type[EAServeError]] = {
@@ -61,6 +61,11 @@ def http_status(exc: BaseException) -> int:
     return domain_error(exc).http
 
 
+def is_unexpected(exc: BaseException) -> bool:
+    """Whether `exc` is a bug (it maps to INTERNAL without being a domain error): log its traceback."""
+    return not isinstance(exc, (EAServeError, grpc.RpcError)) and domain_error(exc).code == "INTERNAL"
+
+
 def from_rpc_error(err: grpc.RpcError) -> EAServeError:
     """Client side: a downstream status becomes the matching domain error."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
@@ -75,14 +80,15 @@ def from_rpc_error(err: grpc.RpcError) -> EAServeError:
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code, msg = grpc_status(exc)
-    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, EAServeError):
-        log.exception("unhandled error in servicer", exc_info=exc)
+    if is_unexpected(exc):
+        log.error("unhandled error in servicer", exc_info=exc)
     await context.abort(code, msg)
 
 
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a servicer method (`async def` or async generator) taking (self, request, context):
-    domain errors, ValueError and the like abort the call with their status code."""
+    domain errors and timeouts abort the call with their status code; anything else is INTERNAL,
+    its traceback logged."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar, Union
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from easerve.rpc import malformed
 from easerve.rpc.tls import NO_TLS, Tls, add_port, tls_of
 
 log = logging.getLogger(__name__)
@@ -158,9 +159,9 @@ async def serve(
 
 
 def _register(adder: Adder, server: grpc.aio.Server) -> None:
-    if isinstance(adder, tuple):
+    if isinstance(adder, tuple):  # a generated adder: unparseable requests answer INVALID_ARGUMENT
         add, servicer = adder
-        add(servicer, server)
+        malformed.register(add, servicer, server)
     else:
         adder(server)
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from easerve.rpc.errors import NotFound, Unavailable
+from easerve.errors import InvalidRequest
 from easerve.types import KVPayload
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class AsyncEngine:
         could not be admitted) and yield the stream the request's outputs arrive on."""
         self._check_alive()
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already open here; ids must be unique")
+            raise InvalidRequest(f"request id {request_id!r} is already open here; ids must be unique")
         stream = _Stream()
         await self._call(self.engine.reserve, request_id, prompt_len, max_tokens, ttl_s)
         self._streams[request_id] = stream
@@ -143,7 +144,7 @@ class AsyncEngine:
             raise NotFound(f"request {payload.request_id!r} holds no reservation here (cancelled, "
                            "lapsed, or sent to the wrong decode instance)")
         if stream.submitted:
-            raise ValueError(f"request {payload.request_id!r} was already submitted")
+            raise InvalidRequest(f"request {payload.request_id!r} was already submitted")
         stream.submitted = True
         await self._call(self.engine.add, payload)
         self._wake.set()

@@ -40,6 +40,7 @@ import torch
 from easerve.control.prefill_batch import PrefillBatchConfig, PrefillBatcher
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
+from easerve.errors import InvalidRequest
 
 log = logging.getLogger("easerve.prefill")
 
@@ -179,7 +180,7 @@ class PrefillLoop:
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
-            except ValueError as e:
+            except InvalidRequest as e:
                 outcomes[i] = e
             else:
                 good.append(i)

@@ -106,6 +106,9 @@ class KVStreamServicer(kv_pb2_grpc.KVStreamServicer):
     def _start(self, chunk: kv_pb2.KVChunk) -> tuple[str, np.ndarray, float]:
         if not chunk.key:
             raise InvalidRequest("the first KVChunk must carry the payload key")
+        if chunk.total_bytes > self.config.max_parked_bytes:
+            raise InvalidRequest(f"payload {chunk.key!r} declares {chunk.total_bytes} bytes; this receiver parks "
+                                 f"at most {self.config.max_parked_bytes}: send a smaller payload")
         if self.held_bytes + chunk.total_bytes > self.config.max_parked_bytes:
             raise Overloaded(f"{self.held_bytes} bytes parked or arriving; no room for {chunk.total_bytes} more")
         ttl = min(self.config.park_ttl_s, chunk.deadline_ms / 1000 or self.config.park_ttl_s)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from easerve import codec
-from easerve.rpc.errors import DeadlineExceeded, NotFound
+from easerve.rpc.errors import DeadlineExceeded, NotFound, Unavailable
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, NcclHandle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class NcclTransport(KVTransport):
         self._parked: dict[int, tuple[float, bytes, list[torch.Tensor]]] = {}
         self._arrived = threading.Condition()
         self._drainer: threading.Thread | None = None
+        self._stopped: str | None = None  # why the receive thread ended: every recv then fails at once
 
     async def connect(self) -> None:
         """Join the pair's process group (both ranks must call it); start receiving."""
@@ -115,14 +119,21 @@ class NcclTransport(KVTransport):
         while True:
             try:
                 got = self._recv_one()
-            except Exception:  # the peer went away
-                return
+            except Exception as e:  # noqa: BLE001 - the peer died or the stream broke: fail every transfer
+                log.error("NCCL receive thread of pair %d->%d died", self.config.src_rank, self.config.dst_rank,
+                          exc_info=e)
+                return self._stop(f"it died: {type(e).__name__}: {e}")
             if got is None:  # goodbye
-                return
+                return self._stop("the sender closed the pair")
             tag, header, tensors = got
             with self._arrived:
                 self._parked[tag] = (time.monotonic() + self.config.park_ttl_s, header, tensors)
                 self._arrived.notify_all()
+
+    def _stop(self, why: str) -> None:
+        with self._arrived:
+            self._stopped = why
+            self._arrived.notify_all()
 
     def _recv_one(self) -> tuple[int, bytes, list[torch.Tensor]] | None:
         src = self.config.src_rank
@@ -159,8 +170,10 @@ class NcclTransport(KVTransport):
     def _take(self, tag: int, wait_s: float) -> tuple[bytes, list[torch.Tensor]]:
         with self._arrived:
             self._sweep()
-            if not self._arrived.wait_for(lambda: tag in self._parked, timeout=wait_s):
+            if not self._arrived.wait_for(lambda: tag in self._parked or self._stopped, timeout=wait_s):
                 raise DeadlineExceeded(f"no payload with tag {tag} arrived within {wait_s:.1f}s")
+            if tag not in self._parked:
+                raise Unavailable(f"payload {tag} cannot arrive: this pair's receive thread stopped ({self._stopped})")
             _, header, tensors = self._parked.pop(tag)
         return header, tensors
 

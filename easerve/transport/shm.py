@@ -17,6 +17,7 @@ import asyncio
 import logging
 import mmap
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,13 +27,15 @@ import _posixshmem
 import torch
 
 from easerve import codec
-from easerve.rpc.errors import NotFound, Overloaded
+from easerve.rpc.errors import InvalidRequest, NotFound, Overloaded
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, ShmHandle
 from easerve.transport.shm_slab import SlabReader, SlabWriter
 
 log = logging.getLogger(__name__)
 _THREAD_BYTES = 1 << 20  # copies above this size run off the event loop
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
+_MAX_REGION = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class ShmTransport(KVTransport):
 
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
         self._expect(handle, ShmHandle)
+        check_handle(handle)
         t0 = time.perf_counter()
         copy = self.config.copy_out
         if handle.slab:
@@ -173,6 +177,16 @@ class ShmTransport(KVTransport):
             _posixshmem.shm_unlink("/" + name)
         except FileNotFoundError:
             pass  # the receiver took it
+
+
+def check_handle(h: ShmHandle) -> None:
+    """InvalidRequest unless the handle could name a segment a sender of this transport made:
+    a plain name (no '/', no NUL, no leading dot) and a region of sane size."""
+    if not _NAME.fullmatch(h.name):
+        raise InvalidRequest(f"shm segment name {h.name[:80]!r} is not one this transport makes "
+                             "(1-255 characters of A-Z a-z 0-9 . _ -, not starting with '.')")
+    if h.size < 1 or h.offset + h.size > _MAX_REGION:
+        raise InvalidRequest(f"shm region [{h.offset}, +{h.size}) is empty or past {_MAX_REGION} bytes")
 
 
 def _shm_free_bytes() -> int | None:

@@ -26,6 +26,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid = request.meta.request_id
         if not rid:
             raise InvalidRequest("meta.request_id is required")
+        if request.num_tokens < 1 or request.max_new_tokens < 1:
+            raise InvalidRequest(f"a reservation needs num_tokens >= 1 (the prompt) and max_new_tokens >= 1, got "
+                                 f"{request.num_tokens} and {request.max_new_tokens}")
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
         ttl = min(deadline.remaining(), MAX_HOLD_S)
         async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl) as stream:

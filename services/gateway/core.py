@@ -114,12 +114,10 @@ class GatewayCore:
 
     async def preprocess(self, job: Job) -> ProcessedPrompt:
         slots = _media_slots(job) if self._holders is not None else []
-        try:
-            await self.media.resolve_messages(job.messages or [])
-            await self.media.resolve_parts(job.media)
-            prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+        # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
+        await self.media.resolve_messages(job.messages or [])
+        await self.media.resolve_parts(job.media)
+        prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
         n, limit = len(prompt.input_ids), self.max_model_len
         if n >= limit:
             raise BadRequest(f"the prompt has {n} tokens but this model's context length (max_model_len) "

@@ -7,18 +7,30 @@ POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending i
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from aiohttp import web
 
-from easerve.rpc.errors import http_status
+from easerve.rpc.errors import http_status, is_unexpected
 from services.gateway import openai_api as oa
 from services.gateway.core import GatewayCore, Job
+
+log = logging.getLogger("easerve.gateway")
 
 
 def _error(status: int, message: str) -> web.Response:
     kind = "invalid_request_error" if status == 400 else "server_error"
     return web.json_response(oa.error_json(message, kind, status), status=status)
+
+
+def _message(e: BaseException) -> str:
+    """What the client is told. A bug here (not a domain error) is logged with its traceback
+    and answered 500 without its details: the client did nothing wrong."""
+    if is_unexpected(e):
+        log.error("unhandled error answering a request", exc_info=e)
+        return f"internal error ({type(e).__name__}); the gateway's log has the traceback"
+    return str(e) or type(e).__name__
 
 
 class HttpApi:
@@ -112,7 +124,7 @@ class HttpApi:
     def _fail(self, e: Exception) -> web.Response:
         status = http_status(e)
         self.core.m.requests.inc(api="http", code=str(status))
-        return _error(status, str(e) or type(e).__name__)
+        return _error(status, _message(e))
 
     async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
         gen = self.core.generate(job)
@@ -140,7 +152,7 @@ class HttpApi:
         except (ConnectionResetError, StopAsyncIteration):
             pass
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
-            await self._sse(resp, oa.error_json(str(e) or type(e).__name__, "server_error", http_status(e)))
+            await self._sse(resp, oa.error_json(_message(e), "server_error", http_status(e)))
         finally:
             await gen.aclose()  # client gone or done: cancels every stage's work
         try:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from easerve import media
+from easerve.errors import InvalidRequest
 from easerve.types import SamplingParams
 from services.gateway import openai_schema as osc
 from services.gateway.openai_schema import BadRequest
@@ -127,7 +128,7 @@ def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingPa
             ignore_eos=bool(body.ignore_eos),
             logprobs=_logprobs_k(body),
         )
-    except ValueError as e:
+    except InvalidRequest as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None
 
 

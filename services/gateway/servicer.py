@@ -1,6 +1,7 @@
 """gRPC front of the gateway: easerve.v1.Gateway <-> GatewayCore (thin)."""
 from __future__ import annotations
 
+import math
 import uuid
 
 import numpy as np
@@ -13,6 +14,9 @@ from easerve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, Job
 
 
+ROLES = ("", "system", "developer", "user", "assistant")  # the roles of the HTTP API's messages too
+
+
 def _image(m) -> media.MediaRef:
     return media.MediaRef("image", m.data if m.WhichOneof("source") == "data" else m.url)
 
@@ -23,8 +27,8 @@ def _video(m) -> media.MediaRef:
     src = m.WhichOneof("source")
     if src is None:
         raise InvalidRequest("video part has no source; set frames, file or url")
-    if m.fps < 0:
-        raise InvalidRequest(f"video fps must be >= 0 (0: the model's default), got {m.fps}")
+    if not (math.isfinite(m.fps) and m.fps >= 0):
+        raise InvalidRequest(f"video fps must be a finite number >= 0 (0: the model's default), got {m.fps}")
     if src == "frames":
         return media.MediaRef("video", list(m.frames.frames), fps=m.fps or None)
     return media.MediaRef("video", m.file if src == "file" else m.url, fps=m.fps or None)
@@ -76,11 +80,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
         job = Job(sampling, rid, timeout_s=timeout)
         if req.messages:
-            job.messages = [{"role": m.role or "user",
+            for i, m in enumerate(req.messages):
+                if m.role not in ROLES:
+                    raise InvalidRequest(f"messages[{i}].role {m.role[:40]!r} is not one of {', '.join(ROLES[1:])} "
+                                         "(empty: user)")
+                if not m.content:
+                    raise InvalidRequest(f"messages[{i}] has no content; send at least one part")
+            job.messages = [{"role": {"": "user", "developer": "system"}.get(m.role, m.role),
                              "content": [part_to_hf(p, a.modalities, a.sampling_rate) for p in m.content]}
                             for m in req.messages]
         else:
             job.prompt = req.prompt
+            if any(p.WhichOneof("part") == "text" for p in req.media):
+                raise InvalidRequest("media holds a text part; put text in 'prompt', media parts in 'media'")
             job.media = [part_to_hf(p, a.modalities, a.sampling_rate) for p in req.media]
         return job
 

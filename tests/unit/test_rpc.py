@@ -83,7 +83,7 @@ def test_health_not_serving_until_warmup_done():
 
 
 @pytest.mark.parametrize("exc, code", [
-    (ValueError("max_tokens must be >= 1"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("an internal bug"), grpc.StatusCode.INTERNAL),  # only InvalidRequest blames the caller
     (CodecError("truncated: 3 bytes"), grpc.StatusCode.INVALID_ARGUMENT),
     (errors.InvalidRequest("bad image"), grpc.StatusCode.INVALID_ARGUMENT),
     (errors.Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -125,8 +125,8 @@ def test_streaming_error_after_first_chunk_and_deadline_passed_on():
 
 def test_http_status_table():
     assert [errors.http_status(e) for e in (
-        ValueError("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
-        errors.NotFound(), KeyError("k"))] == [400, 429, 503, 504, 404, 500]
+        errors.InvalidRequest("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
+        errors.NotFound(), KeyError("k"), ValueError("a bug"))] == [400, 429, 503, 504, 404, 500, 500]
 
 
 def test_deadline_value_type():
@@ -205,3 +205,19 @@ def test_sigterm_drains_inflight_stream_then_exits_zero(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_unparseable_request_bytes_are_invalid_argument_and_the_server_keeps_serving():
+    async def call(ch, servicer):
+        codes = []
+        for method, streamed in (("/easerve.v1.Decode/Stats", False), ("/easerve.v1.Decode/Open", True)):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                if streamed:
+                    [m async for m in ch.unary_stream(method)(b"\x0a\xff\xff", timeout=5)]
+                else:
+                    await ch.unary_unary(method)(b"\x0a\xff\xff", timeout=5)
+            codes.append((ei.value.code(), ei.value.details()))
+        assert all(c == grpc.StatusCode.INVALID_ARGUMENT for c, _ in codes), codes
+        assert "easerve.v1.StatsRequest" in codes[0][1] and "easerve.v1.ReserveRequest" in codes[1][1]
+        assert (await decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1
+    asyncio.run(_with_server(call))

@@ -86,10 +86,16 @@ def test_grpc_stream_release_park_ttl_and_bad_pushes():
             await stub.Push(short())
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3 of 10" in ei.value.details()
 
-        async def huge():
+        async def huge():  # can never be parked here: the sender's mistake, not a reason to retry
             yield kv_pb2.KVChunk(key="k", total_bytes=1 << 40)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stub.Push(huge())
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parks at most" in ei.value.details()
+
+        async def no_room_now():  # fits the limit, not beside what is parked: retry later
+            yield kv_pb2.KVChunk(key="k", total_bytes=(1 << 30) - servicer.parked_bytes + 1)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Push(no_room_now())
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     asyncio.run(_grpc_pair(run, GrpcStreamConfig(chunk_bytes=4096, max_parked_bytes=1 << 30)))
 
