@@ -138,7 +138,6 @@ class GatewayCore:
         if known is not None:
             prompt = await loop.run_in_executor(self._pool, self._preprocess_known, job, known)
             plan.skipped = True
-            self.m.preprocess_skipped.inc()
             return prompt
         prompt = await self._processed(job)
         self.cache.learn(plan, prompt)
@@ -298,10 +297,13 @@ class GatewayCore:
                           ("embed_transfer", t.embed_transfer_ms), ("preprocess", job.preprocess_ms)):
             if ms > 0:
                 self.m.stage_latency.observe(ms / 1000.0, stage=stage)
+        skipped = bool(job.media_plan and job.media_plan.skipped)  # still so after the encode call: no late miss
+        if skipped:
+            self.m.preprocess_skipped.inc()
         timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
                    "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms,
                    "encode_cache_hits": t.encode_cache_hits, "preprocess_ms": job.preprocess_ms,
-                   "preprocess_skipped": bool(job.media_plan and job.media_plan.skipped)}
+                   "preprocess_skipped": skipped}
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
             return self._last(job, prompt, chunk, finish, 1, None, timings)
