@@ -19,7 +19,9 @@ Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default 
 `prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
 batched prefill lays them end to end, see `easerve.models.prefill_batch`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
-(occurrences of the placeholder string in each item's replacement text).
+(occurrences of the placeholder string in each item's replacement text); each item keeps its
+replacement text, so `prompt_from_items` can build the same prompt again from the chat template's
+text and learned items, without decoding the media or running the processor (encoder-cache hits).
 
 Roles: "processor" loads no weights; "encode" loads `encoder_parts`; "prefill"/"decode" load
 `lm_parts` (a tied lm_head is tied to the loaded embedding); "full" is plain `from_pretrained`
