@@ -7,7 +7,8 @@ load falls on both alike. The SLO is a multiple of the cache-off stack's unloade
 measured first; goodput = requests meeting both limits per second of load.
 
 Last stdout line: JSON, "ttft_p99_off_over_on" first (target >= 1.2), then
-"goodput_on_over_off" (target >= 1.0) and the per-mode figures.
+"goodput_on_over_off" (target >= 1.0), how many cache-on requests the gateway served without
+decoding or the HF processor ("on_preprocess_skipped"), and the per-mode figures.
 
   python bench/encoder_cache.py                         # 80 requests at 0.5 req/s, 50 % repeats
   python bench/encoder_cache.py --rate 1 --requests 80 --repeat 0.5
@@ -147,6 +148,13 @@ async def unloaded(url: str, model: str, size: int, max_tokens: int) -> tuple[fl
     return float(np.median([o["ttft"] for o in outs])), float(np.median([o["tpot"] for o in outs]))
 
 
+def gateway_counter(url: str, name: str) -> float:
+    """A counter from the gateway's /metrics (0 before it first counts)."""
+    import urllib.request
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
 def segments(reqs: list[tuple[float, int]], n: int) -> list[list[tuple[float, int]]]:
     """The workload cut into n consecutive parts, each part's arrivals re-based to start at 0."""
     size = -(-len(reqs) // n)
@@ -178,6 +186,7 @@ def main(argv=None) -> int:
                 res, wall = asyncio.run(run_load(urls[mode], name, part, images, args.max_tokens))
                 results[mode] += res
                 walls[mode] += wall
+        skipped = gateway_counter(urls["on"], "easerve:gateway_preprocess_skipped_total")
     finally:
         for st in stacks.values():
             st.stop()
@@ -186,7 +195,8 @@ def main(argv=None) -> int:
     out = {"ttft_p99_off_over_on": off["p99_ttft_ms"] / on["p99_ttft_ms"],
            "goodput_on_over_off": on["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None,
            "rate_rps": args.rate, "requests": len(reqs), "repeated_fraction": repeats / len(reqs),
-           "slo_ttft_ms": slo[0] * 1000, "slo_tpot_ms": slo[1] * 1000, "off": off, "on": on}
+           "slo_ttft_ms": slo[0] * 1000, "slo_tpot_ms": slo[1] * 1000,
+           "on_preprocess_skipped": skipped, "off": off, "on": on}
     print(json.dumps(out))
     return 0
 

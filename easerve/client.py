@@ -66,6 +66,8 @@ class Timings:
     embed_transfer_ms: float = 0.0
     tpot_ms: float = 0.0
     encode_cache_hits: int = 0  # not a time: media items answered by the encoder cache
+    preprocess_ms: float = 0.0
+    preprocess_skipped: bool = False  # not a time: the gateway neither decoded the media nor ran the processor
 
     @classmethod
     def from_proto(cls, t: cpb.Timings) -> Timings:

@@ -36,10 +36,11 @@ def processor_fingerprint(processor, media_config: Any = None, family: str = "")
     return hashlib.sha256(blob).digest()
 
 
-def _feed(h, value: Any) -> None:
-    """Hash one media value (recursively for frame lists), tagged by its kind."""
+def _feed(h, value: Any, what: str = "media") -> None:
+    """Hash one media value (recursively for frame lists), tagged by its kind. A string that is
+    not valid base64 raises MediaError (an InvalidRequest: bad input) naming `what`."""
     if isinstance(value, str):  # a data: URI or base64: its bytes, so every front shares entries
-        value = to_bytes(value, "media")
+        value = to_bytes(value, what)
     if isinstance(value, (bytes, bytearray, memoryview)):
         b = bytes(value)
         h.update(b"b%d:" % len(b))
@@ -51,7 +52,7 @@ def _feed(h, value: Any) -> None:
     elif isinstance(value, (list, tuple)):
         h.update(b"l%d:" % len(value))
         for v in value:
-            _feed(h, v)
+            _feed(h, v, what)
     elif hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):  # PIL image
         h.update(f"p{value.mode}{tuple(value.size)}:".encode())
         h.update(value.tobytes())
@@ -65,7 +66,7 @@ def media_hash(fingerprint: bytes, modality: str, value: Any, settings: dict | N
     h.update(fingerprint)
     h.update(modality.encode() + b"\0")
     h.update(json.dumps(settings or {}, sort_keys=True).encode() + b"\0")
-    _feed(h, value)
+    _feed(h, value, modality)
     return h.digest()
 
 

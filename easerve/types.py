@@ -62,6 +62,9 @@ class MMItem:
     (image_sizes, image_grid_thw, video_grid_thw, second_per_grid_ts, feature lengths).
     `num_tokens` is how many placeholder tokens this item fills in input_ids.
     `content_hash` (easerve.media_hash; empty: not cacheable) keys the encoder cache.
+    `replacement` (gateway only, never sent) is the text the HF processor put in place of
+    the item's placeholder string; with `meta` and `num_tokens` it lets the gateway build a
+    prompt for the same media again without the processor (`HFAdapter.prompt_from_items`).
     """
 
     modality: str
@@ -69,6 +72,7 @@ class MMItem:
     meta: dict[str, "torch.Tensor"]
     num_tokens: int
     content_hash: bytes = b""
+    replacement: str = ""
 
 
 @dataclass

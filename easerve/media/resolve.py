@@ -2,7 +2,8 @@
 
 The API fronts turn content parts into `MediaRef`s (pure parsing); `MediaResolver.resolve_parts`
 then fetches the URLs among them concurrently (async, `MediaFetcher`) and decodes everything in
-one worker thread, charging one `PixelBudget` per request.
+one worker thread, charging one `PixelBudget` per request. `fetch_refs` alone fetches without
+decoding (the gateway hashes media as received, and may then need no decoding at all).
 """
 from __future__ import annotations
 
@@ -62,11 +63,16 @@ class MediaResolver:
         if not slots:
             return
         refs = [p[k] for p, k in slots]
-        await asyncio.gather(*(self._fetch_ref(r) for r in refs))
+        await self.fetch_refs(refs)
         decoded = await asyncio.to_thread(self.decode_all, refs)
         for (p, k), (value, extra) in zip(slots, decoded):
             p[k] = value
             p.update(extra)
+
+    async def fetch_refs(self, refs: list[MediaRef]) -> None:
+        """Fetch the URLs among `refs` concurrently: each such source becomes the fetched bytes
+        (what the encoder cache hashes); nothing is decoded. Resolving them later fetches nothing."""
+        await asyncio.gather(*(self._fetch_ref(r) for r in refs))
 
     async def resolve_messages(self, messages: list[dict]) -> None:
         await self.resolve_parts([p for m in messages if isinstance(m.get("content"), list)

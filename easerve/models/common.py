@@ -19,7 +19,9 @@ Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default 
 `prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
 batched prefill lays them end to end, see `easerve.models.prefill_batch`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
-(occurrences of the placeholder string in each item's replacement text).
+(occurrences of the placeholder string in each item's replacement text); each item keeps its
+replacement text, so `prompt_from_items` can build the same prompt again from the chat template's
+text and learned items, without decoding the media or running the processor (encoder-cache hits).
 
 Roles: "processor" loads no weights; "encode" loads `encoder_parts`; "prefill"/"decode" load
 `lm_parts` (a tied lm_head is tied to the loaded embedding); "full" is plain `from_pretrained`
@@ -356,13 +358,16 @@ class HFAdapter(ModelAdapter):
             pixels, meta = split[mod][taken[mod]]
             taken[mod] += 1
             n = o["replacement"].count(self.placeholder_tokens[mod])
-            items.append(MMItem(mod, pixels, meta, n))
+            items.append(MMItem(mod, pixels, meta, n, replacement=o["replacement"]))
+        self._check_placeholders(ids, items)
+        return ProcessedPrompt(input_ids=ids.tolist(), items=items)
+
+    def _check_placeholders(self, ids: torch.Tensor, items: list[MMItem]) -> None:
         for mod, tid in self.placeholder_ids.items():
             have = sum(i.num_tokens for i in items if i.modality == mod)
             if have != int((ids == tid).sum()):
                 raise InvalidRequest(f"{mod} placeholders in the prompt ({int((ids == tid).sum())}) "
                                  f"do not match the processed {mod} items ({have} tokens)")
-        return ProcessedPrompt(input_ids=ids.tolist(), items=items)
 
     def preprocess(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
         parts = [p.get("type") for m in messages if not isinstance(m.get("content"), str)
@@ -387,6 +392,44 @@ class HFAdapter(ModelAdapter):
         out = self.processor(text=prompt, return_tensors="pt",
                              return_text_replacement_offsets=True, **kwargs)
         return self._to_prompt(out)
+
+    # ---- gateway: media processed before (encoder-cache hits) ----------------------------
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text of `messages`, placeholders not expanded: what `preprocess`
+        hands the processor. Media values are not read (they may still be undecoded)."""
+        return self.processor.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def prompt_from_items(self, text: str, items: dict[str, list[MMItem]], chat: bool = True) -> ProcessedPrompt:
+        """What `preprocess` (`chat`: `text` from `chat_text`) or `preprocess_prompt` gives for
+        media processed before, without decoding them or running the HF processor: the k-th
+        placeholder of a modality in `text` becomes the `replacement` of the k-th item of it in
+        `items` (pixel-free MMItems learned from an earlier preprocess), and the text is tokenized
+        as the processor tokenizes it. Items come back in prompt order."""
+        self._check_modalities([m for m, v in items.items() if v])
+        for mod, token in self.placeholder_tokens.items():
+            n, want = text.count(token), len(items.get(mod, ()))
+            if n != want:
+                raise InvalidRequest(f"the prompt has {n} {mod} placeholder(s) {token!r} but {want} {mod}(s) "
+                                     f"were given; use one {token!r} per {mod}")
+        proc = self.processor
+        repl = {m: [i.replacement for i in items.get(m, ())] for m in MEDIA_KWARGS}
+        (expanded,), (offsets,) = proc.get_text_with_replacements([text], repl["image"], repl["video"],
+                                                                   repl["audio"])
+        kwargs = {"return_tensors": "pt"}
+        if chat and proc.tokenizer.bos_token is not None and text.startswith(proc.tokenizer.bos_token):
+            kwargs["add_special_tokens"] = False  # as the processor's apply_chat_template
+        text_kwargs = proc._merge_kwargs(tokenizer_init_kwargs=proc.tokenizer.init_kwargs, **kwargs)["text_kwargs"]
+        for flag in ("return_mm_token_type_ids", "return_text_replacement_offsets"):
+            text_kwargs.pop(flag, None)
+        ids = proc.tokenizer([expanded], **text_kwargs)["input_ids"][0]
+        taken = {m: 0 for m in items}
+        ordered = []
+        for o in offsets:
+            ordered.append(items[o["type"]][taken[o["type"]]])
+            taken[o["type"]] += 1
+        self._check_placeholders(ids, ordered)
+        return ProcessedPrompt(input_ids=ids.tolist(), items=ordered)
 
 
 

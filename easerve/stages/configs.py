@@ -275,8 +275,9 @@ class GatewayConfig(PeerFields, StageConfig):
     media_max_mb: float = opt(64.0, "largest media file fetched by URL, MB")
     media_timeout_s: float = opt(10.0, "time limit of one media URL fetch")
     media_max_mpixels: float = opt(256.0, "decoded pixels per request (all images and video frames), millions")
-    media_hash_entries: int = opt(65536, "media content hashes remembered (hash -> the encode instance sent it) "
-                                  "for encoder-cache-aware placement and pixel-free requests; 0: no hashing")
+    media_hash_entries: int = opt(65536, "media content hashes remembered (hash -> the encode instance sent it, "
+                                  "and the item's prompt metadata) for encoder-cache-aware placement and "
+                                  "pixel-free requests that skip preprocessing; 0: no hashing")
     encoder_cache_affinity: int = opt(4, "send a request to the encode instance holding its media unless that "
                                       "instance has this many more calls open than the least loaded one")
     api_key: tuple[str, ...] = opt((), "API keys clients must send (HTTP Authorization: Bearer KEY, gRPC "

@@ -81,7 +81,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "encode_ms", "prefill_ms", "kv_transfer_ms", "embed_transfer_ms", "tpot_ms", "encode_cache_hits")
+    __slots__ = ("ttft_ms", "queue_ms", "encode_ms", "prefill_ms", "kv_transfer_ms", "embed_transfer_ms", "tpot_ms", "encode_cache_hits", "preprocess_ms", "preprocess_skipped")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class Timings(_message.Message):
     EMBED_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     encode_ms: float
@@ -98,7 +100,9 @@ class Timings(_message.Message):
     embed_transfer_ms: float
     tpot_ms: float
     encode_cache_hits: int
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., embed_transfer_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., encode_cache_hits: _Optional[int] = ...) -> None: ...
+    preprocess_ms: float
+    preprocess_skipped: bool
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., embed_transfer_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., encode_cache_hits: _Optional[int] = ..., preprocess_ms: _Optional[float] = ..., preprocess_skipped: _Optional[bool] = ...) -> None: ...
 
 class ItemMeta(_message.Message):
     __slots__ = ("modality", "num_tokens", "meta")

@@ -1,7 +1,8 @@
 """The gateway's domain logic, shared by its gRPC and HTTP fronts.
 
 A request is preprocessed here (chat template, tokenization, the HF processor on decoded
-media) and given an internal id of the gateway's own. Then, for each request:
+media; or, when the encoder cache holds all its media, from the chat template alone: see
+services.gateway.media_cache) and given an internal id of the gateway's own. Then, for each request:
 
 1. a decode instance is picked by load and asked to hold a place (`Decode.Open`: refused
    at once when decode is full, before any compute); that call is also the stream the
@@ -25,14 +26,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
-from easerve.encoder_cache import HolderMap, is_cache_miss
+from easerve.encoder_cache import is_cache_miss
 from easerve.engine.logprobs import TokenLogprobs
-from easerve.errors import NotFound
+from easerve.errors import Internal, NotFound
 from easerve.media import MediaRef, MediaResolver, config_for
 from easerve.media.resolve import KINDS
-from easerve.media_hash import assign_by_modality, media_hash, processor_fingerprint
 from easerve.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import Unavailable, from_rpc_error
@@ -44,6 +43,7 @@ from easerve.stages.peers import peers_of
 from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.gateway.media_cache import MediaCache, MediaPlan
 from services.gateway.openai_api import BadRequest
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
@@ -75,6 +75,8 @@ class Job:
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
     internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
+    preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
 
 
 class GatewayCore:
@@ -90,9 +92,8 @@ class GatewayCore:
         self._enc = peers_of(cfg, "encode", encode_pb2_grpc.EncodeStub, opts, "easerve.v1.Encode", tls=tls)
         self._pre = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, opts, "easerve.v1.Prefill", tls=tls)
         self._dec = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, opts, "easerve.v1.Decode", tls=tls)
-        self._holders = HolderMap(cfg.media_hash_entries) if cfg.media_hash_entries else None
-        self._fingerprint = processor_fingerprint(adapter.processor, self.media.cfg, adapter.family) \
-            if self._holders is not None else b""
+        self.cache = MediaCache(adapter, self.media.cfg, self._enc, cfg.media_hash_entries,
+                                cfg.encoder_cache_affinity) if cfg.media_hash_entries and cfg.encode else None
 
     def start(self) -> None:
         for peers in (self._enc, self._pre, self._dec):
@@ -112,12 +113,42 @@ class GatewayCore:
         return self.adapter.preprocess_prompt(job.prompt or "", images=by_kind["image"],
                                               videos=by_kind["video"], audios=by_kind["audio"])
 
-    async def preprocess(self, job: Job) -> ProcessedPrompt:
-        slots = _media_slots(job) if self._holders is not None else []
-        # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
+    def _preprocess_known(self, job: Job, known: dict) -> ProcessedPrompt:
+        """The prompt of media preprocessed before (learned pixel-free items): no decoding, no processor."""
+        if job.messages is not None:
+            return self.adapter.prompt_from_items(self.adapter.chat_text(job.messages), known, chat=True)
+        return self.adapter.prompt_from_items(job.prompt or "", known, chat=False)
+
+    async def _processed(self, job: Job) -> ProcessedPrompt:
+        """Full preprocessing: fetch and decode the media, run the HF processor."""
         await self.media.resolve_messages(job.messages or [])
         await self.media.resolve_parts(job.media)
-        prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
+
+    async def _prepare(self, job: Job) -> ProcessedPrompt:
+        """Hash the media as received, plan the encode (services.gateway.media_cache), and skip
+        decoding and the processor when the planned encode instance holds every item."""
+        slots = _media_slots(job) if self.cache is not None and job.prompt_ids is None else []
+        if not slots:
+            return await self._processed(job)
+        loop = asyncio.get_running_loop()
+        await self.media.fetch_refs([ref for _, _, ref in slots if ref is not None])
+        pairs = await loop.run_in_executor(self._pool, self.cache.hash_parts, slots)
+        job.media_plan = plan = await self.cache.plan(pairs, self._deadline(job).timeout())
+        known = self.cache.known_items(plan) if plan.all_held else None
+        if known is not None:
+            prompt = await loop.run_in_executor(self._pool, self._preprocess_known, job, known)
+            plan.skipped = True
+            return prompt
+        prompt = await self._processed(job)
+        self.cache.learn(plan, prompt)
+        return prompt
+
+    async def preprocess(self, job: Job) -> ProcessedPrompt:
+        t0 = time.monotonic()
+        # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
+        prompt = await self._prepare(job)
+        job.preprocess_ms = (time.monotonic() - t0) * 1000
         n, limit = len(prompt.input_ids), self.max_model_len
         if n >= limit:
             raise BadRequest(f"the prompt has {n} tokens but this model's context length (max_model_len) "
@@ -126,8 +157,6 @@ class GatewayCore:
             raise BadRequest(f"prompt ({n} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the "
                              f"context length (max_model_len) {limit}; lower max_tokens to at most "
                              f"{limit - n} or shorten the prompt")
-        if slots and prompt.items:  # after the 400s: a media type it cannot hash is a bug here, not bad input
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._hash_items, slots, prompt)
         return prompt
 
     # ---- downstream ---------------------------------------------------------------------
@@ -148,100 +177,63 @@ class GatewayCore:
         if prompt.items:
             if not self._enc:
                 raise BadRequest("this deployment has no encode stage; send text only")
-            return (self._enc, *await self._encode_call(prompt, deadline, decode_addr,
+            return (self._enc, *await self._encode_call(job, prompt, deadline, decode_addr,
                                                         dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
                                                              decode=target)))
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
         return (self._pre, *await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()),
                                                        prefer=decode_addr))
 
-    # ---- encoder cache: hashes, probe, pixel-free items ----------------------------------------
-    async def _encode_call(self, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str, fields: dict):
-        """Open the encode call on the instance that holds (or is encoding) the request's media
-        when its load allows, else on the least-loaded one; note it as the media's holder at
-        once, so concurrent requests for the same media meet in one encode. Items the instance
-        says it holds go without their pixels; if it no longer holds one when the request
-        comes, the request is resent with every item's pixels."""
-        hashes = [it.content_hash for it in prompt.items]
-        target, known = self._placement(hashes, decode_addr)
-        held = await self._probe(target, hashes, deadline) if known else [False] * len(hashes)
+    # ---- encoder cache: pixel-free items, late misses ---------------------------------------------
+    async def _encode_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str,
+                           fields: dict):
+        """Open the encode call on the instance the media plan chose (in a monolith: the one
+        holding the reservation). Items it said it holds go without their pixels (all items,
+        when preprocessing was skipped); if it no longer holds one when the request comes
+        (NOT_FOUND "encoder cache miss"), the request is preprocessed in full if it was not,
+        and resent with every item's pixels."""
+        plan = job.media_plan
+        target = decode_addr if decode_addr in self._enc.addrs else (plan.target if plan else None)
+        held = self.cache.held_items(plan, prompt, target) if plan else [False] * len(prompt.items)
         if any(held):
             req = await self._encode_request(prompt, fields, held)
             try:
-                return await self._started(hashes, req, deadline, target)
+                return await self._started(plan, req, deadline, target)
             except NotFound as e:
                 if not is_cache_miss(e):
                     raise
-                self._holders.forget(hashes, target)
-        req = await self._encode_request(prompt, fields, [False] * len(hashes))
-        return await self._started(hashes, req, deadline, target or decode_addr)
+                log.info("request %s: late encoder cache miss at %s (%s); resending with pixels",
+                         job.request_id, target, e)
+                self.cache.missed(plan, target)
+                self.m.cache_late_misses.inc()
+            if plan.skipped:
+                prompt = await self._reprocess(job, prompt)
+        req = await self._encode_request(prompt, fields, [False] * len(prompt.items))
+        return await self._started(plan, req, deadline, target or decode_addr)
 
-    def _placement(self, hashes: list[bytes], decode_addr: str) -> tuple[str | None, bool]:
-        """(the encode instance to prefer for these media, or None to leave it to `Peers`;
-        whether this gateway sent it any of them before: only then is it worth a probe)."""
-        if self._holders is None or not any(hashes):
-            return None, False
-        keys = [h for h in hashes if h]
-        addr = self._holders.holder(keys)
-        if decode_addr in self._enc.addrs:  # a monolith: encode where the reservation is
-            self._holders.note(keys, decode_addr)
-            return decode_addr, addr == decode_addr
-        peer = self._enc.get(addr) if addr else None
-        known = peer is not None and self._affine(peer)
-        if not known:
-            try:
-                peer = self._enc.pick()
-            except Unavailable:
-                return None, False  # start_call waits for an instance, or says none is up
-        self._holders.note(keys, peer.addr)
-        return peer.addr, known
+    async def _reprocess(self, job: Job, skipped: ProcessedPrompt) -> ProcessedPrompt:
+        """The full preprocessing a late miss needs after a skipped one; the same token ids."""
+        t0 = time.monotonic()
+        prompt = await self._processed(job)
+        job.media_plan.skipped = False
+        self.cache.learn(job.media_plan, prompt)
+        job.preprocess_ms += (time.monotonic() - t0) * 1000
+        if prompt.input_ids != skipped.input_ids:
+            raise Internal(f"request {job.request_id}: the prompt built from learned media metadata differs "
+                           "from the processor's; this is a bug, please report it")
+        return prompt
 
     async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
         items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
             self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
         return encode_pb2.EncodeRequest(items=items, **fields)
 
-    async def _started(self, hashes: list[bytes], req, deadline: Deadline, prefer: str | None):
+    async def _started(self, plan: MediaPlan | None, req, deadline: Deadline, prefer: str | None):
         peer, call, first = await self._enc.start_call(lambda p: p.stub.Encode(req, timeout=deadline.timeout()),
                                                        prefer=prefer)
-        if self._holders is not None and peer.addr != prefer:
-            self._holders.note([h for h in hashes if h], peer.addr)
+        if plan is not None and peer.addr != plan.target:
+            self.cache.sent(plan, peer.addr)
         return peer, call, first
-
-    async def _probe(self, addr: str | None, hashes: list[bytes], deadline: Deadline) -> list[bool]:
-        """Which items the encode instance `addr` holds now (all False when not asked)."""
-        none = [False] * len(hashes)
-        peer = self._enc.get(addr) if addr else None
-        if peer is None:
-            return none
-        try:
-            resp = await peer.stub.Holds(encode_pb2.HoldsRequest(content_hashes=hashes),
-                                         timeout=min(1.0, deadline.timeout() or 1.0))
-        except grpc.aio.AioRpcError as e:  # an old or busy encode: send pixels, nothing lost
-            log.debug("encoder cache probe of %s failed: %s", addr, e.code().name)
-            return none
-        return list(resp.held) if len(resp.held) == len(hashes) else none
-
-    def _affine(self, peer) -> bool:
-        """Whether `peer` is up and has at most `encoder_cache_affinity` more calls open (from
-        this gateway) than the least-loaded instance that is up."""
-        if not peer.up:
-            return False
-        least = min(q.outstanding for q in map(self._enc.get, self._enc.addrs) if q.up)
-        return peer.outstanding <= least + self.cfg.encoder_cache_affinity
-
-    def _hash_items(self, slots: list[tuple[str, dict, object]], prompt: ProcessedPrompt) -> None:
-        """Set each item's content hash from the media parts it came from (see easerve.media_hash)."""
-        pairs = []
-        for kind, part, ref in slots:
-            raw = getattr(ref, "source", None)
-            value = raw if isinstance(raw, (bytes, bytearray, str, list, np.ndarray)) else part[kind]
-            settings = {"fps": getattr(ref, "fps", None), "sample_rate": getattr(ref, "sample_rate", None),
-                        "part_fps": part.get("fps")}
-            pairs.append((kind, media_hash(self._fingerprint, kind, value, settings)))
-        hashes = assign_by_modality(pairs, [it.modality for it in prompt.items])
-        for it, h in zip(prompt.items, hashes or ()):
-            it.content_hash = h
 
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Yield text deltas; the last one carries finish_reason and usage."""
@@ -269,7 +261,10 @@ class GatewayCore:
         deadline = self._deadline(job)
         reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
                                             max_new_tokens=job.sampling.max_tokens)
-        dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()))
+        plan = job.media_plan  # a monolith holding the media also takes the reservation, when it can
+        pinned = plan.target if plan is not None and plan.target in self._dec.addrs else None
+        dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()),
+                                                        prefer=pinned)
         upeers = upeer = ucall = tail = None
         try:
             upeers, upeer, ucall, first = await self._upstream(job, prompt, deadline, dpeer.addr)
@@ -295,12 +290,16 @@ class GatewayCore:
         self.m.ttft.observe(ttft)
         t = chunk.timings
         for stage, ms in (("encode", t.encode_ms), ("prefill", t.prefill_ms), ("queue", t.queue_ms),
-                          ("embed_transfer", t.embed_transfer_ms)):
+                          ("embed_transfer", t.embed_transfer_ms), ("preprocess", job.preprocess_ms)):
             if ms > 0:
                 self.m.stage_latency.observe(ms / 1000.0, stage=stage)
+        skipped = bool(job.media_plan and job.media_plan.skipped)  # still so after the encode call: no late miss
+        if skipped:
+            self.m.preprocess_skipped.inc()
         timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
                    "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms,
-                   "encode_cache_hits": t.encode_cache_hits}
+                   "encode_cache_hits": t.encode_cache_hits, "preprocess_ms": job.preprocess_ms,
+                   "preprocess_skipped": skipped}
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
             return self._last(job, prompt, chunk, finish, 1, None, timings)

@@ -43,6 +43,12 @@ class GatewayMetrics:
                                                 ["stage"], buckets=LATENCY_BUCKETS, registry=r))
         self.prompt_tokens = Counter("easerve:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("easerve:generation_tokens", "Tokens generated", registry=r)
+        self.preprocess_skipped = Counter(
+            "easerve:gateway_preprocess_skipped", "Requests whose media were neither decoded nor run through "
+            "the HF processor (the encoder cache held every item)", registry=r)
+        self.cache_late_misses = Counter(
+            "easerve:gateway_encoder_cache_late_misses", "Requests sent to an encode instance without pixels "
+            "that it no longer held; resent with every item's pixels (preprocessed in full)", registry=r)
 
     def render(self) -> str:
         return render(self.registry).decode()

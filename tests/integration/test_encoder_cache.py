@@ -1,8 +1,10 @@
 """The encoder cache through the real stack: greedy tokens equal with the cache on and off
-for image, video and audio; a repeat is a hit (its timings say so) and goes to encode
-without pixels; N concurrent requests for one new image run the tower once even with two
-encode instances; hits, misses, evictions and held bytes in encode's /metrics, within the
-byte bound."""
+for image, video and audio (and every family); a repeat is a hit that the gateway serves
+without decoding its media or running the HF processor (its timings and the gateway's
+/metrics say so) and sends to encode without pixels; a late miss (the request reaches an
+instance that does not hold the media) is preprocessed in full and resent; N concurrent
+requests for one new image run the tower once even with two encode instances; hits, misses,
+evictions and held bytes in encode's /metrics, within the byte bound."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -72,6 +74,17 @@ def _total(urls: list[str], name: str) -> float:
     return sum(_scrape(u).get(name, 0.0) for u in urls)
 
 
+def _gateway(stack, name: str) -> float:
+    """A counter of the gateway's own /metrics (0 before it first counts)."""
+    text = urllib.request.urlopen(f"{stack.endpoints.http}/metrics", timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return values[0] if values else 0.0
+
+
+SKIPPED = "easerve:gateway_preprocess_skipped_total"
+LATE = "easerve:gateway_encoder_cache_late_misses_total"
+
+
 def _gen(stack, **kw):
     return Client(stack.endpoints.grpc, timeout=180).generate(PROMPT, max_tokens=N, **kw)
 
@@ -82,17 +95,33 @@ REQUESTS = {"image": {"images": [png_bytes(48, 64, 7)]},
 
 
 @pytest.mark.parametrize("kind", list(REQUESTS))
-def test_greedy_tokens_equal_with_the_cache_on_and_off_and_a_repeat_is_a_pixel_free_hit(cache_on, cache_off, kind):
+def test_greedy_tokens_equal_with_the_cache_on_and_off_and_a_repeat_skips_preprocessing(cache_on, cache_off, kind):
     stack, metrics = cache_on
     kw = REQUESTS[kind]
     off = _gen(cache_off, **kw)
     free_before = _total(metrics, "easerve:encoder_cache_pixel_free_items_total")
+    skipped_before = _gateway(stack, SKIPPED)
     first, again = _gen(stack, **kw), _gen(stack, **kw)
     n_items = len(kw.get("images", [None]))
     assert list(first.token_ids) == list(again.token_ids) == list(off.token_ids)
     assert (off.timings.encode_cache_hits, first.timings.encode_cache_hits) == (0, 0)
     assert again.timings.encode_cache_hits == n_items and again.timings.encode_ms == 0
     assert _total(metrics, "easerve:encoder_cache_pixel_free_items_total") - free_before == n_items
+    # the repeat was neither decoded nor run through the HF processor at the gateway
+    assert (off.timings.preprocess_skipped, first.timings.preprocess_skipped, again.timings.preprocess_skipped) \
+        == (False, False, True)
+    assert first.timings.preprocess_ms > 0 and again.timings.preprocess_ms > 0
+    assert _gateway(stack, SKIPPED) - skipped_before == 1 and _gateway(cache_off, SKIPPED) == 0
+
+
+def test_a_raw_prompt_repeat_skips_preprocessing_too(cache_on):
+    stack, _ = cache_on
+    img = png_bytes(40, 40, 4242)
+    raw = "<|vision_start|><|image_pad|><|vision_end|>Name it."
+    first, again = (Client(stack.endpoints.grpc, timeout=180).generate(raw_prompt=raw, images=[img], max_tokens=N)
+                    for _ in range(2))
+    assert list(first.token_ids) == list(again.token_ids)
+    assert (first.timings.preprocess_skipped, again.timings.preprocess_skipped) == (False, True)
 
 
 def test_the_sdk_and_the_openai_api_share_entries(cache_on):
@@ -120,6 +149,7 @@ def test_audio_greedy_tokens_equal_the_uncached_pipeline_and_a_repeat_hits(audio
     first, again = _gen(audio_stack, audio=wav), _gen(audio_stack, audio=wav)
     assert list(first.token_ids) == list(again.token_ids) == list(want)
     assert (first.timings.encode_cache_hits, again.timings.encode_cache_hits) == (0, 1)
+    assert (first.timings.preprocess_skipped, again.timings.preprocess_skipped) == (False, True)
 
 
 def test_concurrent_requests_for_one_new_image_run_the_tower_once(cache_on):
@@ -158,3 +188,60 @@ def test_a_monolith_caches_too_and_keeps_requests_on_the_instance_holding_the_re
         mono.stop()
     assert list(first.token_ids) == list(again.token_ids) == list(_gen(cache_off, **kw).token_ids)
     assert (first.timings.encode_cache_hits, again.timings.encode_cache_hits) == (0, 1)
+
+
+# ---- every family, late misses (monoliths: one process holds encode, prefill and decode) ----
+def _monoliths(model: str, n: int, **flags) -> Stack:
+    w = Worker(flags={"sm-backend": "timeslice", "partition-policy": "timeslice", **ONE, **flags})
+    d = Deployment(model=model, name=f"mono-{n}", prefill=(), decode=(), monolith=(w,) * n).with_gateway_ports(0, 0)
+    return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+
+
+@pytest.mark.parametrize("family", ["llava-next", "ultravox"])
+def test_the_other_families_give_the_uncached_tokens_on_a_hit_that_skips_preprocessing(tiny_root, family):
+    from easerve.media import decode_image
+    model = str(cached_tiny(family, tiny_root))
+    if family == "llava-next":
+        raw = png_bytes(50, 70, 31)
+        kw, part = {"images": [raw]}, {"type": "image", "image": decode_image(raw, 8192)}
+    else:
+        raw = wav_bytes(1.1, 440)
+        kw, part = {"audio": raw}, {"type": "audio", "audio": decode_audio(raw, target_rate=16000)}
+    msgs = [{"role": "user", "content": [part, {"type": "text", "text": PROMPT}]}]
+    want = InProcessPipeline(model).run([(msgs, SamplingParams(max_tokens=N))])[0].token_ids
+    stack = _monoliths(model, 1)
+    stack.start(timeout=420)
+    try:
+        first, again = _gen(stack, **kw), _gen(stack, **kw)
+        skipped = _gateway(stack, SKIPPED)
+    finally:
+        stack.stop()
+    assert list(first.token_ids) == list(again.token_ids) == list(want)
+    assert (first.timings.encode_cache_hits, again.timings.encode_cache_hits) == (0, 1)
+    assert (first.timings.preprocess_skipped, again.timings.preprocess_skipped, skipped) == (False, True, 1)
+
+
+def test_a_late_miss_at_another_instance_is_preprocessed_in_full_and_resent(vl_model):
+    """Two monoliths decoding one request at a time each. A repeat is planned at the one holding
+    its image (hit: no preprocessing, no pixels); while that one's decode is busy with a long
+    request, the next repeat's reservation lands on the other monolith, which does not hold the
+    image: it answers "encoder cache miss", and the gateway preprocesses and resends."""
+    stack = _monoliths(vl_model, 2, max_running=1, max_waiting=0)
+    stack.start(timeout=420)
+    client = Client(stack.endpoints.grpc, timeout=180)
+    img = png_bytes(44, 60, 99)
+    try:
+        first = client.generate(PROMPT, images=[img], max_tokens=N)
+        with client.generate(PROMPT, images=[img], max_tokens=3000, ignore_eos=True, stream=True) as long:
+            head = next(iter(long))               # a hit, decoding at the holder: its one slot is taken
+            late = client.generate(PROMPT, images=[img], max_tokens=N)
+        after = client.generate(PROMPT, images=[img], max_tokens=N)
+        late_misses, skipped = _gateway(stack, LATE), _gateway(stack, SKIPPED)
+    finally:
+        client.close()
+        stack.stop()
+    assert head.timings.preprocess_skipped and head.timings.encode_cache_hits == 1
+    assert list(late.token_ids) == list(first.token_ids) == list(after.token_ids)
+    assert (late.timings.preprocess_skipped, late.timings.encode_cache_hits, late_misses) == (False, 0, 1)
+    assert late.timings.preprocess_ms > 0
+    assert after.timings.preprocess_skipped and skipped == 2   # the long request and the last one

@@ -11,6 +11,7 @@ from easerve.encoder_cache import (HIT, MISS, PENDING, CacheMiss, EncoderCachePo
                                    is_cache_miss)
 from easerve.errors import NotFound
 from easerve.media_hash import assign_by_modality, media_hash
+from easerve.types import MMItem
 
 # ---- policy: states ------------------------------------------------------------------------
 
@@ -176,3 +177,32 @@ def test_hashes_are_matched_to_items_per_modality_in_order():
     assert assign_by_modality(pairs, ["image", "image", "audio"]) == [b"i0", b"i1", b"a0"]
     assert assign_by_modality(pairs, ["image", "audio"]) is None           # counts disagree
     assert assign_by_modality(pairs, ["image", "image", "audio", "video"]) is None
+
+
+# ---- the gateway's learned item metadata ---------------------------------------------------
+
+
+def _item(h: bytes, replacement: str, n: int = 3) -> MMItem:
+    return MMItem("image", {"pixel_values": np.zeros(4)}, {"image_grid_thw": np.array([1, 2, 2])}, n, h, replacement)
+
+
+def test_known_items_keep_no_pixels_store_token_runs_short_and_stay_bounded():
+    from services.gateway.media_cache import KnownItems
+    k = KnownItems(2, {"image": "<P>"})
+    k.learn([_item(b"a", "<P>" * 3), _item(b"b", "<s><P><P></s>", 2), _item(b"", "<P>"), _item(b"n", "")])
+    assert len(k) == 2                                  # no hash, or no replacement: nothing to learn
+    a = k.get(b"a")
+    assert (a.modality, a.pixels, a.num_tokens, a.content_hash, a.replacement) == ("image", {}, 3, b"a", "<P>" * 3)
+    assert k._items[b"a"].unit == "<P>" and k._items[b"a"].repeat == 3
+    assert k.get(b"b").replacement == "<s><P><P></s>"
+    k.get(b"a")                                         # a read last: b is the least recently used
+    k.learn([_item(b"c", "<P>")])
+    assert k.get(b"b") is None and k.get(b"a") is not None and k.get(b"c") is not None
+
+
+def test_a_media_plan_is_all_held_only_when_every_part_is():
+    from services.gateway.media_cache import MediaPlan
+    p = MediaPlan([("image", b"a"), ("image", b"a"), ("audio", b"b")], "e:1", {b"a": True, b"b": False})
+    assert p.hashes == [b"a", b"b"] and not p.all_held
+    p.held[b"b"] = True
+    assert p.all_held and not MediaPlan([], "e:1").all_held
