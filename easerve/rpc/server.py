@@ -32,14 +32,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class ServerOptions:
     """gRPC settings of a stage's server and of the channels it opens to its peers.
 
-    Keepalive: channels ping an idle connection every `keepalive_time_ms` (also while no
+    Keepalive: channels ping a connection every `keepalive_time_ms` (also while no
     call is open, and without a cap on pings between data frames), so a dead peer is found
     on long idle streams; servers accept pings down to `min_ping_interval_ms` apart
     (gRPC's default, 5 minutes, answers a 30 s keepalive with GOAWAY too_many_pings)."""
     max_message_bytes: int = 256 << 20
     grace_s: float = 10.0
-    keepalive_time_ms: int = 30_000
-    keepalive_timeout_ms: int = 20_000
+    keepalive_time_ms: int = 5_000  # a peer whose link went silent is UNAVAILABLE within ~10 s,
+    keepalive_timeout_ms: int = 5_000  # inside a request's deadline (tests/reliability/test_netns.py)
     min_ping_interval_ms: int = 500
     tls: Tls = NO_TLS
 

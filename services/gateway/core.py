@@ -273,7 +273,7 @@ class GatewayCore:
             if delta.finish_reason is not None:
                 return
             tail = asyncio.ensure_future(_drain(ucall))
-            async for d in self._decoded(job, prompt, dcall, tail):
+            async for d in self._decoded(job, prompt, dcall, tail, dpeer.addr):
                 yield d
         finally:
             dcall.cancel()
@@ -305,8 +305,10 @@ class GatewayCore:
             return self._last(job, prompt, chunk, finish, 1, None, timings)
         return Delta(list(chunk.token_ids), chunk.text, timings=timings, logprobs=_logprobs(chunk))
 
-    async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future) -> AsyncIterator[Delta]:
-        """Decode's chunks, failing at once if the upstream call (the KV handoff) fails."""
+    async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future,
+                       addr: str) -> AsyncIterator[Delta]:
+        """Decode's chunks, failing at once if the upstream call (the KV handoff) fails; a
+        failure of the stream names the decode instance and how far the request got."""
         first_at, n = time.monotonic(), 1
         while True:
             read = asyncio.ensure_future(dcall.read())
@@ -324,9 +326,11 @@ class GatewayCore:
             try:
                 chunk = read.result()
             except grpc.aio.AioRpcError as e:
-                raise from_rpc_error(e) from None
+                err = from_rpc_error(e)
+                raise type(err)(f"decode instance {addr} after {n} token(s): {err}") from None
             if chunk is grpc.aio.EOF:
-                raise Unavailable("decode closed the stream before the request finished")
+                raise Unavailable(f"decode instance {addr} closed the stream after {n} token(s), "
+                                  "before the request finished")
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:

@@ -8,8 +8,8 @@ on a bridge (made here, namespace-local addresses only, the host's own network u
 
 The namespaces share /dev/shm (one mount namespace), so `--kv-transport auto` would pick
 shm; prefill is told `--kv-transport grpc` and its log must say so. Cutting decode's link
-(its veth at the bridge) mid-request ends the request with DEADLINE_EXCEEDED or UNAVAILABLE
-within its deadline; bringing the link back brings the service back. Skipped, saying why,
+(its veth at the bridge) mid-request ends the request with UNAVAILABLE naming the decode
+instance before its deadline (the stage channels' keepalive finds the silent link); bringing the link back brings the service back. Skipped, saying why,
 where network namespaces cannot be made (not root, no `ip`, no CAP_SYS_ADMIN).
 """
 from __future__ import annotations
@@ -184,8 +184,9 @@ def test_stages_in_separate_namespaces_survive_a_cut_link(tmp_path):
         streaming.wait(DEADLINE_S + SLACK_S + 30)
         cut_to_error = time.monotonic() - t_cut
         end = (lines + rest)[-1]
-        assert end["error"] in ("DEADLINE_EXCEEDED", "UNAVAILABLE"), end
-        assert end["message"] and end["elapsed_s"] <= DEADLINE_S + SLACK_S, end
+        assert end["error"] == "UNAVAILABLE", end  # keepalive (5 s + 5 s) finds it, not the deadline
+        assert f"decode instance {IPS['c']}:50054" in end["message"], end
+        assert end["elapsed_s"] < DEADLINE_S, end
 
         # restore it: service comes back
         nets.restore("c")
