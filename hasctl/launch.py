@@ -6,8 +6,9 @@
 Each stage is a `python -m services.<stage>` child in its own process group, its stdout and
 stderr appended to <run_dir>/<name>.log. `start()` waits until every process reports
 grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
-supervisor thread restarts a process that dies (same argv and port, exponential backoff) and
-counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
+supervisor thread restarts a process that dies (same argv and port, exponential backoff),
+first unlinking the shared-memory slabs dead processes left (`shm_reclaim`), and counts it
+in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from easerve.healthcheck import check
+from easerve.transport.shm_reclaim import reclaim_stale
 from hasctl.deployment import STAGES, Command, Deployment, process_names, to_commands
 
 log = logging.getLogger("hasctl.launch")
@@ -240,6 +242,7 @@ class Stack:
             log.warning("%s exited with code %s; restarting in %.1f s", p.cmd.name, rc, delay)
         elif now >= p.restart_at:
             p.restarts += 1
+            reclaim_stale()  # the dead one's shm slab, if its resource tracker died with it
             self._spawn(p)
 
 
