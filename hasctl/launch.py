@@ -241,8 +241,8 @@ class Stack:
             _signal_group(p.popen, signal.SIGKILL)
             log.warning("%s exited with code %s; restarting in %.1f s", p.cmd.name, rc, delay)
         elif now >= p.restart_at:
-            p.restarts += 1
             reclaim_stale()  # the dead one's shm slab, if its resource tracker died with it
+            p.restarts += 1
             self._spawn(p)
 
 
