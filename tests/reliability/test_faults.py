@@ -19,9 +19,12 @@ import time
 import zlib
 from pathlib import Path
 
+import grpc
 import pytest
 
+from easerve.client_request import build_request
 from easerve.models.tiny import cached_tiny
+from easerve.v1 import gateway_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack
 from tests.integration.conftest import tiny_root  # noqa: F401 - the fixture
@@ -33,6 +36,7 @@ RATE = 3.0           # requests/s offered, well under what the stack serves on 2
 DEADLINE_S = 10.0    # each request's own deadline (its `timeout`)
 WARM_S, BASE_S, AFTER_S = 4.0, 10.0, 32.0   # warm-up, two pre-kill windows, after the kill
 WINDOW_S, RECOVERY_BOUND_S = 5.0, 30.0
+GRPC_STREAMS = 3    # long gRPC streams open at the kill (UNAVAILABLE or OK, never a hang)
 FIGURES = os.environ.get("EASERVE_FAULT_FIGURES")  # append one JSON line per scenario here
 
 SCENARIOS = [(layout, n, stage) for n in (1, 2)
@@ -81,16 +85,33 @@ async def _kill_under_load(stack: Stack, name: str) -> dict:
     async with LoadDriver(url, bodies, deadline_s=DEADLINE_S) as drv:
         load = asyncio.ensure_future(drv.run(RATE, total))
         await asyncio.sleep(WARM_S + BASE_S)
+        streams = [asyncio.ensure_future(_grpc_stream(stack.endpoints.grpc, i)) for i in range(GRPC_STREAMS)]
+        await asyncio.sleep(0.5)  # the gRPC streams are past their first token
         restarts, pid = stack.restarts[name], stack.pids[name]
         kill_s = drv.clock()
         os.kill(pid, signal.SIGKILL)
         await load
+        grpc_out = await asyncio.gather(*streams)
     series = drv.goodput(WINDOW_S, since_s=kill_s - BASE_S, until_s=kill_s + AFTER_S)
     pre = [g for _, g in series[:round(BASE_S / WINDOW_S)]]  # the windows before the kill
     baseline = sum(pre) / len(pre)
     return {"drv": drv, "kill_s": kill_s, "series": series, "baseline": baseline,
-            "recovery_s": recovery_s(series, kill_s, baseline), "restarted": stack.restarts[name] > restarts,
+            "recovery_s": recovery_s(series, kill_s, baseline), "grpc": grpc_out, "restarted": stack.restarts[name] > restarts,
             "new_pid": stack.pids[name] != pid}
+
+
+async def _grpc_stream(addr: str, i: int) -> tuple[str, float]:
+    """(status code name, seconds) of one long streamed gRPC request (in flight at the kill)."""
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(addr) as ch:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(
+            build_request(f"stream {i}", max_tokens=300, ignore_eos=True), timeout=DEADLINE_S)
+        try:
+            async for _ in call:
+                pass
+            return "OK", time.monotonic() - t0
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, time.monotonic() - t0
 
 
 def test_killed_process_group_leaves_no_slab_after_the_restart(stacks):
@@ -146,6 +167,8 @@ def test_kill_stage_under_load(stacks, layout, n, stage):
     late = [o for o in drv.outcomes if o.status == 503 and o.latency_s > DEADLINE_S + 1.0]
     assert not late, f"503s past the {DEADLINE_S} s deadline: {[round(o.latency_s, 1) for o in late[:5]]}"
     assert all(o.retry_after for o in drv.outcomes if o.status == 503), "a 503 without Retry-After"
+    assert {c for c, _ in r["grpc"]} <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, r["grpc"]
+    assert all(dt <= DEADLINE_S + 1.0 for _, dt in r["grpc"]), r["grpc"]
     # the launcher restarted it, and goodput came back
     assert r["restarted"] and r["new_pid"], f"{name} was not restarted: {stack.restarts}"
     assert r["baseline"] >= 0.8 * RATE, f"the stack did not keep up before the kill: {r['series']}"
@@ -158,6 +181,7 @@ def _record(layout, n, stage, r, tally, in_flight) -> None:
             "sent": tally.sent, "completed": tally.completed, "errored": tally.errored,
             "by_status": {str(k): v for k, v in tally.by_status.items()},
             "in_flight_at_kill": len(in_flight),
+            "grpc_streams_at_kill": sorted(c for c, _ in r["grpc"]),
             "in_flight_outcomes": dict(sorted({str(o.status): sum(p.status == o.status for p in in_flight)
                                                for o in in_flight}.items())),
             "max_error_latency_s": round(max((o.latency_s for o in r["drv"].outcomes if o.status != 200),

@@ -28,7 +28,7 @@ from tests.reliability.driver import HUNG, REFUSED, LoadDriver, image_bodies, rs
 pytestmark = [pytest.mark.slow, pytest.mark.load]
 
 OVERLOAD_X, OVERLOAD_S, DEADLINE_S = 5.0, 60.0, 10.0
-RSS_HEADROOM_MIB = 512  # the stated bound: no process grows past its pre-overload RSS + this
+RSS_HEADROOM_MIB = 256  # the stated bound: no process grows past its pre-overload RSS + this
 GATEWAY_INFLIGHT, DECODE_WAITING = 16, 8  # the bounded queues under test
 FIGURES = os.environ.get("EASERVE_FAULT_FIGURES")
 
