@@ -145,6 +145,7 @@ class SlabReader:
             mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=_FLAGS)
         finally:
             os.close(fd)
+        _drop_unlinked(self._maps)
         self._maps[name] = mm
         while len(self._maps) > self.max_slabs:  # views of an evicted slab keep it mapped
             self._maps.popitem(last=False)
@@ -152,6 +153,13 @@ class SlabReader:
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _drop_unlinked(maps: OrderedDict) -> None:
+    """Forget the mappings of slabs whose name is gone (their sender closed or died and the
+    slab was reclaimed), so their memory is freed once no view of them is left."""
+    for name in [n for n in maps if not os.path.exists(f"/dev/shm/{n}")]:
+        del maps[name]
 
 
 def _mark_free(mm: mmap.mmap, off: int) -> None:

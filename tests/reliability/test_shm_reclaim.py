@@ -102,3 +102,24 @@ def test_one_off_segments_go_after_their_maximum_age_and_foreign_names_never(pre
 def test_prefix_must_be_a_plain_name():
     with pytest.raises(ValueError, match="without '/'"):
         reclaim_stale("a/b")
+
+
+def test_a_reader_lets_go_of_a_reclaimed_slab_when_it_maps_the_next_one(prefix):
+    from easerve.transport.shm_slab import SlabReader, SlabWriter
+
+    def mapped(name: str) -> bool:
+        return any(name in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    reader, old, new = SlabReader(), SlabWriter(slab_name(prefix), 1 << 20), SlabWriter(slab_name(prefix), 1 << 20)
+    try:
+        off, gen = old.alloc(128, ttl_s=60)
+        reader.take(old.name, off, 128, gen)  # the array, its only view, dies at once
+        old.close()  # the sender is gone: its slab is unlinked
+        assert mapped(old.name), "the reader should still map the unlinked slab"
+        off, gen = new.alloc(128, ttl_s=60)
+        arr = reader.take(new.name, off, 128, gen)
+        assert not mapped(old.name), "the reader still maps a slab whose sender is gone"
+        del arr
+    finally:
+        new.close()
+        reader.close()
