@@ -8,7 +8,9 @@ stderr appended to <run_dir>/<name>.log. `start()` waits until every process rep
 grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
 supervisor thread restarts a process that dies (same argv and port, exponential backoff),
 first unlinking the shared-memory slabs dead processes left (`shm_reclaim`), and counts it
-in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
+in `restarts`. With `standby=True` each stage process has a standby next to it that has
+done its imports already (`hasctl.standby`); a restart promotes it, skipping most of a cold
+start. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from hasctl.deployment import STAGES, Command, Deployment, process_names, to_com
 
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
+_SPARE_AFTER_S = 10.0  # a standby is started this long after the process it stands by for
 
 
 class StageExited(RuntimeError):
@@ -103,16 +106,18 @@ class _Proc:
     started: float = 0.0
     failures: int = 0             # consecutive short-lived runs, for the backoff
     restart_at: float | None = None
+    spare: subprocess.Popen | None = None  # a pre-imported standby (hasctl.standby), when enabled
 
 
 class Stack:
     def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
                  run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
-                 backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None):
+                 backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None,
+                 standby: bool = False):
         if not deployment.model:
             raise ValueError("the deployment has no model; call deployment.with_model(path) first")
         self.deployment, self.host, self.restart = deployment, host, restart
-        self.backoff_s, self._env = backoff_s, dict(env or {})
+        self.backoff_s, self._env, self.standby = backoff_s, dict(env or {}), standby
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ports = assign_ports(deployment, host, base_port)
@@ -190,6 +195,8 @@ class Stack:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         with self._lock:
+            for p in self._procs.values():
+                self._drop_spare(p)
             procs = [p for p in reversed(self._procs.values()) if p.popen is not None]
             for p in procs:
                 _signal_group(p.popen, signal.SIGTERM)
@@ -210,15 +217,44 @@ class Stack:
         self.stop()
 
     # ---- processes ------------------------------------------------------------------------------
-    def _spawn(self, p: _Proc) -> None:
+    def _popen(self, p: _Proc, argv: tuple[str, ...], what: str, stdin) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
         env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO), env.get("PYTHONPATH", "")) if x)
         with open(p.log, "ab") as out:
-            out.write(f"=== {time.strftime('%H:%M:%S')} start #{p.restarts}: {' '.join(p.cmd.argv)}\n".encode())
+            out.write(f"=== {time.strftime('%H:%M:%S')} {what}: {' '.join(argv)}\n".encode())
             out.flush()
-            p.popen = subprocess.Popen(p.cmd.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, cwd=str(_REPO), start_new_session=True)
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
+                                    env=env, cwd=str(_REPO), start_new_session=True)
+
+    def _spawn(self, p: _Proc) -> None:
+        """Start the process: promote its standby when one is ready, else a fresh one."""
+        spare, p.spare = p.spare, None
+        if spare is not None and spare.poll() is None:
+            try:
+                spare.stdin.write(b"go\n")
+                spare.stdin.close()
+                with open(p.log, "ab") as out:
+                    out.write(f"=== {time.strftime('%H:%M:%S')} start #{p.restarts}: standby pid {spare.pid} "
+                              f"promoted\n".encode())
+                p.popen = spare
+            except OSError:  # it died meanwhile
+                _signal_group(spare, signal.SIGKILL)
+                spare = None
+        if spare is None:
+            p.popen = self._popen(p, p.cmd.argv, f"start #{p.restarts}", subprocess.DEVNULL)
         p.started, p.restart_at = time.monotonic(), None
+
+    def _spawn_spare(self, p: _Proc) -> None:
+        argv = (p.cmd.argv[0], "-m", "hasctl.standby", *p.cmd.argv[2:])  # argv: python -m services.X ...
+        p.spare = self._popen(p, argv, "standby", subprocess.PIPE)
+
+    @staticmethod
+    def _drop_spare(p: _Proc) -> None:
+        if p.spare is not None:
+            _signal_group(p.spare, signal.SIGKILL)
+            p.spare.wait()
+            p.spare.stdin.close()
+            p.spare = None
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.2):
@@ -233,6 +269,9 @@ class Stack:
     def _tend(self, p: _Proc, now: float) -> None:
         rc = p.popen.poll() if p.popen else None
         if rc is None:
+            if self.standby and p.cmd.stage != "gateway" and (p.spare is None or p.spare.poll() is not None) \
+                    and now - p.started > _SPARE_AFTER_S:
+                self._spawn_spare(p)  # once the running one is settled: not competing with its start
             return
         if p.restart_at is None:
             p.failures = 0 if now - p.started > 60.0 else p.failures + 1

@@ -157,13 +157,15 @@ class LoadDriver:
         return [o for o in self.outcomes if t_from <= o.sent_s < t_to]
 
 
-def recovery_s(series: list[tuple[float, float]], kill_s: float, baseline: float, fraction: float = 0.9) -> float | None:
-    """Seconds from the kill to the end of the first window at or after it whose goodput is
-    back to `fraction` x baseline (None: never, within the series)."""
+def recovery_s(series: list[tuple[float, float]], kill_index: int, baseline: float,
+               fraction: float = 0.9) -> float | None:
+    """Seconds from the kill to the end of the first window at or after it (series[kill_index:],
+    the first of which starts at the kill) whose goodput is back to `fraction` x baseline
+    (None: never, within the series)."""
     window = series[1][0] - series[0][0] if len(series) > 1 else 0.0
-    for start, rate in series:
-        if start >= kill_s and rate >= fraction * baseline:
-            return start + window - kill_s
+    for k, (_, rate) in enumerate(series[kill_index:]):
+        if rate >= fraction * baseline:
+            return (k + 1) * window
     return None
 
 

@@ -36,6 +36,7 @@ RATE = 3.0           # requests/s offered, well under what the stack serves on 2
 DEADLINE_S = 10.0    # each request's own deadline (its `timeout`)
 WARM_S, BASE_S, AFTER_S = 4.0, 10.0, 32.0   # warm-up, two pre-kill windows, after the kill
 WINDOW_S, RECOVERY_BOUND_S = 5.0, 30.0
+STANDBY = os.environ.get("EASERVE_FAULT_STANDBY", "1") != "0"  # restart from a pre-imported standby
 GRPC_STREAMS = 3    # long gRPC streams open at the kill (UNAVAILABLE or OK, never a hang)
 FIGURES = os.environ.get("EASERVE_FAULT_FIGURES")  # append one JSON line per scenario here
 
@@ -60,7 +61,8 @@ class _Stacks:
     def get(self, layout: str, n: int) -> Stack:
         if self.key != (layout, n):
             self.close()
-            self.stack = Stack(deployment(self.model, layout, n), env={"EASERVE_LOG_LEVEL": "WARNING"})
+            self.stack = Stack(deployment(self.model, layout, n), env={"EASERVE_LOG_LEVEL": "WARNING"},
+                               standby=STANDBY)
             self.stack.start(timeout=420)
             self.key = (layout, n)
         return self.stack
@@ -93,10 +95,11 @@ async def _kill_under_load(stack: Stack, name: str) -> dict:
         await load
         grpc_out = await asyncio.gather(*streams)
     series = drv.goodput(WINDOW_S, since_s=kill_s - BASE_S, until_s=kill_s + AFTER_S)
-    pre = [g for _, g in series[:round(BASE_S / WINDOW_S)]]  # the windows before the kill
+    n_pre = round(BASE_S / WINDOW_S)
+    pre = [g for _, g in series[:n_pre]]  # the windows before the kill
     baseline = sum(pre) / len(pre)
     return {"drv": drv, "kill_s": kill_s, "series": series, "baseline": baseline,
-            "recovery_s": recovery_s(series, kill_s, baseline), "grpc": grpc_out, "restarted": stack.restarts[name] > restarts,
+            "recovery_s": recovery_s(series, n_pre, baseline), "grpc": grpc_out, "restarted": stack.restarts[name] > restarts,
             "new_pid": stack.pids[name] != pid}
 
 
@@ -171,13 +174,16 @@ def test_kill_stage_under_load(stacks, layout, n, stage):
     assert all(dt <= DEADLINE_S + 1.0 for _, dt in r["grpc"]), r["grpc"]
     # the launcher restarted it, and goodput came back
     assert r["restarted"] and r["new_pid"], f"{name} was not restarted: {stack.restarts}"
+    if STANDBY:
+        starts = [ln for ln in stack.log_tail(name, 200).splitlines() if ln.startswith("=== ") and " start #" in ln]
+        assert "promoted" in starts[-1], f"{name} was restarted cold, not from its standby: {starts[-1]}"
     assert r["baseline"] >= 0.8 * RATE, f"the stack did not keep up before the kill: {r['series']}"
     assert r["recovery_s"] is not None and r["recovery_s"] <= RECOVERY_BOUND_S, \
         f"goodput not back to 90 % of {r['baseline']:.2f}/s within {RECOVERY_BOUND_S} s: {r['series']}"
 
 
 def _record(layout, n, stage, r, tally, in_flight) -> None:
-    line = {"layout": layout, "instances": n, "killed": stage, "rate": RATE, "deadline_s": DEADLINE_S,
+    line = {"layout": layout, "instances": n, "killed": stage, "standby": STANDBY, "rate": RATE, "deadline_s": DEADLINE_S,
             "sent": tally.sent, "completed": tally.completed, "errored": tally.errored,
             "by_status": {str(k): v for k, v in tally.by_status.items()},
             "in_flight_at_kill": len(in_flight),
@@ -192,3 +198,24 @@ def _record(layout, n, stage, r, tally, in_flight) -> None:
     if FIGURES:
         with Path(FIGURES).open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+@pytest.mark.skipif(not STANDBY, reason="EASERVE_FAULT_STANDBY=0: no standbys")
+def test_stop_leaves_no_process_and_no_standby_behind(stacks):
+    stack = stacks.get("colocated", 2)
+    end = time.monotonic() + 120
+    while not all(p.spare is not None for p in stack._procs.values() if p.cmd.stage != "gateway"):
+        assert time.monotonic() < end, "the launcher started no standby for some stage"
+        time.sleep(0.2)
+    pids = [p for p in stack.pids.values() if p] + [p.spare.pid for p in stack._procs.values() if p.spare]
+    stacks.close()
+    left = [pid for pid in pids if _alive(pid)]
+    assert not left, f"processes left after stop(): {left}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
