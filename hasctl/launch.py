@@ -107,6 +107,7 @@ class _Proc:
     failures: int = 0             # consecutive short-lived runs, for the backoff
     restart_at: float | None = None
     spare: subprocess.Popen | None = None  # a pre-imported standby (hasctl.standby), when enabled
+    spare_broken: bool = False    # a standby exited on its own: cold restarts only for this process
 
 
 class Stack:
@@ -143,6 +144,12 @@ class Stack:
     @property
     def pids(self) -> dict[str, int | None]:
         return {n: (p.popen.pid if p.popen else None) for n, p in self._procs.items()}
+
+    def standby_ready(self, name: str) -> bool:
+        """Whether `name` has a standby that has finished its imports (standby=True only)."""
+        p = self._procs[name]
+        with self._lock:
+            return p.spare is not None and p.spare.poll() is None and self._ready_file(p).exists()
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         return log_tail(self._procs[name].log, lines)
@@ -229,7 +236,10 @@ class Stack:
     def _spawn(self, p: _Proc) -> None:
         """Start the process: promote its standby when one is ready, else a fresh one."""
         spare, p.spare = p.spare, None
-        if spare is not None and spare.poll() is None:
+        if spare is not None and spare.poll() is not None:
+            spare.stdin.close()
+            spare = None
+        if spare is not None:
             try:
                 spare.stdin.write(b"go\n")
                 spare.stdin.close()
@@ -239,14 +249,29 @@ class Stack:
                 p.popen = spare
             except OSError:  # it died meanwhile
                 _signal_group(spare, signal.SIGKILL)
+                spare.wait()
                 spare = None
         if spare is None:
             p.popen = self._popen(p, p.cmd.argv, f"start #{p.restarts}", subprocess.DEVNULL)
         p.started, p.restart_at = time.monotonic(), None
 
     def _spawn_spare(self, p: _Proc) -> None:
-        argv = (p.cmd.argv[0], "-m", "hasctl.standby", *p.cmd.argv[2:])  # argv: python -m services.X ...
+        ready = self._ready_file(p)
+        ready.unlink(missing_ok=True)
+        argv = (p.cmd.argv[0], "-m", "hasctl.standby", str(ready), *p.cmd.argv[2:])  # python -m services.X ...
         p.spare = self._popen(p, argv, "standby", subprocess.PIPE)
+
+    def _ready_file(self, p: _Proc) -> Path:
+        return self.run_dir / f"{p.cmd.name}.standby-ready"
+
+    def _tend_spare(self, p: _Proc, now: float) -> None:
+        if p.spare is not None and p.spare.poll() is not None:
+            log.warning("the standby of %s exited with code %s; %s restarts cold from now on (see %s)",
+                        p.cmd.name, p.spare.returncode, p.cmd.name, p.log)
+            self._drop_spare(p)
+            p.spare_broken = True
+        if p.spare is None and not p.spare_broken and now - p.started > _SPARE_AFTER_S:
+            self._spawn_spare(p)  # once the running one is settled: not competing with its start
 
     @staticmethod
     def _drop_spare(p: _Proc) -> None:
@@ -269,9 +294,8 @@ class Stack:
     def _tend(self, p: _Proc, now: float) -> None:
         rc = p.popen.poll() if p.popen else None
         if rc is None:
-            if self.standby and p.cmd.stage != "gateway" and (p.spare is None or p.spare.poll() is not None) \
-                    and now - p.started > _SPARE_AFTER_S:
-                self._spawn_spare(p)  # once the running one is settled: not competing with its start
+            if self.standby:
+                self._tend_spare(p, now)
             return
         if p.restart_at is None:
             p.failures = 0 if now - p.started > 60.0 else p.failures + 1

@@ -158,6 +158,10 @@ def test_kill_stage_under_load(stacks, layout, n, stage):
     stack = stacks.get(layout, n)
     stack.wait_healthy(120)  # the previous scenario's restarted stage is back
     name = f"{stage}-0"
+    end = time.monotonic() + 180
+    while STANDBY and not stack.standby_ready(name):
+        assert time.monotonic() < end, f"{name}'s standby did not finish its imports in 180 s"
+        time.sleep(0.5)
     r = asyncio.run(_kill_under_load(stack, name))
     drv, kill_s, tally = r["drv"], r["kill_s"], r["drv"].tally()
     in_flight = [o for o in drv.outcomes if o.sent_s < kill_s < o.end_s]
@@ -204,7 +208,7 @@ def _record(layout, n, stage, r, tally, in_flight) -> None:
 def test_stop_leaves_no_process_and_no_standby_behind(stacks):
     stack = stacks.get("colocated", 2)
     end = time.monotonic() + 120
-    while not all(p.spare is not None for p in stack._procs.values() if p.cmd.stage != "gateway"):
+    while not all(stack.standby_ready(n) for n in stack.pids):
         assert time.monotonic() < end, "the launcher started no standby for some stage"
         time.sleep(0.2)
     pids = [p for p in stack.pids.values() if p] + [p.spare.pid for p in stack._procs.values() if p.spare]
