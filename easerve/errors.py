@@ -8,10 +8,17 @@ from __future__ import annotations
 
 class EAServeError(Exception):
     """Base of the domain errors; `code` (a grpc.StatusCode name) / `http` say how each
-    surfaces on the wire."""
+    surfaces on the wire; `retry_after_s`, when set, tells the caller when to try again
+    (HTTP `Retry-After`, gRPC trailing metadata `retry-after-ms`)."""
 
     code = "INTERNAL"
     http = 500
+    retry_after_s: float | None = None
+
+    def __init__(self, *args, retry_after_s: float | None = None):
+        super().__init__(*args)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class InvalidRequest(EAServeError, ValueError):
@@ -25,10 +32,13 @@ class NotFound(EAServeError):
 class Overloaded(EAServeError):
     """No room now (a full queue, an in-flight limit): retry later."""
     code, http = "RESOURCE_EXHAUSTED", 429
+    retry_after_s = 1.0
 
 
 class Unavailable(EAServeError):
+    """A stage is down, restarting or draining: retry later (here or on another instance)."""
     code, http = "UNAVAILABLE", 503
+    retry_after_s = 1.0
 
 
 class DeadlineExceeded(EAServeError, TimeoutError):

@@ -6,8 +6,11 @@
 Each stage is a `python -m services.<stage>` child in its own process group, its stdout and
 stderr appended to <run_dir>/<name>.log. `start()` waits until every process reports
 grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
-supervisor thread restarts a process that dies (same argv and port, exponential backoff) and
-counts it in `restarts`. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
+supervisor thread restarts a process that dies (same argv and port, exponential backoff),
+first unlinking the shared-memory slabs dead processes left (`shm_reclaim`), and counts it
+in `restarts`. With `standby=True` each stage process has a standby next to it that has
+done its imports already (`hasctl.standby`); a restart promotes it, skipping most of a cold
+start. `stop()`: SIGTERM to each group, a grace period, then SIGKILL.
 `tls=Tls(cert, key, ca)` runs every process with those --tls-* flags (TLS between all of
 them and on the gateway) and health-checks them over TLS.
 
@@ -36,11 +39,13 @@ from pathlib import Path
 from easerve.healthcheck import check
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.stages.peer_sources import write_peers_file
+from easerve.transport.shm_reclaim import reclaim_stale
 from hasctl.deployment import (STAGES, Command, Deployment, Worker, peer_roles, peer_lists, process_names,
                                stage_command, to_commands)
 
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
+_SPARE_AFTER_S = 10.0  # a standby is started this long after the process it stands by for
 
 
 class StageExited(RuntimeError):
@@ -123,20 +128,22 @@ class _Proc:
     restart_at: float | None = None
     listed: bool = True           # in its callers' peers files
     peers_file: Path | None = None
+    spare: subprocess.Popen | None = None  # a pre-imported standby (hasctl.standby), when enabled
+    spare_broken: bool = False    # a standby exited on its own: cold restarts only for this process
 
 
 class Stack:
     def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
                  run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
                  backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None,
-                 tls: Tls = NO_TLS):
+                 tls: Tls = NO_TLS, standby: bool = False):
         if not deployment.model:
             raise ValueError("the deployment has no model; call deployment.with_model(path) first")
         self.tls = tls
         if tls.serving:
             deployment = with_tls(deployment, tls)
         self.deployment, self.host, self.restart = deployment, host, restart
-        self.backoff_s, self._env = backoff_s, dict(env or {})
+        self.backoff_s, self._env, self.standby = backoff_s, dict(env or {}), standby
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ports = assign_ports(deployment, host, base_port)
@@ -167,6 +174,12 @@ class Stack:
     @property
     def pids(self) -> dict[str, int | None]:
         return {n: (p.popen.pid if p.popen else None) for n, p in self._procs.items()}
+
+    def standby_ready(self, name: str) -> bool:
+        """Whether `name` has a standby that has finished its imports (standby=True only)."""
+        p = self._procs[name]
+        with self._lock:
+            return p.spare is not None and p.spare.poll() is None and self._ready_file(p).exists()
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         return log_tail(self._procs[name].log, lines)
@@ -219,6 +232,8 @@ class Stack:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         with self._lock:
+            for p in self._procs.values():
+                self._drop_spare(p)
             procs = [p for p in reversed(self._procs.values()) if p.popen is not None]
             for p in procs:
                 _signal_group(p.popen, signal.SIGTERM)
@@ -332,15 +347,62 @@ class Stack:
                 write_peers_file(p.peers_file, peer_lists(self._roles(p), addrs))
 
     # ---- processes ------------------------------------------------------------------------------
-    def _spawn(self, p: _Proc) -> None:
+    def _popen(self, p: _Proc, argv: tuple[str, ...], what: str, stdin) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
         env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO), env.get("PYTHONPATH", "")) if x)
         with open(p.log, "ab") as out:
-            out.write(f"=== {time.strftime('%H:%M:%S')} start #{p.restarts}: {' '.join(p.cmd.argv)}\n".encode())
+            out.write(f"=== {time.strftime('%H:%M:%S')} {what}: {' '.join(argv)}\n".encode())
             out.flush()
-            p.popen = subprocess.Popen(p.cmd.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, cwd=str(_REPO), start_new_session=True)
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
+                                    env=env, cwd=str(_REPO), start_new_session=True)
+
+    def _spawn(self, p: _Proc) -> None:
+        """Start the process: promote its standby when one is ready, else a fresh one."""
+        spare, p.spare = p.spare, None
+        if spare is not None and spare.poll() is not None:
+            spare.stdin.close()
+            spare = None
+        if spare is not None:
+            try:
+                spare.stdin.write(b"go\n")
+                spare.stdin.close()
+                with open(p.log, "ab") as out:
+                    out.write(f"=== {time.strftime('%H:%M:%S')} start #{p.restarts}: standby pid {spare.pid} "
+                              f"promoted\n".encode())
+                p.popen = spare
+            except OSError:  # it died meanwhile
+                _signal_group(spare, signal.SIGKILL)
+                spare.wait()
+                spare = None
+        if spare is None:
+            p.popen = self._popen(p, p.cmd.argv, f"start #{p.restarts}", subprocess.DEVNULL)
         p.started, p.restart_at = time.monotonic(), None
+
+    def _spawn_spare(self, p: _Proc) -> None:
+        ready = self._ready_file(p)
+        ready.unlink(missing_ok=True)
+        argv = (p.cmd.argv[0], "-m", "hasctl.standby", str(ready), *p.cmd.argv[2:])  # python -m services.X ...
+        p.spare = self._popen(p, argv, "standby", subprocess.PIPE)
+
+    def _ready_file(self, p: _Proc) -> Path:
+        return self.run_dir / f"{p.cmd.name}.standby-ready"
+
+    def _tend_spare(self, p: _Proc, now: float) -> None:
+        if p.spare is not None and p.spare.poll() is not None:
+            log.warning("the standby of %s exited with code %s; %s restarts cold from now on (see %s)",
+                        p.cmd.name, p.spare.returncode, p.cmd.name, p.log)
+            self._drop_spare(p)
+            p.spare_broken = True
+        if p.spare is None and not p.spare_broken and now - p.started > _SPARE_AFTER_S:
+            self._spawn_spare(p)  # once the running one is settled: not competing with its start
+
+    @staticmethod
+    def _drop_spare(p: _Proc) -> None:
+        if p.spare is not None:
+            _signal_group(p.spare, signal.SIGKILL)
+            p.spare.wait()
+            p.spare.stdin.close()
+            p.spare = None
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.2):
@@ -355,6 +417,8 @@ class Stack:
     def _tend(self, p: _Proc, now: float) -> None:
         rc = p.popen.poll() if p.popen else None
         if rc is None:
+            if self.standby:
+                self._tend_spare(p, now)
             return
         if p.restart_at is None:
             p.failures = 0 if now - p.started > 60.0 else p.failures + 1
@@ -363,6 +427,7 @@ class Stack:
             _signal_group(p.popen, signal.SIGKILL)
             log.warning("%s exited with code %s; restarting in %.1f s", p.cmd.name, rc, delay)
         elif now >= p.restart_at:
+            reclaim_stale()  # the dead one's shm slab, if its resource tracker died with it
             p.restarts += 1
             self._spawn(p)
 

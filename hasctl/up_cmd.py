@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (default: deployment's, 50051)")
     p.add_argument("--base-port", type=int, default=None, help="first port of the stage processes (default: free ports)")
     p.add_argument("--run-dir", default=None, help="folder for the per-stage logs (default: a new temp folder)")
+    p.add_argument("--standby", action="store_true",
+                   help="keep a pre-imported standby per stage process: a restart after a crash takes seconds, "
+                        "not a cold start (costs one idle process's memory per stage process)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every stage to serve")
     p.set_defaults(func=run)
 
@@ -81,7 +84,8 @@ def run(args) -> int:
     from easerve.rpc.tls import Tls
 
     tls = Tls(*(str(Path(f).resolve()) if f else "" for f in (args.tls_cert, args.tls_key, args.tls_ca)))
-    stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir, tls=tls)
+    stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir, tls=tls,
+                  standby=args.standby)
     _notice_if_tiny(stack.deployment.model)
     print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
     done = threading.Event()

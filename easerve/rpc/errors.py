@@ -66,8 +66,30 @@ def is_unexpected(exc: BaseException) -> bool:
     return not isinstance(exc, (EAServeError, grpc.RpcError)) and domain_error(exc).code == "INTERNAL"
 
 
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal: when to try again
+
+
+def retry_metadata(err: EAServeError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries `err.retry_after_s` (none when it is unset)."""
+    if err.retry_after_s is None:
+        return ()
+    return ((RETRY_AFTER_KEY, str(max(0, round(err.retry_after_s * 1000)))),)
+
+
+def _retry_after_s(err: grpc.RpcError) -> float | None:
+    meta = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    for key, value in meta or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None  # a peer's malformed hint: the class default stands
+    return None
+
+
 def from_rpc_error(err: grpc.RpcError) -> EAServeError:
-    """Client side: a downstream status becomes the matching domain error."""
+    """Client side: a downstream status becomes the matching domain error (with the
+    peer's retry hint, when it sent one)."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
     big = _TOO_LARGE.search(details or "") if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -75,14 +97,14 @@ def from_rpc_error(err: grpc.RpcError) -> EAServeError:
         return MessageTooLarge(f"a message of {big[2]} bytes is over the gRPC limit of {big[3]} bytes "
                                f"(--max-message-mb of the process that {big[1].lower()} it); "
                                "send smaller media or raise that limit")
-    return _BY_CODE.get(code, Internal)(details or code.name)
+    return _BY_CODE.get(code, Internal)(details or code.name, retry_after_s=_retry_after_s(err))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code, msg = grpc_status(exc)
+    err = domain_error(exc)
     if is_unexpected(exc):
         log.error("unhandled error in servicer", exc_info=exc)
-    await context.abort(code, msg)
+    await context.abort(status_code(err), str(err), trailing_metadata=retry_metadata(err))
 
 
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:

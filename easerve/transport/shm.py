@@ -8,7 +8,8 @@ Fallback (slab full, payload too large, or `slab_bytes=0`): a one-off segment of
 frame's size; the receiver maps it and unlinks it at once (the memory lives while mapped).
 Nothing leaks: the receiver unlinks one-off segments on recv; the sender unlinks the ones
 not taken on `release(handle)`, on `close()` and after `ttl_s`; the slab is unlinked on
-close() and, should the process die, by Python's resource tracker. Segments are made with
+close() and, should the process die, by Python's resource tracker (should the tracker die
+with it, by the next sender or the launcher: `shm_reclaim`). Segments are made with
 `_posixshmem` (what multiprocessing.shared_memory uses) to keep the tracker out of one-offs.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from easerve import codec
 from easerve.rpc.errors import InvalidRequest, NotFound, Overloaded
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, ShmHandle
+from easerve.transport.shm_reclaim import claim, reclaim_stale, release_claim, slab_name
 from easerve.transport.shm_slab import SlabReader, SlabWriter
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class ShmTransport(KVTransport):
         self._pending: dict[str, tuple[float, int]] = {}  # one-off segment -> (expiry, bytes), sender side
         self._slab: SlabWriter | None = None
         self._slab_off = False
+        self._slab_claim: int | None = None  # fd holding the owner's lock on the slab (shm_reclaim)
         self._reader = SlabReader()
 
     @property
@@ -110,8 +113,15 @@ class ShmTransport(KVTransport):
                 self._slab_off = True
             if self._slab_off:
                 return None
-            self._slab = SlabWriter(f"{self.config.prefix}-slab-{uuid.uuid4().hex}", self.config.slab_bytes)
+            self._new_slab()
         return self._slab.alloc(size, self.config.ttl_s)
+
+    def _new_slab(self) -> None:
+        """Create this sender's slab, first unlinking the stale ones of dead senders, and hold
+        the owner's lock on it so that no other process takes it for stale."""
+        reclaim_stale(self.config.prefix, one_off_max_age_s=self.config.ttl_s + 60.0)
+        self._slab = SlabWriter(slab_name(self.config.prefix), self.config.slab_bytes)
+        self._slab_claim = claim(self._slab.name)
 
     async def _send_segment(self, header: bytes, tensors: Sequence[torch.Tensor], size: int) -> str:
         free = _shm_free_bytes()
@@ -163,6 +173,8 @@ class ShmTransport(KVTransport):
         if self._slab is not None:
             self._slab.close()
             self._slab = None
+        release_claim(self._slab_claim)
+        self._slab_claim = None
         self._reader.close()
 
     def _sweep(self) -> None:

@@ -216,6 +216,7 @@ class SlabReader:
         if name in self._maps:
             self._maps.move_to_end(name)
             return self._maps[name]
+        _drop_unlinked(self._maps)
         m = self._maps[name] = _Mapped(name)
         while len(self._maps) > self.max_slabs:  # views of an evicted slab keep it (and its fd) alive
             self._maps.popitem(last=False)
@@ -223,6 +224,13 @@ class SlabReader:
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _drop_unlinked(maps: OrderedDict) -> None:
+    """Forget the mappings of slabs whose name is gone (their sender closed or died and the
+    slab was reclaimed), so their memory is freed once no view of them is left."""
+    for name in [n for n in maps if not os.path.exists(f"/dev/shm/{n}")]:
+        del maps[name]
 
 
 def _let_go(m: _Mapped, off: int) -> None:

@@ -50,15 +50,25 @@ async def main(cfg: GatewayConfig) -> None:
     async def warmup() -> None:
         ready.set()
 
+    stop = asyncio.Event()  # set on SIGTERM / SIGINT by serve(): the HTTP side refuses new work at once
+    http_drain = asyncio.ensure_future(_drain_on(stop, http))
     try:
         await serve([(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(core))], cfg.listen,
-                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts,
+                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts, grace_s=cfg.grace_s,
                     interceptors=[GrpcAuth(keys)] if keys.enabled else [],
-                    on_bound=lambda p: write_port_file(cfg.port_file, p))
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), stop=stop)
     finally:
+        http_drain.cancel()
+        http.drain()
         ready.clear()
         await runner.cleanup()
         await core.stop()
+
+
+async def _drain_on(stop: asyncio.Event, http: HttpApi) -> None:
+    await stop.wait()
+    log.info("draining: new HTTP requests get 503, in-flight ones finish")
+    http.drain()
 
 
 if __name__ == "__main__":

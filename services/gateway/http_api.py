@@ -2,26 +2,29 @@
 
 POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
 [DONE]), GET /v1/models, GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
-503 when a stage is unavailable, 504 past the deadline; the server keeps serving.
+503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
+deadline; the server keeps serving.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 from aiohttp import web
 
-from easerve.rpc.errors import http_status, is_unexpected
+from easerve.rpc.errors import domain_error, is_unexpected
 from services.gateway import openai_api as oa
 from services.gateway.core import GatewayCore, Job
 
 log = logging.getLogger("easerve.gateway")
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, retry_after_s: float | None = None) -> web.Response:
     kind = "invalid_request_error" if status == 400 else "server_error"
-    return web.json_response(oa.error_json(message, kind, status), status=status)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return web.json_response(oa.error_json(message, kind, status), status=status, headers=headers)
 
 
 def _message(e: BaseException) -> str:
@@ -34,14 +37,32 @@ def _message(e: BaseException) -> str:
 
 
 class HttpApi:
+    """`ready()`: warmed up. After `drain()` new generation requests get 503 with
+    Retry-After (and the connection closed), while the ones in flight finish."""
+
     def __init__(self, core: GatewayCore, max_body_bytes: int, ready, middlewares=()):
-        self.core, self.ready = core, ready
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=list(middlewares))
+        self.core, self.ready, self.draining = core, ready, False
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self._refuse_when_draining, *middlewares])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health), web.get("/metrics", self.metrics)])
 
+    def drain(self) -> None:
+        self.draining = True
+
+    @web.middleware
+    async def _refuse_when_draining(self, req: web.Request, handler):
+        if self.draining and req.method == "POST":
+            self.core.m.requests.inc(api="http", code="503")
+            resp = _error(503, "the gateway is shutting down; retry (on another instance)", 1.0)
+            resp.force_close()
+            return resp
+        return await handler(req)
+
     async def health(self, _req: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, "draining", 1.0)
         return web.json_response({"status": "ok"}) if self.ready() else _error(503, "warming up")
 
     async def metrics(self, _req: web.Request) -> web.Response:
@@ -122,9 +143,9 @@ class HttpApi:
                                              last.completion_tokens, lps))
 
     def _fail(self, e: Exception) -> web.Response:
-        status = http_status(e)
-        self.core.m.requests.inc(api="http", code=str(status))
-        return _error(status, _message(e))
+        err = domain_error(e)
+        self.core.m.requests.inc(api="http", code=str(err.http))
+        return _error(err.http, _message(e), err.retry_after_s)
 
     async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
         gen = self.core.generate(job)
@@ -152,7 +173,7 @@ class HttpApi:
         except (ConnectionResetError, StopAsyncIteration):
             pass
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
-            await self._sse(resp, oa.error_json(_message(e), "server_error", http_status(e)))
+            await self._sse(resp, oa.error_json(_message(e), "server_error", domain_error(e).http))
         finally:
             await gen.aclose()  # client gone or done: cancels every stage's work
         try:

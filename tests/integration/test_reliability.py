@@ -37,14 +37,16 @@ def test_overload_is_resource_exhausted_then_recovers(small_stack):
     it = iter(long)
     for _ in range(3):  # past prefill's first token: decode has admitted it, the one slot is taken
         next(it)
-    with pytest.raises(OverloadedError):
+    with pytest.raises(OverloadedError) as over:
         client.generate("me too", max_tokens=4)
+    assert over.value.retry_after_s == 1.0  # the retry hint (retry-after-ms)
     body = json.dumps({"messages": [{"role": "user", "content": "me too"}], "max_tokens": 4}).encode()
     req = urllib.request.Request(small_stack.endpoints.http + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 429
+    assert int(e.value.headers["Retry-After"]) >= 1
     stream_body = json.dumps({"messages": [{"role": "user", "content": "me too"}], "max_tokens": 4,
                               "stream": True}).encode()
     req = urllib.request.Request(small_stack.endpoints.http + "/v1/chat/completions", data=stream_body,
