@@ -27,7 +27,7 @@ from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.load]  # 1,000 requests: a long load test
 N_REQUESTS = 1000
 CONCURRENCY = 24
 SHM_PREFIX = "easerve"
