@@ -125,6 +125,7 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
     from hasctl.bench import BenchConfig, run_bench
     from hasctl.launch import Stack, StageExited
 
+    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "sm-profiles")
     stack = Stack(d, run_dir=run_dir, env={"EASERVE_TUNE_RUN": str(Path(cfg.run_dir).resolve())})
     try:
         try:
@@ -148,6 +149,23 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
         return {**result.metrics, "restarts": restarts, "max_send_lag_ms": result.max_send_lag_ms}
     finally:
         stop_uninterrupted(stack)
+
+
+def shared_partition_profiles(d: Deployment, folder: Path) -> Deployment:
+    """`d` with each co-located encode (and monolith) worker naming a partition-profile file in
+    `folder`, one per (stage, device, threads, backend, policy, batch sizes): trials of one study
+    (one model) measure each profile once instead of at every start (tens of seconds each)."""
+    def named(stage: str, w):
+        f = dict(w.flags)
+        if (stage == "encode" and not f.get("colocate-prefill")) or f.get("partition-profile"):
+            return w
+        key = "-".join(str(x) for x in (stage, w.device, f.get("threads", 0), f.get("sm-backend", "auto"),
+                                         f.get("partition-policy", "dynamic"), f.get("profile-batch-sizes", "")))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / ("".join(c if c.isalnum() or c in "-." else "_" for c in key) + ".json")
+        return dataclasses.replace(w, flags={**f, "partition-profile": str(path)})
+    return dataclasses.replace(d, encode=tuple(named("encode", w) for w in d.encode),
+                               monolith=tuple(named("monolith", w) for w in d.monolith))
 
 
 def stop_uninterrupted(stack) -> None:
