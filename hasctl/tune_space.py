@@ -15,7 +15,9 @@ Placement (`place`, one of the space's `placements`):
 - `shared`: every instance on all the devices at once (`cpu:0-1`; the first device when they
   are GPUs), the OS scheduler sharing the cores among them. On CPU cores, encode (with its
   co-located prefill) and remote prefill, compute-bound, run one torch thread per core, and
-  decode `decode_threads` (a drawn parameter: 1, or one per core).
+  decode `decode_threads` (a drawn parameter: 1, or one per core); a co-located encode there
+  draws `sm`: `timeslice` (encode and prefill both use every core, uncontrolled) or `dynamic`
+  (the SM backend `auto`, on CPU a per-batch core split, with the dynamic partition policy).
 The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs.
 
 Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `B` (encode / monolith
@@ -37,6 +39,8 @@ MONOLITH = "monolith"
 BATCH_SIZES = (1, 2, 4, 8, 16)
 S_STEP = 0.05
 PLACEMENTS = ("split", "shared")
+SM_MODES = {"timeslice": {"sm-backend": "timeslice", "partition-policy": "timeslice"},
+            "dynamic": {"sm-backend": "auto", "partition-policy": "dynamic"}}
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ class Trial(Protocol):  # what `suggest` uses of an optuna trial
 
 
 def suggest(trial: Trial, space: Space) -> dict[str, Any]:
-    """Draw one point: {'alloc': name, 'B': int, ['place': str, ['decode_threads': int]], ['s': float]}."""
+    """Draw one point: {'alloc': name, 'B': int, ['place': str, ['decode_threads': int, ['sm': str]]],
+    ['s': float]}."""
     params: dict[str, Any] = {"alloc": trial.suggest_categorical("alloc", list(space.choices)),
                               "B": trial.suggest_categorical("B", list(space.batch_sizes))}
     a = space.allocation(params["alloc"])
@@ -117,6 +122,8 @@ def suggest(trial: Trial, space: Space) -> dict[str, Any]:
         params["place"] = trial.suggest_categorical("place", list(space.placements))
     if a is not None and params.get("place", space.placements[0]) == "shared" and len(space.cores) > 1:
         params["decode_threads"] = trial.suggest_categorical("decode_threads", [1, len(space.cores)])
+    if "decode_threads" in params and a.colocated:
+        params["sm"] = trial.suggest_categorical("sm", list(SM_MODES))
     if a is not None and a.colocated:
         params["s"] = round(trial.suggest_float("s", 0.0, 1.0, step=S_STEP), 6)  # 0.85, not 0.8500000000000001
     return params
@@ -139,6 +146,10 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
     if place not in space.placements:
         raise ValueError(f"place {place!r} is not in this search space; choose one of {list(space.placements)}")
     if place == "shared":
+        if a.colocated and "sm" in params:
+            if params["sm"] not in SM_MODES:
+                raise ValueError(f"sm must be one of {list(SM_MODES)}, got {params['sm']!r}")
+            enc_flags |= SM_MODES[params["sm"]]
         return _shared(space, a, enc_flags, int(params.get("decode_threads", 1)), model, name)
     devs = iter(range(a.encode + a.prefill + a.decode))
     dev = space.devices
