@@ -19,7 +19,8 @@ LLaVA-NeXT, video on Qwen2.5-VL, audio on Ultravox:
 Prints and saves (`--out-dir`: goodput.md, goodput.json, tune.db, the stacks' logs) the table
 with the trial count and tuning time; last stdout line: JSON with "easerve_over_dynamo_like",
 "easerve_over_monolith", "easerve_over_fixed8" (each per modality; targets >= 2, >= 1, >= 1)
-and "tune_minutes".
+and "tune_minutes" (a ratio is null where the baseline met no SLO at all: "goodput" has the raw
+req/s).
 
   python bench/goodput.py                          # 3 modalities, 8 trials, 40 requests per cell
   python bench/goodput.py --quick                  # smoke: 2 trials, 8 requests per cell
@@ -156,6 +157,12 @@ def measure_all(cfg: TuneConfig, tuned: Deployment, model: str, flip: bool, say)
     return cells
 
 
+def ratio(ours: float | None, base: float | None) -> float | None:
+    """ours / base; None when the baseline met no SLO (then see the raw goodputs)."""
+    ours, base = ours or 0.0, base or 0.0
+    return round(ours / base, 3) if base > 0 else None
+
+
 def run_modality(args, modality: str, flip: bool, say) -> dict:
     model, spec = checkpoint(args, modality), workload(args, modality)
     run_dir = args.out_dir / modality
@@ -170,8 +177,7 @@ def run_modality(args, modality: str, flip: bool, say) -> dict:
     say(f"[{modality}] tuned in {tn['tune_minutes']:.1f} min ({tn['trials']} trials): best {tn['best_params']}")
     cells = measure_all(dataclasses.replace(cfg, num_requests=args.requests), tuned, model,
                         flip, say)
-    ours = cells["easerve"]["request_goodput"] or 0.0
-    ratios = {KEYS[b]: round(ours / max(cells[b]["request_goodput"] or 0.0, 1e-9), 3) for b in BASELINES}
+    ratios = {KEYS[b]: ratio(cells["easerve"]["request_goodput"], cells[b]["request_goodput"]) for b in BASELINES}
     return {"family": FAMILIES[modality], "model": model, "probe": pr, "tune": tn,
             "tuned_deployment": tuned.to_dict(), "cells": cells, "ratios": ratios}
 
@@ -206,6 +212,7 @@ def main(argv=None) -> int:
     (args.out_dir / "goodput.md").write_text(text + "\n")
     out = {k: {m: r["ratios"][k] for m, r in results.items()} for k in KEYS.values()}
     out["tune_minutes"] = {m: r["tune"]["tune_minutes"] for m, r in results.items()}
+    out["goodput"] = {m: {n: c["request_goodput"] for n, c in r["cells"].items()} for m, r in results.items()}
     out["trials"] = args.trials
     out["rates"] = {m: r["probe"]["rate"] for m, r in results.items()}
     out["out_dir"] = str(args.out_dir)
