@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -206,7 +207,11 @@ def main(argv=None) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
-    results = {m: run_modality(args, m, i % 2 == 1, say) for i, m in enumerate(args.modalities)}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running stack, like Ctrl-C
+    results = {}
+    for i, m in enumerate(args.modalities):
+        results[m] = run_modality(args, m, i % 2 == 1, say)
+        (args.out_dir / f"{m}.json").write_text(json.dumps(results[m], indent=2) + "\n")  # kept if a later one fails
     text = table(results, args)
     print(text)
     (args.out_dir / "goodput.md").write_text(text + "\n")
