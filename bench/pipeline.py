@@ -30,7 +30,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PEER = Path(os.environ.get("PEER", Path.home() / ".cache" / "easerve-peer"))
-PEER_SCRIPTS = ROOT.parent / "shared" / "peer"
+def _peer_scripts() -> Path:
+    """../shared/peer beside the checkout (or beside a parent folder: git worktrees live deeper)."""
+    if os.environ.get("PEER_SCRIPTS"):
+        return Path(os.environ["PEER_SCRIPTS"])
+    for up in ROOT.parents:
+        if (up / "shared" / "peer" / "serve.sh").exists():
+            return up / "shared" / "peer"
+    return ROOT.parent / "shared" / "peer"
+
+
+PEER_SCRIPTS = _peer_scripts()
 DEFAULT_DEPLOYMENT = ROOT / "bench" / "deployments" / "cpu-2core-shared.yaml"  # the best found on 2 cores
 
 
