@@ -2,8 +2,8 @@
 
 One run on the bench-scale Qwen2.5-VL checkpoint: Poisson arrivals of image chat requests at
 3 rates up to saturation, for each deployment in turn (one server at a time on these cores,
-alternating deployments within each rate): the best multi-process deployment (`--deployment`,
-default bench/deployments/cpu-2core-shared.yaml; or `--preset`), the
+alternating deployments within each rate): the multi-process preset (`--preset`) or deployment
+file (`--deployment`, e.g. one `hasctl tune --out` wrote) under test, the
 `monolith` preset (encode, prefill and decode in one process: the aggregated baseline), and
 vLLM's CPU build on the same checkpoint when `../shared/peer/` has been set up (skipped with
 the reason otherwise). The load client is `hasctl bench` (`hasctl.bench.run_bench`), the same
@@ -12,7 +12,7 @@ Last stdout line: JSON with "stack_over_monolith_goodput" (at the worst rate for
 target >= 1.0) and, when the peer ran, "stack_over_vllm_goodput".
 
   python bench/pipeline.py                       # rates 0.5,1,2 req/s, 40 requests per cell
-  python bench/pipeline.py --rates 0.5,1,4 --requests 30   # the README's table
+  python bench/pipeline.py --rates 0.5,1,4 --requests 30 --deployment bench/deployments/cpu-2core-shared.yaml
   python bench/pipeline.py --rates 1,2,4 --requests 60 --preset colocated
 """
 from __future__ import annotations
@@ -41,16 +41,15 @@ def _peer_scripts() -> Path:
 
 
 PEER_SCRIPTS = _peer_scripts()
-DEFAULT_DEPLOYMENT = ROOT / "bench" / "deployments" / "cpu-2core-shared.yaml"  # the best found on 2 cores
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bench-scale tiny qwen2.5-vl)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny-qwen2.5-vl-bench"))
-    ap.add_argument("--preset", default=None, help="a multi-process preset to measure instead of --deployment")
-    ap.add_argument("--deployment", default=str(DEFAULT_DEPLOYMENT),
-                    help="the multi-process deployment file to measure (its model is replaced)")
+    ap.add_argument("--preset", default="default", help="the multi-process preset to measure")
+    ap.add_argument("--deployment", default=None, help="or a deployment file (its model is replaced), e.g. "
+                    "bench/deployments/cpu-2core-shared.yaml or a `hasctl tune --out` file")
     ap.add_argument("--rates", default="0.5,1,2")
     ap.add_argument("--requests", type=int, default=40, help="requests per cell")
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -154,7 +153,7 @@ def measure(url: str, args, rate: float, label: str) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = bench_model(args)
-    servers = [("stack", lambda: OurStack(args.preset, model, None if args.preset else args.deployment)),
+    servers = [("stack", lambda: OurStack(args.preset, model, args.deployment)),
                ("monolith", lambda: OurStack("monolith", model))]
     peer_skip = "--no-peer" if args.no_peer else Vllm.missing()
     if peer_skip is None:
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     out = {"stack_over_monolith_goodput": round(ratio("monolith")[0], 3), "worst_rate": ratio("monolith")[1]}
     if peer_skip is None:
         out["stack_over_vllm_goodput"] = round(ratio("vllm")[0], 3)
-    out.update({"preset": args.preset or args.deployment, "rates": args.rates, "requests_per_cell": args.requests,
+    out.update({"preset": args.deployment or args.preset, "rates": args.rates, "requests_per_cell": args.requests,
                 "slo_ms": [args.ttft_ms, args.tpot_ms], "peer": "ran" if peer_skip is None else peer_skip,
                 "cells": {f"{n}@{r}": c for (n, r), c in cells.items()}})
     print(json.dumps(out))
