@@ -2,7 +2,8 @@
 
 One run on the bench-scale Qwen2.5-VL checkpoint: Poisson arrivals of image chat requests at
 3 rates up to saturation, for each deployment in turn (one server at a time on these cores,
-alternating deployments within each rate): the best multi-process preset (`--preset`), the
+alternating deployments within each rate): the multi-process preset (`--preset`) or deployment
+file (`--deployment`, e.g. one `hasctl tune --out` wrote) under test, the
 `monolith` preset (encode, prefill and decode in one process: the aggregated baseline), and
 vLLM's CPU build on the same checkpoint when `../shared/peer/` has been set up (skipped with
 the reason otherwise). The load client is `hasctl bench` (`hasctl.bench.run_bench`), the same
@@ -11,6 +12,7 @@ Last stdout line: JSON with "stack_over_monolith_goodput" (at the worst rate for
 target >= 1.0) and, when the peer ran, "stack_over_vllm_goodput".
 
   python bench/pipeline.py                       # rates 0.5,1,2 req/s, 40 requests per cell
+  python bench/pipeline.py --rates 0.5,1,4 --requests 30 --deployment bench/deployments/cpu-2core-shared.yaml
   python bench/pipeline.py --rates 1,2,4 --requests 60 --preset colocated
 """
 from __future__ import annotations
@@ -28,15 +30,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PEER = Path(os.environ.get("PEER", Path.home() / ".cache" / "easerve-peer"))
-PEER_SCRIPTS = ROOT.parent / "shared" / "peer"
+def _peer_scripts() -> Path:
+    """../shared/peer beside the checkout (or beside a parent folder: git worktrees live deeper)."""
+    if os.environ.get("PEER_SCRIPTS"):
+        return Path(os.environ["PEER_SCRIPTS"])
+    for up in ROOT.parents:
+        if (up / "shared" / "peer" / "serve.sh").exists():
+            return up / "shared" / "peer"
+    return ROOT.parent / "shared" / "peer"
+
+
+PEER_SCRIPTS = _peer_scripts()
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bench-scale tiny qwen2.5-vl)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny-qwen2.5-vl-bench"))
-    ap.add_argument("--preset", default="default", help="the multi-process deployment to measure")
-    ap.add_argument("--deployment", default=None, help="or a deployment file (its model is replaced)")
+    ap.add_argument("--preset", default="default", help="the multi-process preset to measure")
+    ap.add_argument("--deployment", default=None, help="or a deployment file (its model is replaced), e.g. "
+                    "bench/deployments/cpu-2core-shared.yaml or a `hasctl tune --out` file")
     ap.add_argument("--rates", default="0.5,1,2")
     ap.add_argument("--requests", type=int, default=40, help="requests per cell")
     ap.add_argument("--output-tokens", type=int, default=32)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from hasctl.bench_metrics import SLO
 from hasctl.deployment import Deployment, GatewaySpec
-from hasctl.tune_space import BATCH_SIZES, Space, core_devices, deployment_for, runnable_allocations, suggest
+from hasctl.tune_space import BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations, suggest
 from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
 
 INTERRUPTED = "interrupted (SIGINT/SIGTERM) while running; its parameters are queued for the next run"
@@ -52,6 +52,7 @@ class TuneConfig:
     startup_timeout_s: float = 600.0
     bench_timeout_s: float = 600.0
     run_dir: str = ""
+    ignore_eos: bool = False  # every request decodes its full output_tokens (as vllm bench serve --ignore-eos)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,7 +69,7 @@ class TuneConfig:
         return {"model": self.model, "rate": self.rate, "num_requests": self.num_requests, "seed": self.seed,
                 "workload": json_safe(dataclasses.asdict(self.workload)), "slo": self.slo.to_dict(),
                 "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
-                "devices": list(space.devices)}
+                "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos}
 
 
 def json_safe(v: Any) -> Any:
@@ -124,6 +125,7 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
     from hasctl.bench import BenchConfig, run_bench
     from hasctl.launch import Stack, StageExited
 
+    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "sm-profiles")
     stack = Stack(d, run_dir=run_dir, env={"EASERVE_TUNE_RUN": str(Path(cfg.run_dir).resolve())})
     try:
         try:
@@ -136,17 +138,34 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
             if cfg.warmup:
                 asyncio.run(run_bench(BenchConfig(url=url, rate=cfg.rate, num_requests=cfg.warmup, seed=cfg.seed + 1,
                                                   workload=cfg.workload, timeout_s=cfg.bench_timeout_s,
-                                                  progress=False)))
+                                                  ignore_eos=cfg.ignore_eos, progress=False)))
             result = asyncio.run(run_bench(BenchConfig(url=url, rate=cfg.rate, num_requests=cfg.num_requests,
                                                        seed=cfg.seed, workload=cfg.workload, slo=cfg.slo,
                                                        timeout_s=cfg.bench_timeout_s, label=d.name,
-                                                       progress=False)))
+                                                       ignore_eos=cfg.ignore_eos, progress=False)))
         except (OSError, aiohttp.ClientError) as e:
             raise TrialFailed(f"bench could not reach the stack: {e!r}") from None
         restarts = {n: r for n, r in stack.restarts.items() if r}
         return {**result.metrics, "restarts": restarts, "max_send_lag_ms": result.max_send_lag_ms}
     finally:
         stop_uninterrupted(stack)
+
+
+def shared_partition_profiles(d: Deployment, folder: Path) -> Deployment:
+    """`d` with each co-located encode (and monolith) worker naming a partition-profile file in
+    `folder`, one per (stage, device, threads, backend, policy, batch sizes): trials of one study
+    (one model) measure each profile once instead of at every start (tens of seconds each)."""
+    def named(stage: str, w):
+        f = dict(w.flags)
+        if (stage == "encode" and not f.get("colocate-prefill")) or f.get("partition-profile"):
+            return w
+        key = "-".join(str(x) for x in (stage, w.device, f.get("threads", 0), f.get("sm-backend", "auto"),
+                                         f.get("partition-policy", "dynamic"), f.get("profile-batch-sizes", "")))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / ("".join(c if c.isalnum() or c in "-." else "_" for c in key) + ".json")
+        return dataclasses.replace(w, flags={**f, "partition-profile": str(path)})
+    return dataclasses.replace(d, encode=tuple(named("encode", w) for w in d.encode),
+                               monolith=tuple(named("monolith", w) for w in d.monolith))
 
 
 def stop_uninterrupted(stack) -> None:
@@ -261,6 +280,10 @@ def add_parser(sub) -> None:
                    help="most E+P+D instances per allocation (default: max(3, number of devices))")
     p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="B values to try")
     p.add_argument("--no-monolith", action="store_true", help="leave the monolith candidate out")
+    p.add_argument("--placements", default=",".join(PLACEMENTS),
+                   help="placements to try: split (instances round-robin over the devices), shared (all on all "
+                        "of them; with several devices)")
+    p.add_argument("--ignore-eos", action="store_true", help="every request decodes --output-tokens tokens")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a trial's stack to serve")
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds for a trial's bench")
     p.add_argument("--run-dir", default=None, help="folder of the trials' logs (default: a new temp folder)")
@@ -293,7 +316,10 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
     else:
         say(f"no --profile: all {len(allocs)} allocations of 2..{instances} instances are tried (no screening)")
     batch = tuple(_ints(args.batch_sizes, "--batch-sizes"))
-    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith)
+    places = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    if len(devices) == 1:  # one device: shared is split
+        places = places[:1]
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places)
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> list:
@@ -322,7 +348,8 @@ def config_from_args(args, run_dir: str) -> TuneConfig:
                         audio_s=args.audio_s, input_tokens=args.input_tokens, output_tokens=args.output_tokens)
     return TuneConfig(model=str(Path(args.model).resolve()), rate=args.rate, slo=slo, num_requests=args.requests,
                       warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
-                      startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir)
+                      startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir,
+                      ignore_eos=args.ignore_eos)
 
 
 def run(args) -> int:

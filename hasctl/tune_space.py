@@ -7,14 +7,24 @@ Candidates:
   are dropped); E0 ones only for a text-only workload;
 - `monolith`: encode + prefill + decode in one process on all the devices.
 
-Devices: the k-th instance of an allocation, counted encode first, then prefill, then decode,
-runs on devices[k % len(devices)] (round robin; on a CPU host the devices are single cores
-`cpu:i`, so with more instances than cores several stages share a core). The monolith gets every
-CPU core (`cpu:0-1`), or the first device when they are GPUs.
+Placement (`place`, one of the space's `placements`):
+- `split`: the k-th instance of an allocation, counted encode first, then prefill, then decode,
+  runs on devices[k % len(devices)] (round robin; on a CPU host the devices are single cores
+  `cpu:i`, so with more instances than cores several stages share a core), one torch thread
+  per core of its device;
+- `shared`: every instance on all the devices at once (`cpu:0-1`; the first device when they
+  are GPUs), the OS scheduler sharing the cores among them. On CPU cores, encode (with its
+  co-located prefill) and remote prefill, compute-bound, run one torch thread per core, and
+  decode `decode_threads` (a drawn parameter: 1, or one per core); a co-located encode there
+  draws `sm`: `timeslice` (encode and prefill both use every core, uncontrolled) or `dynamic`
+  (the SM backend `auto`, on CPU a per-batch core split, with the dynamic partition policy).
+The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs.
 
 Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `B` (encode / monolith
-max-batch, from `batch_sizes`) and, only for a co-located allocation, `s` (the share of requests
-encode sends to remote prefill, 0..1 in steps of 0.05). Encode batches `adaptive`ly.
+max-batch, from `batch_sizes`), for an allocation (not the monolith) `place` when the space
+has more than one placement (else its only one), `decode_threads` only for a shared placement
+on several CPU cores, and, only for a co-located allocation, `s` (the share of requests encode
+sends to remote prefill, 0..1 in steps of 0.05). Encode batches `adaptive`ly.
 """
 from __future__ import annotations
 
@@ -28,6 +38,9 @@ from hasctl.screen import Allocation, enumerate_allocations
 MONOLITH = "monolith"
 BATCH_SIZES = (1, 2, 4, 8, 16)
 S_STEP = 0.05
+PLACEMENTS = ("split", "shared")
+SM_MODES = {"timeslice": {"sm-backend": "timeslice", "partition-policy": "timeslice"},
+            "dynamic": {"sm-backend": "auto", "partition-policy": "dynamic"}}
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class Space:
     devices: tuple[str, ...]
     batch_sizes: tuple[int, ...] = BATCH_SIZES
     monolith: bool = True
+    placements: tuple[str, ...] = ("split",)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -49,8 +63,17 @@ class Space:
         if bad:
             raise ValueError(f"allocations {bad} cannot run: a deployment needs >= 1 prefill and decode worker "
                              f"(and co-location an encode one)")
+        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
+            raise ValueError(f"placements must be a non-empty subset of {PLACEMENTS}, got {self.placements!r}")
         if not self.allocations and not self.monolith:
             raise ValueError("the search space is empty: no allocation kept and the monolith left out")
+
+    @property
+    def cores(self) -> tuple[int, ...]:
+        """The CPU cores of the devices; () when they are GPUs."""
+        if any(not d.startswith("cpu:") for d in self.devices):
+            return ()
+        return tuple(sorted({c for d in self.devices for c in cpu_cores(d)}))
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -90,10 +113,17 @@ class Trial(Protocol):  # what `suggest` uses of an optuna trial
 
 
 def suggest(trial: Trial, space: Space) -> dict[str, Any]:
-    """Draw one point: {'alloc': name, 'B': int, ['s': float]}."""
+    """Draw one point: {'alloc': name, 'B': int, ['place': str, ['decode_threads': int, ['sm': str]]],
+    ['s': float]}."""
     params: dict[str, Any] = {"alloc": trial.suggest_categorical("alloc", list(space.choices)),
                               "B": trial.suggest_categorical("B", list(space.batch_sizes))}
     a = space.allocation(params["alloc"])
+    if a is not None and len(space.placements) > 1:
+        params["place"] = trial.suggest_categorical("place", list(space.placements))
+    if a is not None and params.get("place", space.placements[0]) == "shared" and len(space.cores) > 1:
+        params["decode_threads"] = trial.suggest_categorical("decode_threads", [1, len(space.cores)])
+    if "decode_threads" in params and a.colocated:
+        params["sm"] = trial.suggest_categorical("sm", list(SM_MODES))
     if a is not None and a.colocated:
         params["s"] = round(trial.suggest_float("s", 0.0, 1.0, step=S_STEP), 6)  # 0.85, not 0.8500000000000001
     return params
@@ -112,6 +142,15 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
     enc_flags: dict[str, Any] = {"max-batch": b, "batch-mode": "adaptive", "remote-fraction": 1.0}
     if a.colocated:
         enc_flags |= {"colocate-prefill": True, "remote-fraction": float(params["s"])}
+    place = params.get("place", space.placements[0])
+    if place not in space.placements:
+        raise ValueError(f"place {place!r} is not in this search space; choose one of {list(space.placements)}")
+    if place == "shared":
+        if a.colocated and "sm" in params:
+            if params["sm"] not in SM_MODES:
+                raise ValueError(f"sm must be one of {list(SM_MODES)}, got {params['sm']!r}")
+            enc_flags |= SM_MODES[params["sm"]]
+        return _shared(space, a, enc_flags, int(params.get("decode_threads", 1)), model, name)
     devs = iter(range(a.encode + a.prefill + a.decode))
     dev = space.devices
 
@@ -119,6 +158,21 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
         return tuple(Worker(device=dev[next(devs) % len(dev)], flags=flags or {}) for _ in range(n))
     return Deployment(name=name, model=model, encode=workers(a.encode, enc_flags), prefill=workers(a.prefill),
                       decode=workers(a.decode)).with_gateway_ports(0, 0)
+
+
+def _shared(space: Space, a: Allocation, enc_flags: dict[str, Any], decode_threads: int, model: str,
+            name: str) -> Deployment:
+    """Every instance on all the devices; on CPU cores encode / prefill with a thread per core."""
+    dev, n = _all_of(space.devices), len(space.cores)
+    if n and not 1 <= decode_threads <= n:
+        raise ValueError(f"decode_threads must be in 1..{n} (the cores), got {decode_threads}")
+    compute = {"threads": n} if n else {}
+    dec = {"threads": decode_threads} if n else {}
+
+    def workers(k: int, flags: dict[str, Any]) -> tuple[Worker, ...]:
+        return tuple(Worker(device=dev, flags=flags) for _ in range(k))
+    return Deployment(name=name, model=model, encode=workers(a.encode, {**enc_flags, **compute}),
+                      prefill=workers(a.prefill, compute), decode=workers(a.decode, dec)).with_gateway_ports(0, 0)
 
 
 def _all_of(devices: Sequence[str]) -> str:

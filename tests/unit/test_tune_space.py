@@ -86,3 +86,46 @@ def test_text_only_workload_may_skip_encode():
     assert {"E0-P1-D1", "E0-P2-D1", "E0-P1-D2", "E1-P1-D1"} <= names
     d = deployment_for(Space(tuple(runnable_allocations(3, media=False)), DEVS), {"alloc": "E0-P2-D1", "B": 1}, "/m")
     assert not d.encode and [w.device for w in d.prefill + d.decode] == ["cpu:0", "cpu:1", "cpu:0"]
+
+
+def test_shared_placement_puts_every_stage_on_all_cores():
+    space = Space(tuple(runnable_allocations(3)), DEVS, placements=("split", "shared"))
+    d = deployment_for(space, {"alloc": "E1-P1-D1+coloc", "B": 8, "s": 0.0, "place": "shared", "decode_threads": 1},
+                       "/m")
+    assert [w.device for w in d.encode + d.prefill + d.decode] == ["cpu:0-1"] * 3
+    assert [w.flag("threads") for w in d.encode + d.prefill + d.decode] == [2, 2, 1]
+    assert d.encode[0].flag("remote-fraction") == 0.0 and d.encode[0].flag("colocate-prefill") is True
+    assert d.encode[0].flag("sm-backend") is None  # no `sm` drawn: the stage's default
+    ts = deployment_for(space, {"alloc": "E1-P1-D1+coloc", "B": 8, "s": 0.0, "place": "shared", "decode_threads": 2,
+                                "sm": "timeslice"}, "/m")
+    assert ts.encode[0].flag("sm-backend") == "timeslice" and ts.encode[0].flag("partition-policy") == "timeslice"
+    assert ts.decode[0].flag("threads") == 2
+    split = deployment_for(space, {"alloc": "E1-P1-D1", "B": 8, "place": "split"}, "/m")
+    assert [w.device for w in split.encode + split.prefill + split.decode] == ["cpu:0", "cpu:1", "cpu:0"]
+    assert all(w.flag("threads") is None for w in split.workers())
+    with pytest.raises(ValueError, match="decode_threads must be in 1..2"):
+        deployment_for(space, {"alloc": "E1-P1-D1", "B": 8, "place": "shared", "decode_threads": 3}, "/m")
+    with pytest.raises(ValueError, match="not in this search space"):
+        deployment_for(Space(tuple(runnable_allocations(3)), DEVS), {"alloc": "E1-P1-D1", "B": 8, "place": "shared"},
+                       "/m")
+    with pytest.raises(ValueError, match="placements must be"):
+        Space((), DEVS, placements=("everywhere",))
+
+
+def test_suggest_draws_place_and_decode_threads_for_allocations_only():
+    space = Space(tuple(runnable_allocations(3)), DEVS, placements=("split", "shared"))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
+    seen = set()
+    for _ in range(40):
+        t = study.ask()
+        p = suggest(t, space)
+        if p["alloc"] == MONOLITH:
+            assert "place" not in p and "decode_threads" not in p
+        else:
+            seen.add(p["place"])
+            assert ("decode_threads" in p) == (p["place"] == "shared")
+            assert ("sm" in p) == (p["place"] == "shared" and p["alloc"].endswith("+coloc"))
+            assert p.get("decode_threads", 1) in (1, 2)
+        deployment_for(space, p, "/m")
+        study.tell(t, 0.0)
+    assert seen == {"split", "shared"}

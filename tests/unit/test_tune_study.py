@@ -134,3 +134,18 @@ def test_profile_screens_out_allocations_encode_cannot_carry(tmp_path):
     assert space.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
     assert any(m.startswith("screened out E1-P1-D1: encode: capacity 10 items/s < demand 15") for m in said), said
     assert said[-1].startswith(f"screening with {prof}: 2 of 8 allocations kept")
+
+
+def test_trials_share_one_partition_profile_per_device_and_backend(tmp_path):
+    from hasctl.tune import shared_partition_profiles
+    from hasctl.tune_space import MONOLITH, deployment_for
+    a = deployment_for(SPACE, {"alloc": "E1-P1-D1+coloc", "B": 4, "s": 0.5}, "/m")
+    b = deployment_for(SPACE, {"alloc": "E1-P1-D1+coloc", "B": 16, "s": 0.1}, "/m")
+    c = deployment_for(SPACE, {"alloc": "E1-P1-D1", "B": 4}, "/m")
+    m = deployment_for(SPACE, {"alloc": MONOLITH, "B": 4}, "/m")
+    pa, pb = (shared_partition_profiles(d, tmp_path).encode[0].flag("partition-profile") for d in (a, b))
+    assert pa == pb and pa.startswith(str(tmp_path)) and pa.endswith(".json")  # same device, backend: one file
+    assert shared_partition_profiles(c, tmp_path).encode[0].flag("partition-profile") is None  # nothing shared
+    pm = shared_partition_profiles(m, tmp_path).monolith[0].flag("partition-profile")
+    assert pm is not None and pm != pa
+    assert a.encode[0].flag("partition-profile") is None  # the trial's own deployment is left as drawn
