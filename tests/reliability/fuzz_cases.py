@@ -10,10 +10,10 @@ import collections
 import io
 import json
 import math
-import wave
 
-import numpy as np
 from hypothesis import strategies as st
+
+from hasctl.workload import wav as workload_wav
 
 from tests.integration.conftest import png_bytes
 
@@ -21,15 +21,8 @@ from tests.integration.conftest import png_bytes
 
 
 def wav_bytes(seconds: float = 0.25, rate: int = 16000) -> bytes:
-    t = np.arange(int(rate * seconds)) / rate
-    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    """A valid 16-bit mono WAV (the load client's own generator)."""
+    return workload_wav(seconds, seed=0, rate=rate)
 
 
 def mp4_bytes(frames: int = 4) -> bytes:
