@@ -38,8 +38,9 @@ class CacheMiss(NotFound):
 
 
 def is_cache_miss(err: BaseException) -> bool:
-    """True for a CacheMiss, also after it crossed gRPC (NOT_FOUND with its message)."""
-    return isinstance(err, NotFound) and str(err).startswith(MISS_PREFIX)
+    """True for a CacheMiss, also after it crossed gRPC (NOT_FOUND with its message, which a
+    caller may have prefixed with the instance it came from)."""
+    return isinstance(err, NotFound) and f"{MISS_PREFIX}: " in str(err)
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ def test_cache_miss_is_recognised_after_crossing_the_wire():
     e = CacheMiss("item 0 (image) is not held")
     assert isinstance(e, NotFound) and is_cache_miss(e)
     assert is_cache_miss(NotFound(str(e)))          # what from_rpc_error rebuilds
+    assert is_cache_miss(NotFound(f"easerve.v1.Encode at 127.0.0.1:1: {e}"))  # as Peers.start_call names it
+    assert not is_cache_miss(NotFound("no such model"))
     assert not is_cache_miss(NotFound("no such model"))
 
 
