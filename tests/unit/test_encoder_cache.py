@@ -125,7 +125,6 @@ def test_cache_miss_is_recognised_after_crossing_the_wire():
     assert is_cache_miss(NotFound(str(e)))          # what from_rpc_error rebuilds
     assert is_cache_miss(NotFound(f"easerve.v1.Encode at 127.0.0.1:1: {e}"))  # as Peers.start_call names it
     assert not is_cache_miss(NotFound("no such model"))
-    assert not is_cache_miss(NotFound("no such model"))
 
 
 def test_holder_map_prefers_the_instance_holding_most_and_stays_bounded():
