@@ -21,7 +21,7 @@ from easerve.v1 import gateway_pb2 as gpb
 from tests.integration.conftest import png_bytes
 from tests.reliability.fuzz_cases import MP4, PNG, WAV, Tally, broken_base64, corrupted, data_uri, truncated
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
 GENERATE = "/easerve.v1.Gateway/Generate"
 

@@ -22,7 +22,7 @@ from tests.integration.conftest import png_bytes
 from tests.reliability.fuzz_cases import (MIME, MP4, PNG, WAV, Tally, bad_number, broken_base64, corrupted,
                                           data_uri, dumps, truncated)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 

@@ -24,7 +24,7 @@ from easerve.v1 import decode_pb2, encode_pb2, kv_pb2, prefill_pb2, stage_pb2
 from tests.integration.conftest import png_bytes
 from tests.reliability.fuzz_cases import Tally
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 HIDDEN = 64  # any width: a lying header is refused before the model sees it
