@@ -11,7 +11,9 @@ subcommand lives in its own module and registers itself through `add_parser(subp
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from hasctl import bench, compose, demo, k8s, profile, report, screen, tiny_cmd, tune, up_cmd
 
@@ -26,8 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sigint_interrupts() -> None:
+    """A parent that ignores SIGINT (a background job of a non-interactive shell, some
+    supervisors) leaves it ignored in its children, and Python then raises no KeyboardInterrupt:
+    `hasctl up` and `hasctl tune` promise that SIGINT stops them cleanly, so take it back."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _sigint_interrupts()
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # config / input errors: say what to change, no traceback
