@@ -302,6 +302,7 @@ class Stack:
         with self._lock:
             del self._procs[name]
             self.ports.pop(name, None)
+            self._drop_spare(p)  # its standby (standby=True) goes with it
         _signal_group(p.popen, signal.SIGTERM)
         try:
             rc = p.popen.wait(timeout=timeout)
