@@ -20,6 +20,11 @@ class EAServeError(Exception):
         if retry_after_s is not None:
             self.retry_after_s = retry_after_s
 
+    def where(self, context: str) -> EAServeError:
+        """The same error (class and retry hint) with `context` (who answered it, how far the
+        request got) in front of its message."""
+        return type(self)(f"{context}: {self}", retry_after_s=self.retry_after_s)
+
 
 class InvalidRequest(EAServeError, ValueError):
     code, http = "INVALID_ARGUMENT", 400

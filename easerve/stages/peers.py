@@ -260,8 +260,7 @@ class Peers:
                 if e.code() in _RETRYABLE and len(tried) < min(2, len(self._peers)):
                     log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
                     continue
-                err = from_rpc_error(e)
-                raise type(err)(f"{self.service or 'peer'} at {peer.addr}: {err}") from None
+                raise from_rpc_error(e).where(f"{self.service or 'peer'} at {peer.addr}") from None
             except BaseException:
                 peer.outstanding -= 1
                 call.cancel()

@@ -326,8 +326,7 @@ class GatewayCore:
             try:
                 chunk = read.result()
             except grpc.aio.AioRpcError as e:
-                err = from_rpc_error(e)
-                raise type(err)(f"decode instance {addr} after {n} token(s): {err}") from None
+                raise from_rpc_error(e).where(f"decode instance {addr} after {n} token(s)") from None
             if chunk is grpc.aio.EOF:
                 raise Unavailable(f"decode instance {addr} closed the stream after {n} token(s), "
                                   "before the request finished")

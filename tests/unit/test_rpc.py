@@ -221,3 +221,12 @@ def test_unparseable_request_bytes_are_invalid_argument_and_the_server_keeps_ser
         assert "easerve.v1.StatsRequest" in codes[0][1] and "easerve.v1.ReserveRequest" in codes[1][1]
         assert (await decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1
     asyncio.run(_with_server(call))
+
+
+def test_an_error_named_where_it_came_from_keeps_its_class_and_retry_hint():
+    from easerve.errors import MessageTooLarge
+
+    err = errors.Overloaded("queue full", retry_after_s=3.5).where("easerve.v1.Encode at 127.0.0.1:1")
+    assert type(err) is errors.Overloaded and err.retry_after_s == 3.5
+    assert str(err) == "easerve.v1.Encode at 127.0.0.1:1: queue full"
+    assert type(MessageTooLarge("big").where("x")) is MessageTooLarge
