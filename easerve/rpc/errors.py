@@ -1,7 +1,8 @@
 """Domain errors and their gRPC / HTTP status codes, in one table.
 
 Servicer methods wrap themselves with `@grpc_errors`; clients turn an `AioRpcError` back
-into a domain error with `from_rpc_error`; the HTTP front end uses `http_status`.
+into a domain error with `from_rpc_error`; the HTTP front end maps with `domain_error`
+(its `.http` status and `.retry_after_s`).
 """
 from __future__ import annotations
 
@@ -50,11 +51,6 @@ def domain_error(exc: BaseException) -> EAServeError:
         if isinstance(exc, base):
             return cls(str(exc) or type(exc).__name__)
     return Internal(f"internal error ({type(exc).__name__})")
-
-
-def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    err = domain_error(exc)
-    return status_code(err), str(err)
 
 
 def http_status(exc: BaseException) -> int:
