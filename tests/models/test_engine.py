@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
+from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
 
 from easerve.engine.attention import ATTN_IMPL
 from easerve.engine.engine import DecodeEngine, EngineConfig
@@ -121,17 +121,7 @@ def test_admission_waits_for_kv_and_proceeds_when_room_frees(llama):
             break
     # q3 / q4 start only after q0 (4 tokens, 3 steps) and q1 (7 tokens) leave
     assert admitted_at == {"q0": 0, "q1": 0, "q2": 0, "q3": 3, "q4": 6}
-    assert outs == {rid: _generate_ignore_eos(ref, ids, n) for rid, (ids, n) in reqs.items()}
-
-
-def _generate_ignore_eos(ref, ids, n):
-    cache, toks = DynamicCache(config=ref.text_config), []
-    with torch.no_grad():
-        h = ref.lm(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).last_hidden_state
-        for _ in range(n):
-            toks.append(int(ref.lm_head(h[0, -1]).argmax()))
-            h = ref.lm(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True).last_hidden_state
-    return toks
+    assert outs == {rid: greedy_ignore_eos(ref, ids, n) for rid, (ids, n) in reqs.items()}
 
 
 def test_abort_frees_kv_at_once(llama):
@@ -179,7 +169,7 @@ def test_stop_token_ids_and_stop_strings(llama):
     ref = _reference(llama)
     tok = llama.tokenizer
     ids = tok.encode("the quick brown")
-    full = _generate_ignore_eos(ref, ids, 20)
+    full = greedy_ignore_eos(ref, ids, 20)
     engine = DecodeEngine(llama, EngineConfig(max_running=4, kv_capacity_tokens=512))
     # stop id: the 5th generated token (first occurrence wins)
     stop_id = full[4]
@@ -204,7 +194,7 @@ def test_stop_token_ids_and_stop_strings(llama):
 def test_eos_stops_unless_ignore_eos(llama, monkeypatch):
     ref = _reference(llama)
     ids = [7, 8, 9, 10]
-    free_run = _generate_ignore_eos(ref, ids, 12)
+    free_run = greedy_ignore_eos(ref, ids, 12)
     eos = free_run[5]
     monkeypatch.setattr(llama, "generation_eos", [2, eos])
     engine = DecodeEngine(llama, EngineConfig(kv_capacity_tokens=256))
@@ -298,4 +288,4 @@ def test_continuous_batching_on_cuda():
         arrivals[i % 6].append(payload_for(adapter, rid, ids, GREEDY(max_tokens=n, ignore_eos=True)))
     got = _tokens(_drive(engine, arrivals))
     for rid, (ids, n) in reqs.items():
-        assert got[rid] == _generate_ignore_eos(ref, ids, n), rid
+        assert got[rid] == greedy_ignore_eos(ref, ids, n), rid

@@ -5,10 +5,9 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
+from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
 
 from easerve.engine import attention as att
 from easerve.engine.engine import DecodeEngine, EngineConfig
@@ -27,17 +26,6 @@ def llama():
 @pytest.fixture(scope="module")
 def ref(llama):
     return copy.deepcopy(llama)  # keeps plain sdpa attention
-
-
-def _greedy(ref, ids, n):
-    """The model's own greedy decode over a DynamicCache, n tokens whatever they are."""
-    cache, toks = DynamicCache(config=ref.text_config), []
-    with torch.no_grad():
-        h = ref.lm(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).last_hidden_state
-        for _ in range(n):
-            toks.append(int(ref.lm_head(h[0, -1]).argmax()))
-            h = ref.lm(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True).last_hidden_state
-    return toks
 
 
 def _sp(n):
@@ -74,7 +62,7 @@ def test_slots_compact_on_finish_and_every_request_matches_generate(llama, ref):
             break
     assert sum(len(p.moves) for p in plans) > 0  # the scenario really exercised compaction
     for rid, (ids, n) in reqs.items():
-        want = _greedy(ref, ids, n)
+        want = greedy_ignore_eos(ref, ids, n)
         assert got[rid] == (want[:len(got[rid])] if rid == aborted else want), rid
     assert engine.stats().kv_free_tokens == engine.stats().kv_capacity_tokens
 
@@ -121,7 +109,7 @@ def test_paged_layout_still_matches_generate(llama, ref):
     while engine.has_work:
         for o in engine.step():
             got.setdefault(o.request_id, []).append(o.token_id)
-    assert got == {rid: _greedy(ref, ids, n) for rid, (ids, n) in reqs.items()}
+    assert got == {rid: greedy_ignore_eos(ref, ids, n) for rid, (ids, n) in reqs.items()}
 
 
 def test_memory_sized_engine(llama, ref):
@@ -136,7 +124,7 @@ def test_memory_sized_engine(llama, ref):
     got = []
     while engine.has_work:
         got += [o.token_id for o in engine.step()]
-    assert got == _greedy(ref, [3] * 10, 30)
+    assert got == greedy_ignore_eos(ref, [3] * 10, 30)
     with pytest.raises(ValueError, match="raise --kv-cache-memory-gb"):
         DecodeEngine(llama, EngineConfig(kv_cache_memory_bytes=39 * per_token, max_seq_len=40))
 
@@ -186,7 +174,7 @@ def test_a_failing_forward_propagates_and_leaves_the_engine_consistent(llama, re
         fail["on"] = False
         while engine.has_work:        # the failed steps left nothing half done: decoding resumes exactly
             collect(engine.step())
-        assert got == {rid: _greedy(ref, ids, n) for rid, (ids, n) in reqs.items()}
+        assert got == {rid: greedy_ignore_eos(ref, ids, n) for rid, (ids, n) in reqs.items()}
 
         # fail again, then abort everything: the pool is fully free
         for rid, (ids, n) in reqs.items():
@@ -223,4 +211,4 @@ def test_steady_batch_reuses_inputs_but_never_across_a_new_request(llama, ref, k
         for o in engine.step():
             if o.token_id is not None:
                 got[o.request_id].append(o.token_id)
-    assert got == {"a": _greedy(ref, [90, 91, 92, 93], 6), "b": _greedy(ref, [30, 31], 8)}
+    assert got == {"a": greedy_ignore_eos(ref, [90, 91, 92, 93], 6), "b": greedy_ignore_eos(ref, [30, 31], 8)}

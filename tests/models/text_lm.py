@@ -174,3 +174,15 @@ def payload_for(adapter: TextLMAdapter, request_id: str, ids: list[int], samplin
     first = sample(res.last_logits[None], [sampling], [0])[0]
     return KVPayload(request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
                      sampling, prompt_ids_tail=list(ids[-8:]))
+
+
+def greedy_ignore_eos(ref, ids: list[int], n: int) -> list[int]:
+    """The model's own greedy decode over a DynamicCache: n tokens whatever they are (the
+    reference the engine's outputs are compared with)."""
+    cache, toks = DynamicCache(config=ref.text_config), []
+    with torch.no_grad():
+        h = ref.lm(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).last_hidden_state
+        for _ in range(n):
+            toks.append(int(ref.lm_head(h[0, -1]).argmax()))
+            h = ref.lm(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True).last_hidden_state
+    return toks
