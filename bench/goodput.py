@@ -10,7 +10,8 @@ LLaVA-NeXT, video on Qwen2.5-VL, audio on Ultravox:
    the output);
 2. tune: `hasctl tune`'s own search (`hasctl.tune.run_trials`, Optuna TPE, seeded; every trial a
    real launch) over allocations of up to 3 instances on this process's CPU cores, split and
-   shared placements, B and s, and the monolith, at that rate and SLO; its wall time is
+   shared placements, B and s, and the monolith, at that rate and SLO, starting from the
+   `default` / `colocated` / `monolith` points (`tune_space.warm_starts`); its wall time is
    `tune_minutes`;
 3. measure: the best trial's deployment, `dynamo-like`, `fixed-batch-8` and `monolith`, one
    server at a time (order alternating between modalities), each on the same seeded trace
@@ -46,7 +47,7 @@ from hasctl.bench import BenchConfig, run_bench  # noqa: E402
 from hasctl.bench_metrics import SLO  # noqa: E402
 from hasctl.deployment import Deployment, preset  # noqa: E402
 from hasctl.tune import TrialFailed, TuneConfig, best_deployment, best_trial, evaluate, open_study, run_trials  # noqa: E402
-from hasctl.tune_space import PLACEMENTS, Space, core_devices, runnable_allocations  # noqa: E402
+from hasctl.tune_space import PLACEMENTS, Space, core_devices, runnable_allocations, warm_starts  # noqa: E402
 from hasctl.workload import WorkloadSpec  # noqa: E402
 
 FAMILIES = {"image": "llava-next", "video": "qwen2.5-vl", "audio": "ultravox"}
@@ -129,7 +130,7 @@ def tune(args, cfg: TuneConfig, modality: str, say) -> tuple[Deployment, dict]:
                   placements=PLACEMENTS if len(cores) > 1 else PLACEMENTS[:1])
     name = f"goodput-{modality}-{args.out_dir.name}"
     study, _ = open_study(f"sqlite:///{args.out_dir / 'tune.db'}", name, cfg.seed,
-                          lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space))
+                          lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space), warm=warm_starts(space))
     t0 = time.monotonic()
     run_trials(study, space, cfg, args.trials,
                lambda d, n: evaluate(d, cfg, Path(cfg.run_dir) / f"trial-{n}"), say)

@@ -12,7 +12,8 @@ exists: the seed and the workload it was made with are kept in the study's `tune
 a rerun must match them. SIGINT / SIGTERM: the running trial's stack is stopped, the trial is
 marked failed ("interrupted") and its parameters are queued so the next run tries them first;
 the command exits 130. Trials an earlier run left RUNNING (it was killed) are marked failed when
-the study is opened again: run one tuner per study at a time.
+the study is opened again: run one tuner per study at a time. A new study first runs the
+presets' points (`tune_space.warm_starts`; `--no-warm-start` leaves them out), then TPE's draws.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from hasctl.bench_metrics import SLO
 from hasctl.deployment import Deployment, GatewaySpec
-from hasctl.tune_space import BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations, suggest
+from hasctl.tune_space import (BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations,
+                               suggest, warm_starts)
 from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
 
 INTERRUPTED = "interrupted (SIGINT/SIGTERM) while running; its parameters are queued for the next run"
@@ -86,9 +88,11 @@ def json_safe(v: Any) -> Any:
 
 
 # ---- the study ---------------------------------------------------------------------------------
-def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[[int], dict]):
+def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[[int], dict],
+               warm: Sequence[dict] = ()):
     """Create or resume the study; returns (study, seed). A resumed study keeps its seed and
-    must have been made with the same `fingerprint(seed)`; trials left RUNNING are failed."""
+    must have been made with the same `fingerprint(seed)`; trials left RUNNING are failed.
+    A new study enqueues the points `warm` (tune_space.warm_starts) as its first trials."""
     import optuna
     from optuna.samplers import TPESampler
     from optuna.trial import TrialState
@@ -96,7 +100,8 @@ def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="maximize")
     stored = study.user_attrs.get("tune")
-    if stored is None:
+    new = stored is None
+    if new:
         seed = 0 if seed is None else seed
         study.set_user_attr("tune", fingerprint(seed))
     else:
@@ -111,6 +116,8 @@ def open_study(storage: str, name: str, seed: int | None, fingerprint: Callable[
                              f"{ {k: stored.get(k) for k in diff} }; use the same flags or a new --study")
     study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="maximize",
                                 sampler=TPESampler(seed=seed))
+    for params in warm if new else ():
+        study.enqueue_trial(dict(params), user_attrs={"warm_start": True})
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         # optuna has no public setter for a trial of an earlier process: its storage's
         study._storage.set_trial_user_attr(t._trial_id, "error", "left running by an earlier run that was killed")
@@ -284,6 +291,9 @@ def add_parser(sub) -> None:
                    help="placements to try: split (instances round-robin over the devices), shared (all on all "
                         "of them; with several devices)")
     p.add_argument("--ignore-eos", action="store_true", help="every request decodes --output-tokens tokens")
+    p.add_argument("--no-warm-start", action="store_true",
+                   help="a new study starts with TPE's random draws only (default: the default, colocated and "
+                        "monolith presets' points first)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a trial's stack to serve")
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds for a trial's bench")
     p.add_argument("--run-dir", default=None, help="folder of the trials' logs (default: a new temp folder)")
@@ -360,7 +370,8 @@ def run(args) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_from_args(args, str(run_dir))
     study, seed = open_study(args.storage, args.study, args.seed,
-                             lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space))
+                             lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space),
+                             warm=() if args.no_warm_start else warm_starts(space))
     cfg = dataclasses.replace(cfg, seed=seed)
     print(f"study {args.study!r} in {args.storage}: {len(study.trials)} trials so far, seed {seed}; "
           f"candidates {list(space.choices)} on {list(space.devices)}; logs in {run_dir}", flush=True)

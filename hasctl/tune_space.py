@@ -25,6 +25,11 @@ max-batch, from `batch_sizes`), for an allocation (not the monolith) `place` whe
 has more than one placement (else its only one), `decode_threads` only for a shared placement
 on several CPU cores, and, only for a co-located allocation, `s` (the share of requests encode
 sends to remote prefill, 0..1 in steps of 0.05). Encode batches `adaptive`ly.
+
+`warm_starts` names the points a new study tries first (Optuna's `enqueue_trial`), before TPE's
+random start-up draws: the `default` preset (remote prefill), the `colocated` preset and the
+monolith, each at B = 8, as they exist in the space. A tuned deployment is then never one the
+search merely failed to stumble on; each is scored like any other trial.
 """
 from __future__ import annotations
 
@@ -127,6 +132,39 @@ def suggest(trial: Trial, space: Space) -> dict[str, Any]:
     if a is not None and a.colocated:
         params["s"] = round(trial.suggest_float("s", 0.0, 1.0, step=S_STEP), 6)  # 0.85, not 0.8500000000000001
     return params
+
+
+WARM_B = 8  # the presets' encode max-batch
+
+
+class _Preferred:
+    """A stand-in trial answering `suggest` with preferred values where they are choices
+    (else the first choice), so a warm start passes the same code path as a drawn point."""
+
+    def __init__(self, prefer: Mapping[str, Any]):
+        self.prefer = prefer
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        want = self.prefer.get(name)
+        return want if want in choices else choices[0]
+
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None) -> float:
+        return min(max(float(self.prefer.get(name, low)), low), high)
+
+
+def warm_starts(space: Space) -> list[dict[str, Any]]:
+    """The presets' points in `space` (see the module docstring), without repeats."""
+    b = max([x for x in space.batch_sizes if x <= WARM_B] or [min(space.batch_sizes)])
+    base = {"B": b, "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
+    plain = next((a.name for a in space.allocations if not a.colocated and a.encode), None)
+    coloc = next((a.name for a in space.allocations if a.colocated), None)
+    wanted = [n for n in (plain, coloc, MONOLITH if space.monolith else None) if n]
+    out: list[dict[str, Any]] = []
+    for name in wanted:
+        p = suggest(_Preferred({**base, "alloc": name}), space)
+        if p not in out:
+            out.append(p)
+    return out
 
 
 def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: str = "tuned") -> Deployment:

@@ -149,3 +149,24 @@ def test_trials_share_one_partition_profile_per_device_and_backend(tmp_path):
     pm = shared_partition_profiles(m, tmp_path).monolith[0].flag("partition-profile")
     assert pm is not None and pm != pa
     assert a.encode[0].flag("partition-profile") is None  # the trial's own deployment is left as drawn
+
+
+def test_a_new_study_tries_the_presets_points_first_and_a_resumed_one_does_not_again(tmp_path):
+    from hasctl.tune_space import warm_starts
+    warm = warm_starts(SPACE)
+    assert [p["alloc"] for p in warm] == ["E1-P1-D1", "E1-P1-D1+coloc", "monolith"]
+    assert all(p["B"] == 8 for p in warm)
+
+    def opened():
+        return open_study(f"sqlite:///{tmp_path}/w.db", "w", 3, lambda s: cfg().fingerprint(SPACE) | {"seed": s},
+                          warm=warm)
+    study, _ = opened()
+    run_trials(study, SPACE, cfg(seed=3), 4, fake_goodput, say=lambda m: None)
+    trials = study.get_trials()
+    assert [t.params for t in trials[:3]] == warm
+    assert [t.user_attrs.get("warm_start") for t in trials] == [True, True, True, None]
+    again, _ = opened()
+    run_trials(again, SPACE, cfg(seed=3), 2, fake_goodput, say=lambda m: None)
+    assert not any(t.user_attrs.get("warm_start") for t in again.get_trials()[4:])
+    # the colocated preset's point fails to start here (fake_goodput) and is recorded like any trial
+    assert trials[1].state == TrialState.FAIL and trials[0].value == 8.0
