@@ -195,3 +195,13 @@ def test_deployment_flags_are_the_stage_configs_own(stage):
     assert options == set(fields)
     assert set(FLAGS[stage]) == {n for n, f in fields.items() if not f.metadata["wired"]}
     assert {"model", "listen", "device"} <= set(fields) - set(FLAGS[stage])
+
+
+def test_every_bench_deployment_file_loads():
+    from pathlib import Path
+    files = sorted((Path(__file__).resolve().parents[2] / "bench" / "deployments").glob("*.yaml"))
+    assert len(files) >= 3
+    for f in files:
+        d = Deployment.load(f)
+        assert d.name == f.stem, f
+        assert d.decode and d.prefill and d.encode, f
