@@ -4,9 +4,10 @@ Each batch size gets a fresh engine filled with prefilled random prompts (~64 to
 a few warm-up steps every request is running and `steps` timed engine steps follow (the
 whole step: scheduling, forward, sampling, detokenization). The engine is configured as the
 decode service configures it on that device: KV sized from memory, layout "auto" (on CPU the
-slot layout read in place). Baselines of the same run: batch 1 of the engine, and HF's own
-greedy decode, the model's forward over a DynamicCache at each batch size (one prompt
-repeated, so no padding mask, no engine). HF and engine steps alternate, and each rate comes
+slot layout read in place; on CPU each linear shape in the weight layout that measured
+faster, easerve/engine/cpu_gemv.py). Baselines of the same run: batch 1 of the engine, and
+HF's own greedy decode on a second copy of the model no engine touched, its forward over a
+DynamicCache at each batch size (one prompt repeated, so no padding mask, no engine). HF and engine steps alternate, and each rate comes
 from the median step time, so load from other processes hits both alike.
 Last stdout line: one JSON object, ratios first: "engine_over_hf_b1" and "engine_over_hf_b16"
 (engine tok/s over HF's at batch 1 / 16, targets >= 1.0), "b16_over_b1" (target >= 8), then
@@ -130,8 +131,8 @@ def engine_config(adapter, args, batch: int, per_req: int):
 
 def hf_stepper(adapter, payload, batch: int, args):
     """HF's own batched greedy decode, one step per call: one prompt repeated `batch` times in
-    a DynamicCache, the adapter's decode hooks, no engine. (Once an engine switched the model
-    to "easerve", that is sdpa whenever no engine step is passed: the same code path.)"""
+    a DynamicCache, the adapter's decode hooks, no engine. `adapter` is a second copy of the
+    model that no engine touched (its attention and linear layers as transformers builds them)."""
     from transformers import DynamicCache
     dev = torch.device(args.device)
     kv = [(k[None].expand(batch, -1, -1, -1).to(dev).contiguous(), v[None].expand(batch, -1, -1, -1).to(dev).contiguous())
@@ -150,7 +151,7 @@ def hf_stepper(adapter, payload, batch: int, args):
     return step
 
 
-def measure(adapter, payloads, batch: int, args) -> tuple[float, float | None, str]:
+def measure(adapter, hf_adapter, payloads, batch: int, args) -> tuple[float, float | None, str]:
     """(engine tok/s, HF tok/s or None, the engine's attention backend) at one batch size:
     engine and HF steps alternate (order flipped every step), each rate from the median step
     time, so load from other processes hits both alike."""
@@ -158,7 +159,7 @@ def measure(adapter, payloads, batch: int, args) -> tuple[float, float | None, s
     eng, backend = engine_stepper(adapter, payloads, batch, args, total)
     steppers = {"engine": eng}
     if not args.no_hf_baseline:
-        steppers["hf"] = hf_stepper(adapter, payloads[0], batch, args)
+        steppers["hf"] = hf_stepper(hf_adapter, payloads[0], batch, args)
     times: dict[str, list[float]] = {k: [] for k in steppers}
     for i in range(total):
         for name in (list(steppers) if i % 2 else list(steppers)[::-1]):
@@ -175,13 +176,14 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     adapter = load(args)
+    hf_adapter = None if args.no_hf_baseline else load(args)  # the baseline's own, untouched copy
     params = sum(p.numel() for p in adapter.parameters())
     print(f"model: {type(adapter).__name__} {params / 1e6:.1f} M params on {args.device}", flush=True)
     payloads = prefill_payloads(adapter, args, min(16, max(args.batches)),
                                 max_tokens=args.warmup + args.steps + 4)
     hf, tok_s = {}, {}
     for b in args.batches:
-        tok_s[b], hf_rate, backend = measure(adapter, payloads, b, args)
+        tok_s[b], hf_rate, backend = measure(adapter, hf_adapter, payloads, b, args)
         if hf_rate is not None:
             hf[b] = hf_rate
         print(f"batch {b:3d}: engine {tok_s[b]:9.1f} tok/s" + (f", hf {hf[b]:9.1f} tok/s" if hf else ""), flush=True)

@@ -43,6 +43,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     kv_layout: Literal["auto", "paged", "slots"] = "auto"
+    # CPU: per linear shape, keep nn.Linear's weight layout or store it transposed, whichever
+    # measures faster at one row (easerve.engine.cpu_gemv); "torch" keeps every layer as loaded
+    linear_layout: Literal["auto", "torch"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -58,6 +61,8 @@ class EngineConfig:
                              f"kv_cache_memory_bytes or gpu_memory_utilization; got {', '.join(sizing)}")
         if self.kv_layout not in ("auto", "paged", "slots"):
             raise ValueError(f"kv_layout must be 'auto', 'paged' or 'slots', got {self.kv_layout!r}")
+        if self.linear_layout not in ("auto", "torch"):
+            raise ValueError(f"linear_layout must be 'auto' or 'torch', got {self.linear_layout!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.num_slots is not None and (self.num_slots < 1 or not self.max_seq_len):

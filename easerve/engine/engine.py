@@ -13,6 +13,7 @@ already forwarded that token id from prefill can skip index 0's id (not its text
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from easerve.engine import attention as att
+from easerve.engine import cpu_gemv
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, gpu_kv_budget  # noqa: F401 (re-exported)
 from easerve.engine.logprobs import TokenLogprobs, token_logprobs
@@ -29,6 +31,8 @@ from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
 from easerve.errors import InvalidRequest
 from easerve.types import KVPayload, SamplingParams
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -98,12 +102,23 @@ class DecodeEngine:
             workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         att.use_engine_attention(adapter.language_model)
+        self.linear_layouts = self._choose_linear_layouts(adapter)
         self._eos = frozenset(adapter.eos_token_ids)
         self._tokenizer = adapter.tokenizer
         self._reqs: dict[str, _Request] = {}
         self._unwritten: set[str] = set()  # running requests whose prompt KV is not in the pool yet
         self._pending: list[StepOutput] = []
         self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
+
+    def _choose_linear_layouts(self, adapter: Any) -> dict:
+        """CPU: store the LM's linear weights in whichever layout decodes faster (cpu_gemv)."""
+        if self.device.type != "cpu" or self.config.linear_layout != "auto":
+            return {}
+        slot = getattr(adapter, "lm_head_slot", None)
+        decision = cpu_gemv.apply(adapter.language_model, adapter.dtype, extra=[slot()] if slot else [])
+        log.info("linear layouts: %d of %d shapes stored transposed (%s)", sum(decision.values()), len(decision),
+                 ", ".join(f"{o}x{i}" for (o, i, _), t in decision.items() if t) or "none")
+        return decision
 
     def _gpu_budget(self) -> int | None:
         util = self.config.gpu_memory_utilization

@@ -205,6 +205,12 @@ class HFAdapter(ModelAdapter):
     def lm_head(self) -> nn.Module:
         return get_submodule(self._need_model(), self.lm_head_path)
 
+    def lm_head_slot(self) -> tuple[nn.Module, str]:
+        """(parent module, attribute) of the lm_head, for code that swaps the layer."""
+        parent, _, name = self.lm_head_path.rpartition(".")
+        model = self._need_model()
+        return (get_submodule(model, parent) if parent else model), name
+
     def _need_model(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError(f"role {self.role!r} holds no weights; build the adapter with a model role")

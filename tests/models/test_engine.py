@@ -289,3 +289,31 @@ def test_continuous_batching_on_cuda():
     got = _tokens(_drive(engine, arrivals))
     for rid, (ids, n) in reqs.items():
         assert got[rid] == greedy_ignore_eos(ref, ids, n), rid
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transposed_linear_layouts_decode_the_same_tokens(family, monkeypatch):
+    """Every LM linear (and the lm_head) stored transposed (cpu_gemv forced) decodes what
+    the loaded layout decodes, and what the model's own generate does."""
+    from easerve.engine import cpu_gemv
+    monkeypatch.setattr(cpu_gemv, "MIN_GAIN", 0.0)  # every shape "measures" faster transposed
+    monkeypatch.setattr(cpu_gemv, "_measured", {})
+    adapter = build_text_lm(TextLMSpec(family=family, seed=3))
+    ref, plain_copy = _reference(adapter), copy.deepcopy(adapter)
+    moved = DecodeEngine(adapter, EngineConfig(max_running=4, kv_capacity_tokens=512, block_size=16))
+    kept = DecodeEngine(plain_copy, EngineConfig(max_running=4, kv_capacity_tokens=512, block_size=16,
+                                                 linear_layout="torch"))
+    assert moved.linear_layouts and all(moved.linear_layouts.values()) and kept.linear_layouts == {}
+    swapped = [m for m in adapter.language_model.modules() if isinstance(m, cpu_gemv.TransposedLinear)]
+    assert swapped and not any(isinstance(m, torch.nn.Linear) for m in adapter.language_model.modules())
+    assert not any(isinstance(m, cpu_gemv.TransposedLinear) for m in plain_copy.language_model.modules())
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(4, 20))] for _ in range(3)]
+    sp = GREEDY(max_tokens=12, ignore_eos=True)
+    got = {}
+    for name, engine, model in (("moved", moved, adapter), ("kept", kept, plain_copy)):
+        got[name] = _tokens(_drive(engine, {0: [payload_for(model, f"r{i}", ids, sp)
+                                               for i, ids in enumerate(prompts)]}))
+    assert got["moved"] == got["kept"]
+    for i, ids in enumerate(prompts):
+        assert got["moved"][f"r{i}"] == greedy_ignore_eos(ref, ids, 12)
