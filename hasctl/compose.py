@@ -218,7 +218,8 @@ def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: st
     svc.update({
         "network_mode": "host", "ipc": "host",
         "volumes": [f"${{EASERVE_MODEL_DIR:-{model_src}}}:{MODEL_DIR}", "/dev/shm:/dev/shm"],
-        "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}"},
+        "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}",
+                        **{k: f"${{{k}:-{v}}}" for k, v in cmd.env}},  # the caller's value wins
         "command": _interpolated(tuple(argv), port_vars),
         "healthcheck": _health(cmd, port_vars),
         "restart": "unless-stopped",

@@ -349,7 +349,7 @@ class Stack:
 
     # ---- processes ------------------------------------------------------------------------------
     def _popen(self, p: _Proc, argv: tuple[str, ...], what: str, stdin) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        env = {**dict(p.cmd.env), **os.environ, "PYTHONUNBUFFERED": "1", **self._env}  # the command's are defaults
         env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO), env.get("PYTHONPATH", "")) if x)
         with open(p.log, "ab") as out:
             out.write(f"=== {time.strftime('%H:%M:%S')} {what}: {' '.join(argv)}\n".encode())

@@ -373,7 +373,10 @@ def run(args) -> int:
                              lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space),
                              warm=() if args.no_warm_start else warm_starts(space))
     cfg = dataclasses.replace(cfg, seed=seed)
-    print(f"study {args.study!r} in {args.storage}: {len(study.trials)} trials so far, seed {seed}; "
+    from optuna.trial import TrialState
+    queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    print(f"study {args.study!r} in {args.storage}: {len(study.trials) - queued} trials so far "
+          f"({queued} queued), seed {seed}; "
           f"candidates {list(space.choices)} on {list(space.devices)}; logs in {run_dir}", flush=True)
 
     def say(msg: str) -> None:

@@ -151,7 +151,7 @@ def test_sigint_leaves_nothing_and_a_rerun_continues(tuned):
             break
         assert time.monotonic() < deadline, "".join(lines)
     assert port, "".join(lines)
-    assert "trials so far, seed 3;" in "".join(lines)  # the study's stored seed: no --seed given
+    assert "3 trials so far (0 queued), seed 3;" in "".join(lines)  # the study's stored seed: no --seed given
     live = tagged(run_dir)
     assert len(live) >= 2, live  # the trial's stage processes and gateway
     proc.send_signal(signal.SIGINT)

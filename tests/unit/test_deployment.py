@@ -205,3 +205,28 @@ def test_every_bench_deployment_file_loads():
         d = Deployment.load(f)
         assert d.name == f.stem, f
         assert d.decode and d.prefill and d.encode, f
+
+
+def _envs(d: Deployment) -> dict[str, dict]:
+    from hasctl.deployment import process_names, to_commands
+    cmds = to_commands(d.with_model("/m"), "127.0.0.1", {n: 9000 + i for i, n in enumerate(process_names(d))})
+    return {c.name: dict(c.env) for c in cmds}
+
+
+def test_workers_sharing_cpu_cores_get_passive_openmp_threads_and_the_others_do_not():
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    shared = Deployment(encode=(Worker(device="cpu:0-1"),), prefill=(Worker(device="cpu:0-1"),),
+                        decode=(Worker(device="cpu:1"),))
+    assert _envs(shared) == {"encode-0": passive, "prefill-0": passive, "decode-0": passive, "gateway": {}}
+    split = Deployment(encode=(Worker(device="cpu:0"),), prefill=(Worker(device="cpu:1"),),
+                       decode=(Worker(device="cpu:2-3"),))
+    assert _envs(split) == {"encode-0": {}, "prefill-0": {}, "decode-0": {}, "gateway": {}}
+    mixed = Deployment(encode=(Worker(device="cpu:0"),), prefill=(Worker(device="cpu:0"),),
+                       decode=(Worker(device="cpu:1"),))
+    assert _envs(mixed)["decode-0"] == {} and _envs(mixed)["encode-0"] == passive
+    assert _envs(preset("monolith")) == {"monolith-0": {}, "gateway": {}}  # one process: nothing shared
+    unpinned = _envs(preset("dynamo-like"))  # plain `cpu`: every core, so shared with the others
+    assert all(unpinned[n] == passive for n in ("encode-0", "prefill-0", "decode-0"))
+    gpus = Deployment(encode=(Worker(device="cuda:0"),), prefill=(Worker(device="cuda:0"),),
+                      decode=(Worker(device="cuda:1"),))
+    assert all(v == {} for v in _envs(gpus).values())
