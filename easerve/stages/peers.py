@@ -34,6 +34,7 @@ from easerve.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
+READY_S = 3.0  # how long reach_of waits for a channel to an instance to connect
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -203,8 +204,15 @@ class Peers:
                 return False
         return r.readable
 
-    async def reach_of(self, addr: str) -> tuple[NodeIdentity | None, bool]:
-        """(node identity, shares our /dev/shm) of an instance, for the transport choice."""
+    async def reach_of(self, addr: str, ready_s: float = READY_S) -> tuple[NodeIdentity | None, bool]:
+        """(node identity, shares our /dev/shm) of an instance, for the transport choice.
+        Waits up to `ready_s` for our channel to it to connect first: another stage may hand
+        us an instance (a decode reservation) that this process's channel still sees in
+        reconnect backoff from before the instance listened (gRPC waits ~1 s to retry)."""
+        p = self.get(addr)
+        if p is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(p.channel.channel_ready(), ready_s)
         return await self.node_of(addr), await self.shm_shared(addr)
 
     # ---- placement -------------------------------------------------------------------------

@@ -216,3 +216,34 @@ def test_a_real_name_becomes_its_addresses_and_a_new_address_waits_for_its_first
             stops[0].set()
             await asyncio.gather(*tasks)
     asyncio.run(main())
+
+
+def test_reach_of_waits_for_an_instance_that_started_listening_after_our_first_try():
+    """The race CI met: prefill's channel tried decode before decode listened, so gRPC held it
+    in reconnect backoff (~1 s) when the gateway, already seeing decode serving, handed prefill
+    a reservation there. reach_of must connect first, not report an unknown identity."""
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        addr = f"127.0.0.1:{port}"
+        peers = Peers(prefill_pb2_grpc.PrefillStub, [addr], service="easerve.v1.Prefill")
+        stop, bound = asyncio.Event(), []
+        try:
+            await peers.poll_once()  # nothing listens yet: the channel fails and backs off
+            assert not peers.get(addr).up
+
+            async def load():
+                return stage_load.Load(0, 8)
+            servicer = stage_load.StageServicer("prefill", local_identity("cpu"), load)
+            task = asyncio.ensure_future(serve([stage_load.adder(servicer)], addr, stop=stop, grace_s=0,
+                                               health_services=["easerve.v1.Prefill"], on_bound=bound.append))
+            while not bound:
+                await asyncio.sleep(0.01)
+            node, shared = await peers.reach_of(addr)
+            assert node == local_identity("cpu") and shared is True
+        finally:
+            await peers.close()
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
