@@ -120,12 +120,18 @@ async def serve(
     on_bound: Callable[[int], None] | None = None,
     health_state: HealthState | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    settle: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT or `stop` is set, then drain. `addr` like "0.0.0.0:50051"
     (port 0 picks a free one, reported through `on_bound`). Health of "" and each name in
     `health_services` is NOT_SERVING until `warmup()` returns; if warmup raises, the server
     stops and the error propagates. TLS when `options.tls` serves it; `interceptors` see
-    every call (the health service's too)."""
+    every call (the health service's too).
+
+    Drain: health turns NOT_SERVING; then `settle()`, when given, is awaited within the grace
+    time while the server still takes calls (a stage whose accepted work needs more calls to
+    finish, e.g. decode's reservations still waiting for their KV); then the server refuses
+    new calls and lets open ones finish for what is left of the grace time."""
     grace = options.grace_s if grace_s is None else grace_s
     server = grpc.aio.server(options=options.server_options(), interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
@@ -155,7 +161,7 @@ async def serve(
         await stop.wait()
     finally:
         restore()
-        await _drain(server, health_servicer, grace)
+        await _drain(server, health_servicer, grace, settle)
 
 
 def _register(adder: Adder, server: grpc.aio.Server) -> None:
@@ -182,10 +188,18 @@ async def _warm(warmup: Callable[[], Awaitable[None]] | None, stop: asyncio.Even
     task.result()
 
 
-async def _drain(server: grpc.aio.Server, health_servicer, grace_s: float) -> None:
+async def _drain(server: grpc.aio.Server, health_servicer, grace_s: float,
+                 settle: Callable[[], Awaitable[None]] | None = None) -> None:
     log.info("draining: NOT_SERVING, up to %.1fs for in-flight calls", grace_s)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    end = asyncio.get_running_loop().time() + grace_s
+    if settle is not None:
+        try:
+            await asyncio.wait_for(settle(), grace_s)
+            log.info("settled: the work accepted before the drain is done")
+        except asyncio.TimeoutError:
+            log.warning("the grace time ran out before the accepted work was done")
+    await server.stop(max(0.0, end - asyncio.get_running_loop().time()))
     log.info("stopped")
 
 

@@ -70,7 +70,7 @@ async def main(cfg: DecodeConfig) -> None:
         await serve([(decode_pb2_grpc.add_DecodeServicer_to_server, servicer), *extra,
                      stage_load.adder(stage_load.StageServicer("decode", node, load))], cfg.listen,
                     health_services=["easerve.v1.Decode"], warmup=warmup, options=opts, health_state=health,
-                    on_bound=lambda p: write_port_file(cfg.port_file, p))
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), settle=servicer.settle)
     finally:
         await engine.stop()
         if runner is not None:

@@ -1,15 +1,18 @@
 """easerve.v1.Decode <-> the async engine front (thin).
 
 Open holds the reservation and streams the request's tokens after the first (prefill sent
-that one) straight to the gateway; Submit takes the KV prefill hands over.
+that one) straight to the gateway; Submit takes the KV prefill hands over. On SIGTERM,
+`settle` keeps Submit open for the reservations already held (and refuses new ones) until
+their streams end, so removing a decode instance under load loses no accepted request.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from easerve.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.rpc.errors import InvalidRequest, Unavailable, grpc_errors
 from easerve.v1 import common_pb2 as cpb
 from easerve.v1 import decode_pb2, decode_pb2_grpc
 
@@ -20,12 +23,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None):
         self.engine, self.kv, self.max_waiting, self.m = engine, kv_receiver, max_waiting, metrics
         self._kv_ms: dict[str, float] = {}
+        self.draining = False
+
+    async def settle(self, poll_s: float = 0.05) -> None:
+        """The drain's first phase: refuse new reservations, keep taking the KV of the ones
+        held (their prefill is on its way), return once every held stream has ended."""
+        self.draining = True
+        while self.engine.num_streams:
+            await asyncio.sleep(poll_s)
 
     @grpc_errors
     async def Open(self, request, context):
         rid = request.meta.request_id
         if not rid:
             raise InvalidRequest("meta.request_id is required")
+        if self.draining:
+            raise Unavailable("this decode instance is draining: it takes no new reservations; "
+                              "place the request on another instance")
         if request.num_tokens < 1 or request.max_new_tokens < 1:
             raise InvalidRequest(f"a reservation needs num_tokens >= 1 (the prompt) and max_new_tokens >= 1, got "
                                  f"{request.num_tokens} and {request.max_new_tokens}")

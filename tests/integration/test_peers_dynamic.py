@@ -30,8 +30,8 @@ class ClientLoad:
     """`workers` threads sending requests back to back (every 4th of worker 0 with an image),
     counting what was sent, what completed and each failure."""
 
-    def __init__(self, target: str, workers: int = 3):
-        self.client = Client(target, timeout=120)
+    def __init__(self, target: str, workers: int = 3, max_tokens: int = 4, all_images: bool = False):
+        self.client, self.max_tokens, self.all_images = Client(target, timeout=120), max_tokens, all_images
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.sent = self.ok = self.images_ok = 0
@@ -52,13 +52,13 @@ class ClientLoad:
     def _run(self, w: int) -> None:
         k = 0
         while not self.stop.is_set():
-            image = w == 0 and k % 4 == 3
+            image = self.all_images or (w == 0 and k % 4 == 3)
             kw = {"images": [png_bytes(40, 48, k)], "prompt": "What is this?"} if image else \
                 {"prompt": f"Count to {k} please"}
             with self.lock:
                 self.sent += 1
             try:
-                out = self.client.generate(max_tokens=4, **kw)
+                out = self.client.generate(max_tokens=self.max_tokens, **kw)
                 assert len(out.token_ids) >= 1, out
             except Exception as e:  # noqa: BLE001 - every failure is recorded and asserted on
                 with self.lock:
@@ -177,5 +177,31 @@ def test_the_last_instance_of_a_stage_is_not_removed_and_unknown_names_are_refus
         assert gw["decode"] == [stack.endpoints.stages["decode-0"]] and gw["encode"] == []
         pre = json.loads((stack.run_dir / "prefill-1.peers.json").read_text())
         assert pre == {"decode": [stack.endpoints.stages["decode-0"]]}
+    finally:
+        stack.stop()
+
+
+def test_a_decode_instance_drained_and_removed_under_load_fails_no_request(tiny_root):
+    """Removing a decode instance mid-load (SIGTERM at once, no notice): the reservations it
+    already holds still get their KV and finish; new ones go to the other instance."""
+    model = str(cached_tiny("qwen2.5-vl", tiny_root))
+    d = Deployment(model=model, name="decode-removed",
+                   encode=(Worker(flags={"max-batch": 2, **ONE}),), prefill=(Worker(flags=ONE),),
+                   decode=(Worker(flags={"num-slots": 8, **ONE}), Worker(flags={"num-slots": 8, **ONE})),
+                   ).with_gateway_ports(0, 0)
+    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "INFO"})
+    stack.start(timeout=420)
+    try:
+        with ClientLoad(stack.endpoints.grpc, workers=4, max_tokens=24, all_images=True) as load:
+            load.wait(lambda: load.ok >= 8, 180, "the first requests")
+            old_port, old_pid = stack.ports["decode-0"], stack.pids["decode-0"]
+            assert stack.remove_instance("decode-0", notice_s=0.0) == 0  # drained and exited by itself
+            assert _gone(old_pid) and _refused(old_port)
+            ok_then, images_then = load.ok, load.images_ok
+            load.wait(lambda: load.ok >= ok_then + 8 and load.images_ok > images_then, 180,
+                      "requests after removing decode-0, an image among them")
+        assert load.errors == [], load.errors
+        log = (stack.run_dir / "decode-0.log").read_text()
+        assert "settled: the work accepted before the drain is done" in log, log[-3000:]
     finally:
         stack.stop()

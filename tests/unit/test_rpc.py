@@ -230,3 +230,51 @@ def test_an_error_named_where_it_came_from_keeps_its_class_and_retry_hint():
     assert type(err) is errors.Overloaded and err.retry_after_s == 3.5
     assert str(err) == "easerve.v1.Encode at 127.0.0.1:1: queue full"
     assert type(MessageTooLarge("big").where("x")) is MessageTooLarge
+
+
+def test_the_drain_settles_first_taking_calls_while_not_serving_then_refuses_them():
+    async def main():
+        servicer, stop, ports, release = FakeDecode(), asyncio.Event(), [], asyncio.Event()
+        settling = asyncio.Event()
+
+        async def settle():
+            settling.set()
+            await release.wait()
+        task = asyncio.create_task(serve(
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], "127.0.0.1:0",
+            health_services=["easerve.v1.Decode"], stop=stop, grace_s=5.0, on_bound=ports.append,
+            settle=settle))
+        while not ports:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            assert (await stub.Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1
+            stop.set()
+            await asyncio.wait_for(settling.wait(), 5)
+            assert await _health(ch, "easerve.v1.Decode") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await stub.Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1  # still taken
+            assert not task.done()
+            release.set()
+            await asyncio.wait_for(task, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Stats(decode_pb2.StatsRequest(), timeout=2)
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    asyncio.run(main())
+
+
+def test_a_settle_that_outlasts_the_grace_time_is_cut_short():
+    async def main():
+        stop, ports = asyncio.Event(), []
+
+        async def settle():
+            await asyncio.sleep(60)
+        task = asyncio.create_task(serve(
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode())], "127.0.0.1:0", stop=stop,
+            grace_s=0.3, on_bound=ports.append, settle=settle))
+        while not ports:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert time.monotonic() - t0 < 5
+    asyncio.run(main())
