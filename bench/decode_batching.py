@@ -7,8 +7,9 @@ decode service configures it on that device: KV sized from memory, layout "auto"
 slot layout read in place; on CPU each linear shape in the weight layout that measured
 faster, easerve/engine/cpu_gemv.py). Baselines of the same run: batch 1 of the engine, and
 HF's own greedy decode on a second copy of the model no engine touched, its forward over a
-DynamicCache at each batch size (one prompt repeated, so no padding mask, no engine). HF and engine steps alternate, and each rate comes
-from the median step time, so load from other processes hits both alike.
+DynamicCache at each batch size (one prompt repeated, so no padding mask, no engine). HF and
+engine steps alternate, and each rate comes from the median step time, so load from other
+processes hits both alike.
 Last stdout line: one JSON object, ratios first: "engine_over_hf_b1" and "engine_over_hf_b16"
 (engine tok/s over HF's at batch 1 / 16, targets >= 1.0), "b16_over_b1" (target >= 8), then
 tok/s per batch.

@@ -81,7 +81,7 @@ def time_layouts(shape: Shape, dtype: torch.dtype, reps: int = 7) -> tuple[float
     from memory (one weight timed again and again sits in cache and hides the difference);
     the layouts interleave so load from elsewhere hits both alike."""
     out_f, in_f, bias = shape
-    copies = max(2, min(256, COLD_BYTES // max(1, out_f * in_f * torch.empty((), dtype=dtype).element_size())))
+    copies = max(2, min(256, COLD_BYTES // max(1, out_f * in_f * dtype.itemsize)))
     w0 = torch.randn(out_f, in_f, dtype=dtype)
     ws = [w0.clone() for _ in range(copies)]
     ws_t = [w.t().contiguous() for w in ws]

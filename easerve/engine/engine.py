@@ -114,8 +114,8 @@ class DecodeEngine:
         """CPU: store the LM's linear weights in whichever layout decodes faster (cpu_gemv)."""
         if self.device.type != "cpu" or self.config.linear_layout != "auto":
             return {}
-        slot = getattr(adapter, "lm_head_slot", None)
-        decision = cpu_gemv.apply(adapter.language_model, adapter.dtype, extra=[slot()] if slot else [])
+        slot = adapter.lm_head_slot()
+        decision = cpu_gemv.apply(adapter.language_model, adapter.dtype, extra=[slot] if slot else [])
         log.info("linear layouts: %d of %d shapes stored transposed (%s)", sum(decision.values()), len(decision),
                  ", ".join(f"{o}x{i}" for (o, i, _), t in decision.items() if t) or "none")
         return decision

@@ -99,6 +99,11 @@ class ModelAdapter(ABC):
     def language_model(self) -> torch.nn.Module:
         """The decoder module whose attention implementation the engine switches."""
 
+    def lm_head_slot(self) -> tuple[torch.nn.Module, str] | None:
+        """(parent module, attribute) of the lm_head, for code that swaps the layer (the
+        engine's CPU weight layouts); None when the adapter exposes none."""
+        return None
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
