@@ -13,9 +13,9 @@ import json
 import random
 import time
 
-from easerve.control import (
-    AdaptiveBatcher, BatcherConfig, DeficitRouter, RandomRouter, SMPartitioner, max_prefix_error,
-    profile)
+from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.policy.partitioner import SMPartitioner, profile
+from easerve.policy.router import DeficitRouter, RandomRouter, max_prefix_error
 
 
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:

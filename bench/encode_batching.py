@@ -1,6 +1,6 @@
 """Encode micro-batching policies on one seeded Poisson trace: request-at-a-time, fixed B, adaptive B.
 
-The real encode loop (easerve.stages.encode_loop.EncodeLoop: asyncio timer + worker, the
+The real encode loop (easerve.stages.encode.loop.EncodeLoop: asyncio timer + worker, the
 adapter's `encode` in its one executor thread) runs a bench-scale checkpoint with one torch
 thread. First the batch-1 and batch-B encode times are measured; the arrival rates are then
 multiples of the batch-1 capacity (default 0.3x, 0.9x, 2x; the highest is clamped to
@@ -148,7 +148,7 @@ class BatchLog:
 
 
 def batcher_config(policy: str, args):
-    from easerve.control.batcher import BatcherConfig
+    from easerve.policy.batcher import BatcherConfig
     return BatcherConfig(max_batch=args.max_batch, mode=policy, safety_cap_s=args.safety_cap_s,
                          gap_coef=args.gap_coef, max_gap_s=min(args.max_gap_ms / 1000, args.safety_cap_s))
 
@@ -156,8 +156,8 @@ def batcher_config(policy: str, args):
 async def replay(adapter, reqs: list[list], offsets: list[float], policy: str, args, expect) -> dict:
     """One run of the trace; `expect(k)` = isolated encode seconds of a batch of k (for the
     slowdown column: in-run encode time over isolated, > 1 when the shared CPU was busy)."""
-    from easerve.control.batcher import AdaptiveBatcher
-    from easerve.stages.encode_loop import EncodeLoop
+    from easerve.policy.batcher import AdaptiveBatcher
+    from easerve.stages.encode.loop import EncodeLoop
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode",
                                                  initializer=torch.set_num_threads, initargs=(args.threads,))
     log = BatchLog()

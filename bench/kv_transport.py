@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from easerve import codec  # noqa: E402
+from easerve.wire import codec  # noqa: E402
 from easerve.transport.base import handle_from_proto, handle_to_proto  # noqa: E402
 from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport, KVStreamServicer  # noqa: E402
 from easerve.transport.shm import ShmConfig, ShmTransport  # noqa: E402
 from easerve.types import KVPayload, SamplingParams  # noqa: E402
-from easerve.v1 import kv_pb2, kv_pb2_grpc  # noqa: E402
+from easerve.wire.v1 import kv_pb2, kv_pb2_grpc  # noqa: E402
 
 MAX_MSG = 64 << 20
 

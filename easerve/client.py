@@ -24,9 +24,9 @@ import grpc
 from easerve.client_request import build_request
 from easerve.rpc import errors as _errors
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel, sync_channel
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import gateway_pb2 as gpb
-from easerve.v1 import gateway_pb2_grpc
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import gateway_pb2 as gpb
+from easerve.wire.v1 import gateway_pb2_grpc
 
 EAServeError = _errors.EAServeError
 InvalidRequestError = _errors.InvalidRequest

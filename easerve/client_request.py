@@ -11,10 +11,10 @@ import os
 from collections.abc import Iterable
 
 from easerve.rpc.errors import InvalidRequest as InvalidRequestError
-from easerve.sampling_proto import sampling_to_proto
+from easerve.wire.sampling_proto import sampling_to_proto
 from easerve.types import SamplingParams
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import gateway_pb2 as gpb
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import gateway_pb2 as gpb
 
 
 def _read_path(value, what: str) -> bytes:

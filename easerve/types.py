@@ -1,7 +1,7 @@
 """Domain types shared by every stage. Torch appears only as tensor annotations.
 
 These are the typed objects that cross module boundaries (and, through
-`easerve.codec`, process boundaries). Keep them small and frozen where possible.
+`easerve.wire.codec`, process boundaries). Keep them small and frozen where possible.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class MMItem:
     input_features, ...). `meta` holds the small tensors that prefill also needs
     (image_sizes, image_grid_thw, video_grid_thw, second_per_grid_ts, feature lengths).
     `num_tokens` is how many placeholder tokens this item fills in input_ids.
-    `content_hash` (easerve.media_hash; empty: not cacheable) keys the encoder cache.
+    `content_hash` (easerve.cache.media_hash; empty: not cacheable) keys the encoder cache.
     `replacement` (gateway only, never sent) is the text the HF processor put in place of
     the item's placeholder string; with `meta` and `num_tokens` it lets the gateway build a
     prompt for the same media again without the processor (`HFAdapter.prompt_from_items`).
@@ -112,7 +112,7 @@ class PrefillResult:
 class KVPayload:
     """Everything decode needs to continue a request: the prompt KV, the first token
     (already sampled by prefill), positions and sampling state. Crosses processes
-    through `easerve.codec` (raw tensors + typed header, never pickle)."""
+    through `easerve.wire.codec` (raw tensors + typed header, never pickle)."""
 
     request_id: str
     keys: list["torch.Tensor"]

@@ -167,7 +167,7 @@ def _depends(stage: str, w: Worker | None, names: dict[str, list[str]]) -> list[
 
 def grace_s(flags) -> float:
     """The drain grace a stage gets from its flags (the stage parser's default otherwise)."""
-    from easerve.stages.configs import StageConfig
+    from easerve.stages.common.configs import StageConfig
     value = dict(flags).get("grace-s")
     return float(StageConfig.__dataclass_fields__["grace_s"].default if value is None else value)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from easerve.stages.configs import STAGE_CONFIGS, check_device, cpu_cores, flag_kind, tunable_flags, to_argv
+from easerve.stages.common.configs import STAGE_CONFIGS, check_device, cpu_cores, flag_kind, tunable_flags, to_argv
 
 STAGES = ("decode", "prefill", "encode", "monolith")  # launch order; the gateway starts last
 # what each stage's config accepts besides the flags the launcher wires itself

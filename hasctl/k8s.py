@@ -8,7 +8,7 @@ What it writes, from the deployment file:
 - per stage (decode, prefill, encode): a StatefulSet of its instances and a headless Service.
   Peers are passed the headless Service's name (`easerve-decode.<ns>.svc.cluster.local:50054`),
   which resolves to the address of every ready instance; the stages look it up again every
-  --peer-refresh-s and keep one channel per address (easerve.stages.peer_sources), so
+  --peer-refresh-s and keep one channel per address (easerve.stages.common.peer_sources), so
   `kubectl scale statefulset easerve-prefill --replicas 4` is followed without a restart, and a
   pod that drains (NOT_SERVING, so not ready) leaves the records and gets no new calls. The KV
   of a request goes to the decode address the gateway reserved at, which its prefill finds

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from easerve.healthcheck import check
 from easerve.rpc.tls import NO_TLS, Tls
-from easerve.stages.peer_sources import write_peers_file
+from easerve.stages.common.peer_sources import write_peers_file
 from easerve.transport.shm_reclaim import reclaim_stale
 from hasctl.deployment import (STAGES, Command, Deployment, Worker, peer_roles, peer_lists, process_names,
                                stage_command, to_commands)

@@ -4,7 +4,7 @@ On one device (the first of --devices; the rest are recorded as alike) or one co
 (--cores), with the real adapters (`load_adapter` roles "encode" and "decode"; prefill runs on
 the decode role's LM, as in `easerve.pipeline`):
 - encode: `adapter.encode` over batch sizes x share levels on the reference media of the
-  model's first modality, under the partition backend `easerve.control.sm_backends` picks
+  model's first modality, under the partition backend `easerve.partition.backends` picks
   (green contexts on CUDA, core affinity on CPU); where that backend cannot split (MPS, time
   slicing, one core) only share 1.0 is measured and `encode.backend_note` says so. Then each
   modality's media sizes at share 1.0.
@@ -129,7 +129,7 @@ class Profiler:
 
     # ---- encode -------------------------------------------------------------------------------
     def measure_encode(self) -> pf.EncodeProfile:
-        from easerve.control.sm_backends import select_backend
+        from easerve.partition.backends import select_backend
         plan, ref = self.plan, self.modalities[0]
         ref_size = reference_size(plan, ref)
         backend = select_backend("auto", self.device, plan.shares)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
-from easerve.stages.configs import check_device, cpu_cores
+from easerve.stages.common.configs import check_device, cpu_cores
 from hasctl.deployment import PRESETS, Deployment, Worker
 from hasctl.screen import Allocation, enumerate_allocations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dataclasses
 
-from easerve.stages.configs import DTYPES
+from easerve.stages.common.configs import DTYPES
 from hasctl.deployment import ALIASES, PRESETS, STAGES, Deployment, preset
 
 DEFAULT_TINY_ROOT = "~/.cache/easerve/tiny"

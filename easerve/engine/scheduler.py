@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.errors import InvalidRequest, Overloaded, RequestTooLarge
+from easerve.errors import InvalidRequest, Overloaded, RequestTooLarge
 
 
 @dataclass(frozen=True)

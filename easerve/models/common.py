@@ -17,7 +17,7 @@ Optional hooks: `build_part(path, meta_obj)` (materialise one part; the default 
 `PreTrainedModel`s, parameters and plain modules without non-persistent buffers),
 `expected_tokens(modality, meta)` (per-item placeholder count, for validation),
 `prefill_positions(input_ids, req)` (one prompt's positions + rope delta; default 1-D;
-batched prefill lays them end to end, see `easerve.models.prefill_batch`), `decode_position_ids`
+batched prefill lays them end to end, see `easerve.models.batched_prefill`), `decode_position_ids`
 (default [B, 1]). Item token counts come from the processor's `text_replacement_offsets`
 (occurrences of the placeholder string in each item's replacement text); each item keeps its
 replacement text, so `prompt_from_items` can build the same prompt again from the chat template's
@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from easerve.models import prefill_batch as pb
+from easerve.models import batched_prefill as pb
 from easerve.models.base import ModelAdapter
 from easerve.models.weights import (fast_init, get_submodule, held_parameters, load_into,
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
@@ -314,7 +314,7 @@ class HFAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
-        """All requests in ONE packed LM forward (`easerve.models.prefill_batch`);
+        """All requests in ONE packed LM forward (`easerve.models.batched_prefill`);
         one request takes the exact `prefill_one` path. Every request is checked before
         the forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
         self._need_model()

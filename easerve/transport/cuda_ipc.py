@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import CudaIpcHandle, CudaTensorRef, Handle
 

@@ -21,13 +21,13 @@ import grpc
 import numpy as np
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import (DeadlineExceeded, InvalidRequest, NotFound, Overloaded, Unavailable,
                                 from_rpc_error, grpc_errors)
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import GrpcHandle, Handle
-from easerve.v1 import kv_pb2, kv_pb2_grpc
+from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Union
 
-from easerve.v1 import kv_pb2
+from easerve.wire.v1 import kv_pb2
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from easerve.codec import kv_from_parts, kv_to_parts
+from easerve.wire.codec import kv_from_parts, kv_to_parts
 from easerve.rpc.errors import InvalidRequest
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
@@ -23,7 +23,7 @@ from easerve.transport.inline import InlineTransport
 from easerve.transport.node import NodeIdentity
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload
-from easerve.v1 import kv_pb2, kv_pb2_grpc
+from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 KINDS = ("auto", "inline", "shm", "grpc", "cuda_ipc")

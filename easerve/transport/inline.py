@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, InlineHandle
 

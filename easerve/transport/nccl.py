@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import DeadlineExceeded, NotFound, Unavailable
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, NcclHandle

@@ -27,7 +27,7 @@ from typing import Sequence
 import _posixshmem
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import InvalidRequest, NotFound, Overloaded
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, ShmHandle

@@ -1,149 +1,15 @@
-"""python -m services.encode --model DIR (--prefill H:P | --colocate-prefill --decode H:P) [options]"""
-from __future__ import annotations
+"""python -m services.encode --model DIR (--prefill H:P | --colocate-prefill --decode H:P) [options]
 
-import asyncio
-import concurrent.futures
+Entry point only: parse the encode stage's config, set up the process, serve
+(`easerve.stages.encode.app`)."""
 import sys
-import time
 
-from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
-from easerve.control.router import DeficitRouter
-from easerve.metrics import PrefillMetrics
-from easerve.models.registry import load_adapter
-from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages import load as stage_load
-from easerve.stages.cli import dtype_of, setup_process, write_port_file
-from easerve.stages.configs import EncodeConfig, from_argv
-from easerve.stages.encode_loop import EncodeLoop
-from easerve.stages.metrics_http import start_metrics_server
-from easerve.stages.peers import peers_of
-from easerve.stages.prefill_stage import build_prefill_stage
-from easerve.stages.warmup import prefill_once
-from easerve.transport.node import local_identity
-from easerve.v1 import encode_pb2_grpc, prefill_pb2_grpc
-from services.encode.cache import EmbeddingCache, model_fingerprint
-from services.encode.colocate import build_controller, sample_items
-from services.encode.metrics import CacheMetrics, EncodeMetrics
-from services.encode.servicer import EncodeServicer
-
-
-def _prefill_share(alloc) -> float:
-    """What the co-located prefill runs with: its share, or the whole device when encode's
-    allocation leaves it none (it then time-slices with encode, uncontrolled)."""
-    return alloc.prefill_share if alloc is not None and alloc.prefill_share > 0 else 1.0
-
-
-class Encoder:
-    """The encode process's parts, built from its config."""
-
-    def __init__(self, cfg: EncodeConfig):
-        self.cfg = cfg
-        self.opts = ServerOptions.of(cfg)
-        self.node = local_identity(cfg.torch_device)
-        dtype = dtype_of(cfg.dtype)
-        self.adapter = load_adapter(cfg.model, role="encode", device=cfg.torch_device, dtype=dtype)
-        self.metrics = EncodeMetrics(cfg.remote_fraction)
-        self.encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
-        self.prefill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-prefill")
-        self.local_lm = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype) \
-            if cfg.colocate_prefill else None
-        self.controller = self._controller()
-        if self.controller is not None:
-            self.metrics.on_partition(self.controller.backend.name, self.controller.partitioner.policy,
-                                      self.controller.backend.degraded)
-        batcher = AdaptiveBatcher(BatcherConfig(
-            max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
-            gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
-        self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
-        self.local = self._local_stage()
-        self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
-                               "easerve.v1.Prefill", tls=self.opts.tls)
-        self.cache = self._cache()
-        self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
-                                       self.remote, self.metrics, cfg.max_inflight, cache=self.cache)
-
-    def _cache(self) -> EmbeddingCache | None:
-        if self.cfg.encoder_cache_gb == 0:
-            return None
-        fp = model_fingerprint(self.cfg.model, str(self.adapter.dtype), self.cfg.torch_device)
-        return EmbeddingCache(int(self.cfg.encoder_cache_gb * 2**30), fp, CacheMetrics(self.metrics.registry))
-
-    def _controller(self):
-        if not self.cfg.colocate_prefill:
-            return None  # encode alone on its device: nothing to share
-        c = self.cfg
-        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partition_policy,
-                                c.partition_profile or None, c.batch_sizes, c.partition_tolerance,
-                                self.encode_pool, self.prefill_pool)
-
-    def _local_stage(self):
-        if self.local_lm is None:
-            return None
-        share = lambda: _prefill_share(self.controller.last)  # noqa: E731
-
-        def on_busy(t0: float, t1: float) -> None:
-            self.metrics.on_prefill(t0, t1, share())
-            self.prefill_metrics.on_batch(t0, t1)
-
-        self.prefill_metrics = PrefillMetrics(self.metrics.registry, queued=lambda: self.local.loop.queued)
-        return build_prefill_stage(self.cfg, self.local_lm, self.opts.channel_options(), self.node,
-                                   executor=self.prefill_pool, scope=self.controller.prefill_scope,
-                                   on_busy=on_busy, metrics=self.prefill_metrics)
-
-    async def load(self) -> stage_load.Load:
-        return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued)
-
-    def partition_info(self, _req=None) -> dict:
-        if self.controller is None:
-            return {"backend": None, "reason": "no co-located prefill: encode has the device alone"}
-        return self.controller.describe()
-
-    def trace(self, req) -> dict:
-        window = float(req.query.get("window_s", "60"))
-        now = time.monotonic()
-        spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
-                 for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
-        return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),
-                "spans": spans}
-
-    async def warmup(self) -> None:
-        loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
-        await loop.run_in_executor(self.encode_pool, self.adapter.encode, sample_items(self.adapter, 1))
-        if self.local_lm is not None:
-            await loop.run_in_executor(self.prefill_pool, prefill_once, self.local_lm)
-            self.local.start()
-        self.remote.start()
-        self.loop.start()
-
-    async def start_http(self):
-        return await start_metrics_server(self.cfg.metrics_listen, self.metrics.registry,
-                                          {"/trace": self.trace, "/partition": self.partition_info},
-                                          before_scrape=self.metrics.refresh)
-
-    async def stop(self) -> None:
-        await self.loop.stop()
-        await self.remote.close()
-        if self.local is not None:
-            await self.local.stop()
-
-    def adders(self) -> list:
-        return [(encode_pb2_grpc.add_EncodeServicer_to_server, self.servicer),
-                stage_load.adder(stage_load.StageServicer("encode", self.node, self.load))]
-
-
-async def main(cfg: EncodeConfig) -> None:
-    enc = Encoder(cfg)
-    runner = await enc.start_http()
-    try:
-        await serve(enc.adders(), cfg.listen, health_services=["easerve.v1.Encode"], warmup=enc.warmup,
-                    options=enc.opts, on_bound=lambda p: write_port_file(cfg.port_file, p))
-    finally:
-        await enc.stop()
-        if runner is not None:
-            await runner.cleanup()
-
+from easerve.rpc.server import run
+from easerve.stages.common.cli import setup_process
+from easerve.stages.common.configs import EncodeConfig, from_argv
+from easerve.stages.encode.app import main
 
 if __name__ == "__main__":
-    c = from_argv(EncodeConfig, "encode", sys.argv[1:])
-    setup_process(c)
-    run(main(c))
+    cfg = from_argv(EncodeConfig, "encode", sys.argv[1:])
+    setup_process(cfg)
+    run(main(cfg))

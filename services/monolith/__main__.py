@@ -1,75 +1,15 @@
 """python -m services.monolith --model DIR [--listen 127.0.0.1:50052] [engine flags]
 
-Encode (with its micro-batcher), prefill (batched) and decode (continuous batching) in one
-process, on all the cores of --device: the aggregated baseline of the paper's comparisons,
-and a candidate deployment for `hasctl tune`. One gRPC port serves the Encode, Prefill and
-Decode services, so the gateway talks to it exactly as to separate stages; the KV never
-leaves the process. (This service composes the other stages' servicers: the one place
-where a service imports another's.)
-"""
-from __future__ import annotations
-
-import asyncio
+Entry point only: parse the monolith stage's config, set up the process, serve
+(`easerve.stages.monolith.app`)."""
 import sys
 
-from easerve.metrics import DecodeMetrics
-from easerve.rpc.server import HealthState, run, serve
-from easerve.stages import load as stage_load
-from easerve.stages.cli import setup_process, write_port_file
-from easerve.stages.configs import MonolithConfig, from_argv
-from easerve.stages.warmup import dummy_payload
-from easerve.transport.handoff import KVReceiver
-from easerve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from services.decode.__main__ import build_engine
-from services.decode.servicer import DecodeServicer
-from services.encode.__main__ import Encoder
-from services.prefill.servicer import PrefillServicer
-
-
-async def main(cfg: MonolithConfig) -> None:
-    enc = Encoder(cfg)
-    health, stats = HealthState(), {}
-    dmetrics = DecodeMetrics(enc.metrics.registry, lambda: stats.get("s"))
-    engine = build_engine(cfg, enc.local_lm, health, dmetrics)
-    enc.local.decode_in_process(engine.submit)
-
-    async def load() -> stage_load.Load:
-        s = stats["s"] = await engine.stats()
-        return stage_load.Load(enc.servicer.limit.inflight + engine.num_streams, cfg.max_inflight,
-                               enc.loop.queued + s.waiting, s.kv_free_tokens, s.kv_capacity_tokens)
-
-    async def warmup() -> None:
-        engine.start()
-        await enc.warmup()
-        payload = await asyncio.get_running_loop().run_in_executor(None, dummy_payload, enc.local_lm)
-        async for _ in engine.generate(payload):
-            pass
-
-    def refresh() -> None:
-        enc.metrics.refresh()
-        dmetrics.refresh()
-
-    from easerve.stages.metrics_http import start_metrics_server
-    runner = await start_metrics_server(cfg.metrics_listen, enc.metrics.registry,
-                                        {"/trace": enc.trace, "/partition": enc.partition_info},
-                                        before_scrape=refresh)
-    adders = [enc.adders()[0], (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(enc.local)),
-              (decode_pb2_grpc.add_DecodeServicer_to_server,
-               DecodeServicer(engine, KVReceiver(), cfg.max_waiting, dmetrics)),
-              stage_load.adder(stage_load.StageServicer("monolith", enc.node, load))]
-    try:
-        await serve(adders, cfg.listen, health_services=["easerve.v1.Encode", "easerve.v1.Prefill",
-                                                          "easerve.v1.Decode"],
-                    warmup=warmup, options=enc.opts, health_state=health,
-                    on_bound=lambda p: write_port_file(cfg.port_file, p))
-    finally:
-        await enc.stop()
-        await engine.stop()
-        if runner is not None:
-            await runner.cleanup()
-
+from easerve.rpc.server import run
+from easerve.stages.common.cli import setup_process
+from easerve.stages.common.configs import MonolithConfig, from_argv
+from easerve.stages.monolith.app import main
 
 if __name__ == "__main__":
-    c = from_argv(MonolithConfig, "monolith", sys.argv[1:])
-    setup_process(c)
-    run(main(c))
+    cfg = from_argv(MonolithConfig, "monolith", sys.argv[1:])
+    setup_process(cfg)
+    run(main(cfg))

@@ -1,54 +1,15 @@
-"""python -m services.prefill --model DIR --decode H:P[,H:P] [--listen 127.0.0.1:50053]"""
-from __future__ import annotations
+"""python -m services.prefill --model DIR --decode H:P[,H:P] [--listen 127.0.0.1:50053]
 
-import asyncio
+Entry point only: parse the prefill stage's config, set up the process, serve
+(`easerve.stages.prefill.app`)."""
 import sys
 
-from easerve.models.registry import load_adapter
-from easerve.rpc.server import ServerOptions, run, serve
-from easerve.stages import load as stage_load
-from easerve.stages.cli import dtype_of, setup_process, write_port_file
-from easerve.stages.configs import PrefillConfig, from_argv
-from easerve.metrics import PrefillMetrics, new_registry
-from easerve.stages.metrics_http import start_metrics_server
-from easerve.stages.prefill_stage import build_prefill_stage
-from easerve.stages.warmup import prefill_once
-from easerve.transport.node import local_identity
-from easerve.v1 import prefill_pb2_grpc
-from services.prefill.servicer import PrefillServicer
-
-
-async def main(cfg: PrefillConfig) -> None:
-    adapter = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype_of(cfg.dtype))
-    opts = ServerOptions.of(cfg)
-    node = local_identity(cfg.torch_device)
-    registry = new_registry()
-    stage = None
-    metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0,
-                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0)
-    stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
-                                metrics=metrics)
-
-    async def load() -> stage_load.Load:
-        return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued)
-
-    async def warmup() -> None:  # one real prefill before SERVING
-        await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)
-        stage.start()
-
-    runner = await start_metrics_server(cfg.metrics_listen, registry)
-    try:
-        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage)),
-                     stage_load.adder(stage_load.StageServicer("prefill", node, load))], cfg.listen,
-                    health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
-                    on_bound=lambda p: write_port_file(cfg.port_file, p))
-    finally:
-        await stage.stop()
-        if runner is not None:
-            await runner.cleanup()
-
+from easerve.rpc.server import run
+from easerve.stages.common.cli import setup_process
+from easerve.stages.common.configs import PrefillConfig, from_argv
+from easerve.stages.prefill.app import main
 
 if __name__ == "__main__":
-    c = from_argv(PrefillConfig, "prefill", sys.argv[1:])
-    setup_process(c)
-    run(main(c))
+    cfg = from_argv(PrefillConfig, "prefill", sys.argv[1:])
+    setup_process(cfg)
+    run(main(cfg))

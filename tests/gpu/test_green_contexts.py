@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from easerve.control import (
-    Allocation, GreenContextBackend, PartitionerConfig, SMPartitioner, TimeSliceBackend, profile)
+from easerve.partition.backends import TimeSliceBackend
+from easerve.partition.green_contexts import GreenContextBackend
+from easerve.policy.partitioner import Allocation, PartitionerConfig, SMPartitioner, profile
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from easerve import Client
-from easerve.v1 import decode_pb2, decode_pb2_grpc
+from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 from tests.integration.conftest import data_uri, png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from easerve import Client
-from easerve.v1 import stage_pb2, stage_pb2_grpc
+from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes, wav_bytes

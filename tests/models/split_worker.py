@@ -1,5 +1,5 @@
 """One stage of the split E -> P -> D path as its own OS process, for the
-cross-process invariant test. Stages talk only through easerve.codec files:
+cross-process invariant test. Stages talk only through easerve.wire.codec files:
 
   encode:  req*.bin  (input ids + processor outputs) -> emb*.bin (embeddings + item meta)
   prefill: emb*.bin  -> kv*.bin  (KVPayload: prompt KV, first token, positions, sampling)
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from easerve.codec import decode_kv, decode_tensors, encode_kv, encode_tensors
+from easerve.wire.codec import decode_kv, decode_tensors, encode_kv, encode_tensors
 from easerve.types import MMItem, PrefillRequest, SamplingParams
 
 

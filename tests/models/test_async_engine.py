@@ -9,7 +9,7 @@ import torch
 
 from easerve.engine.engine import DecodeEngine, EngineConfig
 from easerve.errors import NotFound, Overloaded
-from easerve.stages.async_engine import AsyncEngine, EngineFailed
+from easerve.stages.decode.async_engine import AsyncEngine, EngineFailed
 from easerve.types import SamplingParams
 from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
 

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.types import MMItem
-from easerve.stages.encode_loop import EncodeLoop
+from easerve.stages.encode.loop import EncodeLoop
 
 FAMILY = "qwen2.5-vl"
 

@@ -1,4 +1,4 @@
-"""The encode process's encoder cache (services.encode.cache) over real tiny encoders and the
+"""The encode process's encoder cache (easerve.cache.embeddings) over real tiny encoders and the
 real encode loop: a hit equals a fresh encode for every modality, N concurrent requests for
 one medium run the tower once, a failed or cancelled first encode, and the byte bound."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import asyncio
 import pytest
 import torch
 
-from easerve.control.batcher import AdaptiveBatcher, BatcherConfig
-from easerve.encoder_cache import CacheMiss
+from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.cache.policy import CacheMiss
 from easerve.errors import Internal
-from easerve.metrics import new_registry
-from easerve.stages.encode_loop import EncodeLoop
+from easerve.stages.common.metrics import new_registry
+from easerve.stages.encode.loop import EncodeLoop
 from easerve.types import MMItem, PrefillRequest
-from services.encode.cache import EmbeddingCache, model_fingerprint, tensor_nbytes
-from services.encode.metrics import CacheMetrics
+from easerve.cache.embeddings import EmbeddingCache, model_fingerprint, tensor_nbytes
+from easerve.stages.encode.metrics import CacheMetrics
 
 
 def _hashed(item: MMItem, h: bytes) -> MMItem:

@@ -9,7 +9,7 @@ from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, p
 
 from easerve.engine.attention import ATTN_IMPL
 from easerve.engine.engine import DecodeEngine, EngineConfig
-from easerve.engine.errors import Overloaded, RequestTooLarge
+from easerve.errors import Overloaded, RequestTooLarge
 from easerve.types import SamplingParams
 from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface

@@ -77,7 +77,7 @@ def test_a_bad_request_fails_the_batch_before_the_forward(adapters, mixed_reques
 
 
 def test_sdpa_adapters_prefill_with_per_prompt_attention(adapters):
-    from easerve.models.prefill_batch import ATTN_IMPL
+    from easerve.models.batched_prefill import ATTN_IMPL
 
     for family in FAMILIES:
         assert adapters(family, "prefill").language_model.config._attn_implementation == ATTN_IMPL

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from easerve.control.prefill_batch import PrefillBatchConfig
+from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.engine.sampler import sample
-from easerve.stages.prefill_loop import PrefillLoop
+from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import PrefillRequest, SamplingParams
 
 FAMILY = "qwen2.5-vl"

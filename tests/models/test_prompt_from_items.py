@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gateway.media_cache import KnownItems
+from easerve.cache.gateway import KnownItems
 
 NOT_DECODED = "media not decoded: the hit path must not read it"
 

@@ -1,5 +1,5 @@
 """The invariant of every adapter: greedy tokens of E -> P -> D run in three separate
-OS processes (embeddings and KV crossing each boundary as easerve.codec bytes) equal
+OS processes (embeddings and KV crossing each boundary as easerve.wire.codec bytes) equal
 `model.generate(do_sample=False)` of the unsplit model, on 3 inputs per family."""
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import pytest
 
 from easerve.client import AsyncClient, Client, RequestCancelled
 from easerve.models.tiny import cached_tiny
-from easerve.v1 import stage_pb2, stage_pb2_grpc
+from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes

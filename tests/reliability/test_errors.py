@@ -51,8 +51,8 @@ def adapter(tmp_path_factory):
 
 
 def _core(adapter):
-    from services.gateway.core import GatewayConfig, GatewayCore
-    from services.gateway.metrics import GatewayMetrics
+    from easerve.stages.gateway.core import GatewayConfig, GatewayCore
+    from easerve.stages.gateway.metrics import GatewayMetrics
     cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
                         max_model_len=256)
     return GatewayCore(cfg, adapter, GatewayMetrics())
@@ -70,7 +70,7 @@ def _bug_logged(caplog) -> bool:
 def test_internal_value_error_is_500_with_a_log_line_over_http(adapter, caplog):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from services.gateway.http_api import HttpApi
+    from easerve.stages.gateway.http_api import HttpApi
 
     async def main():
         api = HttpApi(_core(adapter), 1 << 20, lambda: True)
@@ -95,9 +95,9 @@ def test_internal_value_error_is_500_with_a_log_line_over_http(adapter, caplog):
 
 def test_internal_value_error_is_internal_with_a_log_line_over_grpc(adapter, caplog):
     from easerve.rpc.server import serve
-    from easerve.v1 import gateway_pb2 as gpb
-    from easerve.v1 import gateway_pb2_grpc
-    from services.gateway.servicer import GatewayServicer
+    from easerve.wire.v1 import gateway_pb2 as gpb
+    from easerve.wire.v1 import gateway_pb2_grpc
+    from easerve.stages.gateway.servicer import GatewayServicer
 
     async def main():
         stop, port = asyncio.Event(), asyncio.get_running_loop().create_future()

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import gateway_pb2 as gpb
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import gateway_pb2 as gpb
 from tests.integration.conftest import png_bytes
 from tests.reliability.fuzz_cases import MP4, PNG, WAV, Tally, broken_base64, corrupted, data_uri, truncated
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from easerve import Client, codec
 from easerve.types import KVPayload, SamplingParams
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import decode_pb2, encode_pb2, kv_pb2, prefill_pb2, stage_pb2
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import decode_pb2, encode_pb2, kv_pb2, prefill_pb2, stage_pb2
 from tests.integration.conftest import png_bytes
 from tests.reliability.fuzz_cases import Tally
 

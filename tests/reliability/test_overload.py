@@ -19,7 +19,7 @@ import pytest
 from easerve.client_request import build_request
 from easerve.models.tiny import cached_tiny
 from easerve.rpc.errors import RETRY_AFTER_KEY
-from easerve.v1 import gateway_pb2_grpc
+from easerve.wire.v1 import gateway_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack
 from tests.integration.conftest import tiny_root  # noqa: F401 - the fixture

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from easerve.rpc import errors
-from easerve.v1 import decode_pb2, decode_pb2_grpc
+from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 from tests.unit.test_rpc import _with_server
 
 
@@ -32,7 +32,7 @@ def test_refusals_carry_retry_after_ms_and_it_survives_the_hop(exc, code, ms):
 
 
 def test_http_error_has_retry_after_in_whole_seconds():
-    from services.gateway.http_api import _error
+    from easerve.stages.gateway.http_api import _error
     assert _error(429, "full", 0.2).headers["Retry-After"] == "1"
     assert _error(503, "down", 2.5).headers["Retry-After"] == "3"
     assert "Retry-After" not in _error(400, "bad").headers

@@ -16,10 +16,10 @@ import pytest
 from easerve import Client, MessageTooLargeError, UnauthenticatedError
 from easerve.healthcheck import check
 from easerve.models.tiny import cached_tiny
-from easerve.stages.configs import STAGE_CONFIGS, GatewayConfig, from_argv
+from easerve.stages.common.configs import STAGE_CONFIGS, GatewayConfig, from_argv
 from hasctl.deployment import preset, to_commands
 from hasctl.launch import Stack, assign_ports
-from services.gateway.auth import ApiKeys, read_key_file
+from easerve.stages.gateway.auth import ApiKeys, read_key_file
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 LIMIT_MB = 4

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm on this ho
 # a sender process: one KV-sized send through ShmTransport creates (and claims) its slab
 _SENDER = r"""
 import asyncio, sys, torch
-from easerve import codec
+from easerve.wire import codec
 from easerve.transport.shm import ShmConfig, ShmTransport
 async def main():
     t = ShmTransport(ShmConfig(prefix=sys.argv[1], slab_bytes=8 << 20))

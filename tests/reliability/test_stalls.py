@@ -14,16 +14,16 @@ import time
 import grpc
 import pytest
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import DeadlineExceeded, Unavailable
-from easerve.stages.peers import Peers
+from easerve.stages.common.peers import Peers
 from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport, KVStreamServicer
 from easerve.transport.handles import GrpcHandle
 from easerve.transport.handoff import KVReceiver, KVSenders
 from easerve.transport.node import local_identity
 from easerve.types import KVPayload, SamplingParams
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import kv_pb2, kv_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import kv_pb2, kv_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 SLACK_S = 2.0  # scheduling noise on a loaded host, on top of each deadline
 

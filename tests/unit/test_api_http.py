@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway import openai_api as oa
+from easerve.stages.gateway import openai_api as oa
 
 SERVED = "tiny"
 DEAD = "127.0.0.1:1"  # nothing listens here: a valid body ends in 503, never a hang
@@ -41,9 +41,9 @@ def client(loop, adapter):
     """An aiohttp test client of HttpApi(GatewayCore(...)) on 127.0.0.1."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from services.gateway.core import GatewayConfig, GatewayCore
-    from services.gateway.http_api import HttpApi
-    from services.gateway.metrics import GatewayMetrics
+    from easerve.stages.gateway.core import GatewayConfig, GatewayCore
+    from easerve.stages.gateway.http_api import HttpApi
+    from easerve.stages.gateway.metrics import GatewayMetrics
 
     cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
                         max_model_len=256)

@@ -6,7 +6,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.control import AdaptiveBatcher, BatcherConfig, Dispatch, ManualClock
+from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig, Dispatch
+from easerve.policy.clock import ManualClock
 
 EPS = 1e-9
 

@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.errors import Overloaded, RequestTooLarge
+from easerve.errors import Overloaded, RequestTooLarge
 from easerve.engine.scheduler import Scheduler
 
 
 def test_torch_free():
-    for mod in ("easerve.engine.block_manager", "easerve.engine.scheduler", "easerve.engine.errors"):
+    for mod in ("easerve.engine.block_manager", "easerve.engine.scheduler", "easerve.errors"):
         src = open(sys.modules[mod].__file__).read()
         assert "import torch" not in src
 

@@ -20,9 +20,9 @@ from easerve.client import (AsyncClient, Client, Completion, DeadlineExceededErr
                             InvalidRequestError, NotFoundError, OverloadedError, RequestCancelled, UnavailableError,
                             from_rpc_error)
 from easerve.client_request import build_request
-from easerve.v1 import common_pb2 as cpb
-from easerve.v1 import gateway_pb2 as gpb
-from easerve.v1 import gateway_pb2_grpc
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import gateway_pb2 as gpb
+from easerve.wire.v1 import gateway_pb2_grpc
 
 
 def _png(color=(255, 0, 0)) -> bytes:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from easerve import codec, protoconv
-from easerve.codec import CodecError
+from easerve.wire import codec, protoconv
+from easerve.wire.codec import CodecError
 from easerve.types import KVPayload, SamplingParams
 
 KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -157,7 +157,7 @@ def test_sampling_proto_roundtrip():
     sp = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=11,
                         stop=("a", "bc"), stop_token_ids=(3,), ignore_eos=True)
     assert protoconv.sampling_from_proto(protoconv.sampling_to_proto(sp)) == sp
-    from easerve.v1 import common_pb2
+    from easerve.wire.v1 import common_pb2
     assert protoconv.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
     with pytest.raises(ValueError):
         protoconv.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))

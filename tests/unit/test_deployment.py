@@ -141,7 +141,7 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
 
 
 def _parse(stage: str, argv: list[str]):
-    from easerve.stages.configs import STAGE_CONFIGS, from_argv
+    from easerve.stages.common.configs import STAGE_CONFIGS, from_argv
     return from_argv(STAGE_CONFIGS[stage], stage, argv)  # argparse exits (SystemExit) on an unknown flag
 
 
@@ -188,7 +188,7 @@ def test_deployment_flags_are_the_stage_configs_own(stage):
     wires it), and the generated parser knows exactly the config's fields."""
     import dataclasses
 
-    from easerve.stages.configs import STAGE_CONFIGS, parser
+    from easerve.stages.common.configs import STAGE_CONFIGS, parser
     fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(STAGE_CONFIGS[stage])}
     options = {o[2:] for a in parser(STAGE_CONFIGS[stage], stage)._actions for o in a.option_strings
                if o.startswith("--")} - {"help"}

@@ -1,4 +1,4 @@
-"""The encoder cache's bookkeeping (easerve.encoder_cache) and media hashes (easerve.media_hash)."""
+"""The encoder cache's bookkeeping (easerve.cache.policy) and media hashes (easerve.cache.media_hash)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from easerve.encoder_cache import (HIT, MISS, PENDING, CacheMiss, EncoderCachePolicy, HolderMap,
+from easerve.cache.policy import (HIT, MISS, PENDING, CacheMiss, EncoderCachePolicy, HolderMap,
                                    is_cache_miss)
 from easerve.errors import NotFound
-from easerve.media_hash import assign_by_modality, media_hash
+from easerve.cache.media_hash import assign_by_modality, media_hash
 from easerve.types import MMItem
 
 # ---- policy: states ------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def _item(h: bytes, replacement: str, n: int = 3) -> MMItem:
 
 
 def test_known_items_keep_no_pixels_store_token_runs_short_and_stay_bounded():
-    from services.gateway.media_cache import KnownItems
+    from easerve.cache.gateway import KnownItems
     k = KnownItems(2, {"image": "<P>"})
     k.learn([_item(b"a", "<P>" * 3), _item(b"b", "<s><P><P></s>", 2), _item(b"", "<P>"), _item(b"n", "")])
     assert len(k) == 2                                  # no hash, or no replacement: nothing to learn
@@ -202,7 +202,7 @@ def test_known_items_keep_no_pixels_store_token_runs_short_and_stay_bounded():
 
 
 def test_a_media_plan_is_all_held_only_when_every_part_is():
-    from services.gateway.media_cache import MediaPlan
+    from easerve.cache.gateway import MediaPlan
     p = MediaPlan([("image", b"a"), ("image", b"a"), ("audio", b"b")], "e:1", {b"a": True, b"b": False})
     assert p.hashes == [b"a", b"b"] and not p.all_held
     p.held[b"b"] = True

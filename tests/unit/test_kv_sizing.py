@@ -6,8 +6,8 @@ import torch
 from easerve.engine.attention import paged_kernel_available, paged_kv_indices, select_backend
 from easerve.engine.config import GIB, EngineConfig, default_cpu_kv_bytes, gpu_kv_budget
 from easerve.engine.kv_pool import KVLayout
-from easerve.stages.configs import DecodeConfig, from_argv
-from services.decode.__main__ import engine_config
+from easerve.stages.common.configs import DecodeConfig, from_argv
+from easerve.stages.decode.app import engine_config
 
 
 def parse(argv):

@@ -1,7 +1,7 @@
 import pytest
 
 from easerve.rpc.errors import Overloaded, http_status
-from easerve.stages.limits import InflightLimit
+from easerve.stages.common.limits import InflightLimit
 
 
 def test_refuses_past_the_limit_and_frees_on_exit():

@@ -249,7 +249,7 @@ def test_audio_url_part_is_fetched_and_resampled():
     """OpenAI `audio_url` (vLLM's name) -> MediaRef -> fetched FLAC -> mono float32 at the model's rate."""
     import numpy as np
 
-    from services.gateway import openai_api as oa
+    from easerve.stages.gateway import openai_api as oa
     from tests.models.media_clips import tone
 
     async def main():

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from easerve.media import MediaConfig, MediaRef, MediaResolver
-from services.gateway import openai_api as oa
+from easerve.stages.gateway import openai_api as oa
 
 MODALITIES = ("image", "video")
 

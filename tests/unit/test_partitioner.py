@@ -6,8 +6,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.control import (
-    DEFAULT_SHARES, Allocation, PartitionerConfig, ProfileTable, SMPartitioner, profile)
+from easerve.policy.partitioner import DEFAULT_SHARES, Allocation, PartitionerConfig, ProfileTable, SMPartitioner, profile
 
 
 def saturating(b: int, share: float) -> float:

@@ -17,12 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.rpc.errors import Unavailable
 from easerve.rpc.server import serve
-from easerve.stages import load as stage_load
-from easerve.stages.configs import GatewayConfig, PrefillConfig
-from easerve.stages.peer_sources import PeerSource, PeersFile, resolve_addr, split_hostport, write_peers_file
-from easerve.stages.peers import Peers, peers_of
+from easerve.stages.common import load as stage_load
+from easerve.stages.common.configs import GatewayConfig, PrefillConfig
+from easerve.stages.common.peer_sources import PeerSource, PeersFile, resolve_addr, split_hostport, write_peers_file
+from easerve.stages.common.peers import Peers, peers_of
 from easerve.transport.node import local_identity
-from easerve.v1 import prefill_pb2_grpc
+from easerve.wire.v1 import prefill_pb2_grpc
 
 
 class Clock:

@@ -6,7 +6,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from easerve.control.placement import Candidate, LeastLoaded
+from easerve.policy.placement import Candidate, LeastLoaded
 
 
 def test_least_loaded_wins_and_counts_what_was_sent_since_the_poll():

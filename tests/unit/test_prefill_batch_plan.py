@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.control.clock import ManualClock
-from easerve.control.prefill_batch import PrefillBatchConfig, PrefillBatcher, PrefillBatchPlan, take_fcfs
+from easerve.policy.clock import ManualClock
+from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher, PrefillBatchPlan, take_fcfs
 
 cfg_st = st.builds(PrefillBatchConfig, max_batched_tokens=st.integers(1, 300), max_batch_size=st.integers(1, 10))
 # one event: ("add", tokens) | ("take",) | ("cancel", index among ids added so far) | ("wait", seconds)

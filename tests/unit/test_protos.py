@@ -1,11 +1,11 @@
 import pytest
 
-from easerve import protogen
+from easerve.wire import protogen
 
 
 def test_committed_stubs_match_protos():
     diffs = protogen.drift()
-    assert not diffs, "stubs drifted from protos/easerve/v1: run `python -m easerve.protogen`\n" + "\n".join(diffs)
+    assert not diffs, "stubs drifted from protos/easerve/v1: run `python -m easerve.wire.protogen`\n" + "\n".join(diffs)
 
 
 def test_every_proto_has_its_stubs():
@@ -16,7 +16,7 @@ def test_every_proto_has_its_stubs():
 
 
 def test_stubs_import_as_package_and_declare_services():
-    from easerve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, encode_pb2_grpc, gateway_pb2,
+    from easerve.wire.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, encode_pb2_grpc, gateway_pb2,
                             gateway_pb2_grpc, kv_pb2, kv_pb2_grpc, prefill_pb2_grpc, stage_pb2,
                             stage_pb2_grpc)
 
@@ -37,7 +37,7 @@ def test_stubs_import_as_package_and_declare_services():
 
 
 def test_every_internal_request_carries_request_meta():
-    from easerve.v1 import decode_pb2, encode_pb2, prefill_pb2
+    from easerve.wire.v1 import decode_pb2, encode_pb2, prefill_pb2
 
     for msg in (encode_pb2.EncodeRequest, prefill_pb2.PrefillRequest, decode_pb2.DecodeRequest):
         field = msg.DESCRIPTOR.fields_by_name["meta"]
@@ -46,7 +46,7 @@ def test_every_internal_request_carries_request_meta():
 
 def test_rewrite_imports_makes_bare_imports_absolute():
     src = "import common_pb2 as common__pb2\nimport grpc\n"
-    assert protogen.rewrite_imports(src) == "from easerve.v1 import common_pb2 as common__pb2\nimport grpc\n"
+    assert protogen.rewrite_imports(src) == "from easerve.wire.v1 import common_pb2 as common__pb2\nimport grpc\n"
 
 
 def test_check_exit_code(capsys):

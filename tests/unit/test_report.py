@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from easerve.control.trace import UtilizationTrace
+from easerve.stages.encode.trace import UtilizationTrace
 from hasctl.bench import BenchConfig, BenchResult
 from hasctl.cli import main
 from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.control import DeficitRouter, RandomRouter, max_prefix_error
+from easerve.policy.router import DeficitRouter, RandomRouter, max_prefix_error
 
 fractions = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 1.0, 0.5, 1 / 3, 0.1, 0.999999]),
                       st.fractions(0, 1, max_denominator=50).map(float))

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.codec import CodecError
+from easerve.wire.codec import CodecError
 from easerve.rpc import errors
 from easerve.rpc.deadline import Deadline, downstream_timeout
 from easerve.rpc.server import ServerOptions, serve
-from easerve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from easerve.wire.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,7 +157,7 @@ def test_server_options_validate():
 SERVER_APP = textwrap.dedent("""
     import asyncio, sys
     from easerve.rpc.server import run, serve
-    from easerve.v1 import common_pb2, decode_pb2_grpc
+    from easerve.wire.v1 import common_pb2, decode_pb2_grpc
 
     class Slow(decode_pb2_grpc.DecodeServicer):
         async def Open(self, request, context):

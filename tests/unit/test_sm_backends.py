@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from easerve.control import (
-    Allocation, CpuAffinityBackend, GreenContextBackend, MPSBackend, PartitionController,
-    SMBackend, SMPartitioner, StaticSplitBackend, TimeSliceBackend, profile, select_backend)
-from easerve.control.sm_backends import BackendUnavailable
+from easerve.partition.backends import CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
+from easerve.partition.green_contexts import GreenContextBackend
+from easerve.policy.partitioner import Allocation, SMPartitioner, profile
+from easerve.partition.backends import BackendUnavailable
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -224,8 +224,8 @@ def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, alig
     """Stand-ins for torch.cuda and the cuda.bindings driver, recording what was created."""
     from types import SimpleNamespace as NS
     import contextlib
-    from easerve.control import green_contexts as m
-    from easerve.control import sm_backends
+    from easerve.partition import green_contexts as m
+    from easerve.partition import backends as sm_backends
 
     log: dict[str, list] = {"split": [], "destroyed": []}
     monkeypatch.setattr(_Res, "align", align)

@@ -10,13 +10,14 @@ import threading
 
 import pytest
 
-from easerve.control import Allocation, CpuAffinityBackend, MPSBackend, select_backend
-from easerve.control.green_contexts import sm_split
-from easerve.control.partitioner import (
+from easerve.partition.backends import CpuAffinityBackend, MPSBackend, select_backend
+from easerve.policy.partitioner import Allocation
+from easerve.partition.green_contexts import sm_split
+from easerve.policy.partitioner import (
     DEFAULT_SHARES, FixedPartitioner, PartitionerConfig, SMPartitioner, policy_levels, profile)
-from easerve.control.sm_backends import BackendUnavailable, PartitionController
-from services.encode.colocate import build_controller
-from services.encode.metrics import EncodeMetrics
+from easerve.partition.backends import BackendUnavailable, PartitionController
+from easerve.stages.encode.colocate import build_controller
+from easerve.stages.encode.metrics import EncodeMetrics
 from tests.unit.test_sm_backends import _fake_gpu, fake_latency
 
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -102,7 +103,7 @@ def test_green_static_fails_when_the_driver_refuses_prefills_half(monkeypatch) -
 
 @pytest.fixture
 def mps_env(monkeypatch, tmp_path):
-    from easerve.control import green_contexts
+    from easerve.partition import green_contexts
     monkeypatch.setattr(green_contexts.GreenContextBackend, "probe", staticmethod(lambda i=0: (False, "no GPU")))
     (tmp_path / "control").touch()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
@@ -174,7 +175,7 @@ def test_controller_reports_what_the_cores_give_not_what_was_asked() -> None:
 
 
 def test_contradicting_policy_and_backend_flags_are_refused() -> None:
-    from easerve.stages.configs import EncodeConfig
+    from easerve.stages.common.configs import EncodeConfig
     base = dict(model="m", colocate_prefill=True, decode=("127.0.0.1:1",))
     with pytest.raises(ValueError, match="--partition-policy static contradicts --sm-backend timeslice: drop one"):
         EncodeConfig(**base, partition_policy="static", sm_backend="timeslice")

@@ -1,6 +1,6 @@
 import pytest
 
-from easerve.control.trace import UtilizationTrace
+from easerve.stages.encode.trace import UtilizationTrace
 
 
 def test_utilization_is_share_weighted_overlap_within_the_window():

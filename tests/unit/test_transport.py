@@ -4,7 +4,7 @@ import grpc
 import pytest
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import DeadlineExceeded
 from easerve.transport.base import (CudaIpcHandle, CudaTensorRef, GrpcHandle, InlineHandle,
                                     NcclHandle, ShmHandle, handle_from_proto, handle_to_proto)
@@ -12,7 +12,7 @@ from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport,
 from easerve.transport.inline import InlineTransport
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload, SamplingParams
-from easerve.v1 import kv_pb2, kv_pb2_grpc
+from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
 
 
 def kv(tokens=5, layers=3, dtype=torch.bfloat16, rid="r1") -> KVPayload:

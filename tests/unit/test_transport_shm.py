@@ -5,12 +5,12 @@ import os
 import pytest
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.rpc.errors import NotFound
 from easerve.transport.base import ShmHandle, handle_from_proto, handle_to_proto
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload, SamplingParams
-from easerve.v1 import kv_pb2
+from easerve.wire.v1 import kv_pb2
 
 PREFIX = "easerve-t"
 

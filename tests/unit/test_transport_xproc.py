@@ -7,11 +7,11 @@ import socket
 import pytest
 import torch
 
-from easerve import codec
+from easerve.wire import codec
 from easerve.transport.base import handle_from_proto, handle_to_proto
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload, SamplingParams
-from easerve.v1 import kv_pb2
+from easerve.wire.v1 import kv_pb2
 
 PREFIX = "easerve-x"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hasctl.workload import WorkloadSpec, arrival_times, load_dataset, synthesize
-from services.gateway.openai_api import convert_part
+from easerve.stages.gateway.openai_api import convert_part
 
 N = 4000
 KS_CRIT_1PCT = 1.628  # asymptotic Kolmogorov critical value at alpha = 0.01, times 1/sqrt(n)

@@ -1,0 +1,442 @@
+"""Mechanisms that realize an `Allocation` from `partitioner` on real hardware.
+
+One interface, `SMBackend`: `levels` (the encode shares it can realize), `apply(allocation)`
+(switch to the smallest level >= the requested encode share; returns its index),
+`realized(level)` (the shares that level really gives each side: cores or SMs granted over the
+total, which is what metrics report) and `encode_context(level)` / `prefill_context(level)`
+(context managers to run each side's work under). `reason` says why this backend is the live
+one; `degraded` is non-empty when it partitions less than was asked (`select_backend("auto")`
+found no mechanism and time-slices, or a green-context level whose prefill remainder the driver
+refused). Backends:
+
+- GreenContextBackend: CUDA green contexts; per level, one SM split made up front into an
+  encode group and the disjoint remainder for prefill, each with its own stream, so switching
+  is picking a pre-created stream (no driver call).
+- MPSBackend: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by the driver at CUDA init, so the share
+  is fixed per process at launch (`env_for(share)`); `apply` cannot change it.
+- CpuAffinityBackend: splits the process's allowed cores between the encode and local-prefill
+  worker threads with os.sched_setaffinity on their native thread ids.
+- TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline, on
+  one of the mechanisms above built with the single level 0.5).
+
+Selection (`select_backend`): a mechanism named explicitly (`--sm-backend green_contexts`, ...)
+that cannot run here raises `BackendUnavailable` naming the flag; "auto" walks the chain and,
+when nothing can split, time-slices with `degraded` saying why; "static" (or `exact=True`,
+the static policy) never degrades: no mechanism means `BackendUnavailable`.
+
+torch is imported lazily, and only by the CUDA code paths.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence
+
+from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
+
+Worker = Literal["encode", "prefill"]
+WORKERS: tuple[str, ...] = ("encode", "prefill")
+PREFERENCES: tuple[str, ...] = ("auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static")
+_ALIASES = {"dynamic": "auto", "green": "green_contexts", "cpu": "cpu_affinity"}
+
+
+def _torch() -> Any:
+    import torch
+    return torch
+
+
+class BackendUnavailable(RuntimeError):
+    """The partition asked for cannot be realized here; the message names the flag to change."""
+
+
+def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
+    lv = tuple(float(x) for x in levels)
+    if not lv or list(lv) != sorted(set(lv)) or not all(0 < x <= 1 for x in lv):
+        raise ValueError(f"levels must be strictly increasing shares in (0, 1], got {list(levels)}")
+    return lv
+
+
+class SMBackend:
+    """Base: bookkeeping of the live level; subclasses override `_switch` and the contexts.
+    `encode_context(level, sync)`: level None = the level of the last `apply`; `sync` (CUDA
+    only) makes the block's GPU work complete on exit."""
+
+    name: ClassVar[str] = "base"
+    dynamic: ClassVar[bool] = False  # can apply() change the split at run time?
+
+    def __init__(self, levels: Sequence[float], reason: str) -> None:
+        self.levels = _check_levels(levels)
+        self.reason = reason
+        self.degraded = ""  # why this backend partitions less than asked ("" = it does not)
+        self.level = len(self.levels) - 1  # start encode-protective
+
+    def realized(self, level: int | None = None) -> Allocation:
+        """The shares `level` (default: the live one) gives encode and prefill. Prefill 0.0
+        means it has nothing of its own and time-slices with encode (the partitioner's
+        convention at share 1.0)."""
+        i = self.level if level is None else level
+        share = self.levels[i]
+        return Allocation(share, 0.0 if share >= 1.0 else round(1.0 - share, 9), i)
+
+    def level_for(self, encode_share: float) -> int:
+        """Index of the smallest level >= encode_share (the largest level if none is)."""
+        for i, lv in enumerate(self.levels):
+            if lv >= encode_share - 1e-9:
+                return i
+        return len(self.levels) - 1
+
+    def apply(self, allocation: Allocation) -> int:
+        idx = self.level_for(allocation.encode_share)
+        if idx != self.level:
+            self._switch(idx)
+            self.level = idx
+        return idx
+
+    def _switch(self, idx: int) -> None:
+        pass
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "reason": self.reason, "levels": list(self.levels),
+                "level": self.level, "dynamic": self.dynamic, "degraded": self.degraded,
+                "realized": [vars(self.realized(i)) for i in range(len(self.levels))]}
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(levels={self.levels}, level={self.level}, reason={self.reason!r})"
+
+
+class TimeSliceBackend(SMBackend):
+    """No partition: on CUDA encode and prefill get two plain streams and the hardware
+    interleaves them; on CPU both threads keep every allowed core."""
+
+    name = "timeslice"
+
+    def __init__(self, device: str = "cpu", reason: str = "uncontrolled time-slicing") -> None:
+        super().__init__((1.0,), reason)
+        self._streams = None
+        if device.startswith("cuda"):
+            torch = _torch()
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {device!r} asked for but CUDA is not available")
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def realized(self, level: int | None = None) -> Allocation:
+        return Allocation(1.0, 1.0, 0)
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._ctx(0, sync)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._ctx(1, sync)
+
+    def _ctx(self, i: int, sync: bool) -> ContextManager[Any]:
+        if self._streams is None:
+            return contextlib.nullcontext()
+        return _stream_scope(self._streams[i], sync)
+
+
+class StaticSplitBackend(SMBackend):
+    """The fixed-split baseline: realizes `share` on `inner` (a mechanism built with that
+    level) once and ignores `apply`. `realized()` is what `inner` really granted."""
+
+    name = "static"
+
+    def __init__(self, inner: SMBackend, share: float = 0.5) -> None:
+        if not 0 < share < 1:
+            raise ValueError(f"static share must be in (0, 1), got {share}")
+        self.inner = inner
+        super().__init__((share,), f"static {share:g}/{1 - share:g} split on {inner.name} ({inner.reason})")
+        inner.apply(Allocation(share, round(1 - share, 9)))
+        if inner.degraded:
+            raise BackendUnavailable(f"the static split cannot be realized on {inner.name}: {inner.degraded}")
+
+    def apply(self, allocation: Allocation) -> int:
+        return 0
+
+    def realized(self, level: int | None = None) -> Allocation:
+        r = self.inner.realized()
+        return Allocation(r.encode_share, r.prefill_share, 0)
+
+    def bind(self, worker: Worker, tid: int | None = None) -> None:
+        if hasattr(self.inner, "bind"):
+            self.inner.bind(worker, tid)
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self.inner.encode_context(None, sync)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self.inner.prefill_context(None, sync)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class CpuAffinityBackend(SMBackend):
+    """Core split per level: encode gets ceil(share x n) cores (at least 1), prefill the rest;
+    when nothing is left (share 1.0, or one core) prefill shares all cores (time-slices).
+    So share 0.5 is exactly half on an even count; on an odd one encode gets the extra core
+    (3 cores: 2 + 1), and `realized` reports 2/3.
+
+    Bound threads (`bind`) are moved by `apply` itself; an unbound thread can pin itself for a
+    block with `encode_context` / `prefill_context`. Only the bound threads move: helper
+    threads they already spawned (e.g. an OpenMP pool) keep the affinity they started with."""
+
+    name = "cpu_affinity"
+    dynamic = True
+
+    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES,
+                 cores: Sequence[int] | None = None) -> None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise RuntimeError("os.sched_setaffinity is not available on this platform")
+        self.cores = tuple(sorted(os.sched_getaffinity(0) if cores is None else cores))
+        if not self.cores:
+            raise ValueError("cores must not be empty")
+        lv = _check_levels(levels)
+        self._splits = tuple(self._split(s) for s in lv)
+        self._tids: dict[str, int] = {}
+        self.lost: list[tuple[str, int]] = []  # bound threads that disappeared
+        super().__init__(lv, f"cpu core split over {len(self.cores)} allowed cores {list(self.cores)}")
+
+    def _split(self, share: float) -> tuple[frozenset[int], frozenset[int]]:
+        n = len(self.cores)
+        k = min(n, max(1, math.ceil(share * n - 1e-9)))
+        enc, rest = self.cores[:k], self.cores[k:]
+        return frozenset(enc), frozenset(rest or self.cores)
+
+    def realized(self, level: int | None = None) -> Allocation:
+        i = self.level if level is None else level
+        enc, pre = self._splits[i]
+        n = len(self.cores)
+        if enc & pre:  # prefill has no cores of its own
+            return Allocation(1.0 if len(enc) == n else len(enc) / n, 0.0, i)
+        return Allocation(len(enc) / n, len(pre) / n, i)
+
+    def cores_for(self, worker: Worker, level: int | None = None) -> frozenset[int]:
+        lv = self.level if level is None else level
+        return self._splits[lv][WORKERS.index(worker)]
+
+    def bind(self, worker: Worker, tid: int | None = None) -> None:
+        """Register a worker thread (native id; default: the calling thread) and pin it now."""
+        if worker not in WORKERS:
+            raise ValueError(f"worker must be one of {WORKERS}, got {worker!r}")
+        self._tids[worker] = threading.get_native_id() if tid is None else tid
+        self._pin_bound(worker, self.level)
+
+    def unbind(self, worker: Worker) -> None:
+        self._tids.pop(worker, None)
+
+    def current_affinity(self, worker: Worker) -> frozenset[int]:
+        """What the kernel says the bound worker may run on now."""
+        return frozenset(os.sched_getaffinity(self._tids[worker]))
+
+    def _switch(self, idx: int) -> None:
+        for w in list(self._tids):
+            self._pin_bound(w, idx)
+
+    def _pin_bound(self, worker: str, idx: int) -> None:
+        tid = self._tids[worker]
+        try:
+            os.sched_setaffinity(tid, self._splits[idx][WORKERS.index(worker)])
+        except ProcessLookupError:
+            self._tids.pop(worker, None)
+            self.lost.append((worker, tid))
+
+    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._pin_self("encode", level)
+
+    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
+        return self._pin_self("prefill", level)
+
+    @contextlib.contextmanager
+    def _pin_self(self, worker: Worker, level: int | None):
+        if self._tids.get(worker) == threading.get_native_id() and level is None:
+            yield  # bound: apply() already moved this thread
+            return
+        prev = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores_for(worker, level))
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, prev)
+
+
+class MPSBackend(SMBackend):
+    """CUDA MPS: this process's share was fixed at CUDA init by its launcher. MPS caps per
+    CUDA context and torch has one per process, so encode and the co-located prefill both run
+    inside that cap and time-slice within it: `realized()` is (share, share)."""
+
+    name = "mps"
+    ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        ok, why = self.probe(env)
+        if not ok:
+            raise RuntimeError(why)
+        share = int(env[self.ENV]) / 100
+        super().__init__((share,), f"mps: {why}; apply() cannot change it at run time")
+        self.mismatches = 0  # allocations asked for that this process cannot realize
+
+    def apply(self, allocation: Allocation) -> int:
+        self.mismatches += abs(allocation.encode_share - self.levels[0]) > 1e-9
+        return 0
+
+    def realized(self, level: int | None = None) -> Allocation:
+        return Allocation(self.levels[0], self.levels[0], 0)
+
+    @classmethod
+    def env_for(cls, share: float) -> dict[str, str]:
+        """Environment to launch a process with `share` of the SMs under MPS."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        return {cls.ENV: str(max(1, min(100, round(share * 100))))}
+
+    @classmethod
+    def probe(cls, env: Mapping[str, str]) -> tuple[bool, str]:
+        pct = env.get(cls.ENV)
+        if pct is None:
+            return False, (f"{cls.ENV} is not set for this process (MPS shares are fixed per "
+                           "process before CUDA init; launch it with MPSBackend.env_for(share))")
+        if not pct.isdigit() or not 1 <= int(pct) <= 100:
+            return False, f"{cls.ENV}={pct!r} is not an integer percentage in 1..100"
+        pipe = env.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+        if not os.path.exists(os.path.join(pipe, "control")):
+            return False, f"no MPS control daemon ({pipe}/control missing; run nvidia-cuda-mps-control -d)"
+        return True, f"{cls.ENV}={pct} under the MPS daemon at {pipe}"
+
+
+@contextlib.contextmanager
+def _stream_scope(stream: Any, sync: bool):
+    """Run a block on `stream`, after the work already queued on the caller's current stream
+    (inputs it uploaded). With `sync`, the exit waits on the host for this stream alone, so
+    results are ready for any thread or stream and the other side's stream keeps running;
+    without it the caller orders the hand-off with CUDA events. (A GPU-side wait of the
+    shared default stream instead would chain encode and prefill back together.)"""
+    torch = _torch()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield stream
+    if sync:
+        stream.synchronize()
+
+
+class PartitionController:
+    """Glue for a worker: per micro-batch, policy `choose` -> mechanism `apply` -> run encode
+    under that level's context. `encode_scope` is what services/encode calls per batch."""
+
+    def __init__(self, partitioner: Any, backend: SMBackend, note: str = "") -> None:
+        self.partitioner, self.backend, self.note = partitioner, backend, note
+        self.requested: Allocation | None = None  # what the policy asked for the last batch
+        self.last: Allocation | None = None       # what the backend realized for it
+
+    @contextlib.contextmanager
+    def encode_scope(self, batch_size: int):
+        self.requested = self.partitioner.choose(batch_size)
+        level = self.backend.apply(self.requested)
+        self.last = self.backend.realized(level)
+        with self.backend.encode_context(level):
+            yield level
+
+    def describe(self) -> dict[str, Any]:
+        table = self.partitioner.table
+        return {**self.backend.describe(), "policy": self.partitioner.policy, "note": self.note,
+                "profile": None if table is None else table.to_json(),
+                "requested": None if self.requested is None else vars(self.requested),
+                "last": None if self.last is None else vars(self.last)}
+
+    def prefill_scope(self) -> ContextManager[Any]:
+        """Prefill work for the current level (enqueue it in chunks: work already queued on
+        a stream keeps that stream's SMs until it finishes)."""
+        return self.backend.prefill_context()
+
+
+# ---- selection --------------------------------------------------------------------------
+# a missing library or driver, a refused driver call, a bad environment; not a bug (TypeError, ...)
+_MECHANISMS = (RuntimeError, ValueError, ImportError, OSError)
+
+
+def select_backend(preference: str = "auto", device: str = "cpu",
+                   levels: Sequence[float] = DEFAULT_SHARES,
+                   env: Mapping[str, str] | None = None, *, exact: bool = False) -> SMBackend:
+    """The backend for `preference` on `device` ("cpu", "cuda", "cuda:1"). `exact`: the
+    levels must be realized as nearly as the hardware allows (the static policy): green
+    contexts round to the nearest SM granule instead of up, and nothing degrades.
+    Raises BackendUnavailable (naming --sm-backend) instead of silently time-slicing."""
+    pref = _ALIASES.get(preference, preference)
+    if pref not in PREFERENCES:
+        raise ValueError(f"preference must be one of {PREFERENCES} (or {sorted(_ALIASES)}), "
+                         f"got {preference!r}")
+    cuda = device.startswith("cuda")
+    index = int(device.split(":", 1)[1]) if cuda and ":" in device else 0
+    if pref == "timeslice":
+        return TimeSliceBackend(device, "timeslice requested: uncontrolled sharing")
+    if pref == "static":
+        inner = select_backend("auto", device, (0.5,), env, exact=True)
+        return StaticSplitBackend(inner, 0.5)
+    if pref != "auto":
+        try:
+            return _build(pref, cuda, index, levels, env, exact)
+        except _MECHANISMS as e:
+            raise BackendUnavailable(f"--sm-backend {pref} is not available on {device}: {_why(e)}. "
+                                     "Pick another --sm-backend (auto takes the best one available here)") from e
+    notes: list[str] = []
+    for name in ["green_contexts", "mps"] if cuda else ["cpu_affinity"]:
+        try:
+            backend = _build(name, cuda, index, levels, env, exact)
+        except _MECHANISMS as e:
+            notes.append(f"{name} unavailable: {_why(e)}")
+            continue
+        if notes:
+            backend.reason = f"{'; '.join(notes)} -> fell back to {name}: {backend.reason}"
+        return backend
+    why = "; ".join(notes)
+    if exact:
+        where = ("a GPU with green contexts (CUDA >= 12.8), or MPS with "
+                 f"{MPSBackend.env_for(levels[0])[MPSBackend.ENV]} % active threads") if cuda \
+            else ">= 2 cores (--device cpu:0-1)"
+        raise BackendUnavailable(f"no mechanism on {device} can realize the split {list(levels)} ({why}); "
+                                 f"run the static baseline on {where}, or use --partition-policy timeslice")
+    ts = TimeSliceBackend(device, f"{why} -> no partition: time-slicing")
+    ts.degraded = f"--sm-backend auto found no partition mechanism on {device} ({why}): encode and " \
+                  "co-located prefill time-slice; --sm-backend timeslice asks for that explicitly"
+    return ts
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, (RuntimeError, ValueError)) else f"{type(e).__name__}: {e}"
+
+
+def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
+           env: Mapping[str, str] | None, exact: bool = False) -> SMBackend:
+    if name == "green_contexts":
+        if not cuda:
+            raise RuntimeError("device is not CUDA")
+        from easerve.partition.green_contexts import GreenContextBackend
+        return GreenContextBackend(levels, index, rounding="nearest" if exact else "up", strict=exact)
+    if name == "mps":
+        if not cuda:
+            raise RuntimeError("device is not CUDA")
+        backend = MPSBackend(env)
+        if exact and backend.levels != _check_levels(levels):
+            want = MPSBackend.env_for(levels[0])[MPSBackend.ENV]
+            raise RuntimeError(f"{MPSBackend.ENV}={round(backend.levels[0] * 100)} gives encode "
+                               f"{backend.levels[0]:g}; the split {list(levels)} needs "
+                               f"{MPSBackend.ENV}={want} at launch")
+        return backend
+    if cuda:
+        raise RuntimeError("core affinity does not partition a GPU")
+    backend = CpuAffinityBackend(levels)
+    if len(backend.cores) < 2:
+        raise RuntimeError(f"only {len(backend.cores)} allowed core: nothing to split")
+    return backend
+

@@ -1,0 +1,46 @@
+"""The process bootstrap every stage shares: logging, CPU cores and threads, port files.
+(The flags themselves are generated from each stage's config: `easerve.stages.common.configs`.)"""
+from __future__ import annotations
+
+import logging
+import os
+
+from easerve.stages.common.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores
+
+
+def default_max_len(text_config) -> int:
+    """The model's context length, capped at DEFAULT_MAX_MODEL_LEN (gateway and decode agree)."""
+    return min(int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN)
+
+
+def setup_process(cfg) -> None:
+    """Logging; on a `cpu:0-3` device, pin the process to those cores and use one torch
+    thread per core (unless --threads says otherwise)."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cores = cpu_cores(cfg.device)
+    if cores is not None:
+        allowed = os.sched_getaffinity(0)
+        missing = sorted(set(cores) - allowed)
+        if missing:
+            raise ValueError(f"--device {cfg.device}: cores {missing} are not available to this process "
+                             f"(it may use {sorted(allowed)})")
+        os.sched_setaffinity(0, cores)
+    threads = cfg.threads or (len(cores) if cores is not None else 0)
+    if threads > 0:
+        import torch
+        torch.set_num_threads(threads)
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """Let a launcher learn the port bound for `--listen host:0`."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)
+
+
+def dtype_of(name: str):
+    """--dtype -> a torch dtype, or None for auto (the adapter's default for its device)."""
+    from easerve.models.registry import torch_dtype
+    return torch_dtype(name)

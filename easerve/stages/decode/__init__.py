@@ -1,0 +1,1 @@
+"""The decode stage: its loop, servicer and process assembly (`app`)."""

@@ -1,0 +1,93 @@
+"""easerve.v1.Decode <-> the async engine front (thin).
+
+Open holds the reservation and streams the request's tokens after the first (prefill sent
+that one) straight to the gateway; Submit takes the KV prefill hands over. On SIGTERM,
+`settle` keeps Submit open for the reservations already held (and refuses new ones) until
+their streams end, so removing a decode instance under load loses no accepted request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from easerve.wire.protoconv import token_chunk
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import InvalidRequest, Unavailable, grpc_errors
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
+
+MAX_HOLD_S = 600.0  # a reservation lapses at the request's deadline, at the latest after this
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None):
+        self.engine, self.kv, self.max_waiting, self.m = engine, kv_receiver, max_waiting, metrics
+        self._kv_ms: dict[str, float] = {}
+        self.draining = False
+
+    async def settle(self, poll_s: float = 0.05) -> None:
+        """The drain's first phase: refuse new reservations, keep taking the KV of the ones
+        held (their prefill is on its way), return once every held stream has ended."""
+        self.draining = True
+        while self.engine.num_streams:
+            await asyncio.sleep(poll_s)
+
+    @grpc_errors
+    async def Open(self, request, context):
+        rid = request.meta.request_id
+        if not rid:
+            raise InvalidRequest("meta.request_id is required")
+        if self.draining:
+            raise Unavailable("this decode instance is draining: it takes no new reservations; "
+                              "place the request on another instance")
+        if request.num_tokens < 1 or request.max_new_tokens < 1:
+            raise InvalidRequest(f"a reservation needs num_tokens >= 1 (the prompt) and max_new_tokens >= 1, got "
+                                 f"{request.num_tokens} and {request.max_new_tokens}")
+        deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        ttl = min(deadline.remaining(), MAX_HOLD_S)
+        async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl) as stream:
+            yield cpb.TokenChunk(request_id=rid)  # the place is held
+            n = 1
+            try:
+                async for o in stream:
+                    if o.index == 0 and not o.finished:
+                        continue  # prefill sent the first token and its text
+                    ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
+                    lps = [o.logprobs] if ids and o.logprobs is not None else []
+                    n = max(n, o.index + 1)
+                    if not o.finished:
+                        yield token_chunk(rid, ids, text=o.text_delta, logprobs=lps)
+                        continue
+                    if self.m is not None:
+                        self.m.finished.labels(finished_reason=o.finish_reason).inc()
+                    yield token_chunk(rid, ids, o.finish_reason, text=o.text_delta, usage=(request.num_tokens, n),
+                                      logprobs=lps, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
+            finally:
+                self._kv_ms.pop(rid, None)
+
+    @grpc_errors
+    async def Submit(self, request, context):
+        t0 = time.monotonic()
+        deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        payload = await self.kv.fetch(request.kv, timeout=deadline.timeout())
+        if payload.request_id != request.meta.request_id:
+            raise InvalidRequest(f"KV payload is for {payload.request_id!r}, the call for "
+                                 f"{request.meta.request_id!r}")
+        await self.engine.submit(payload)
+        ms = (time.monotonic() - t0) * 1000
+        self._kv_ms[payload.request_id] = ms
+        if self.m is not None:
+            self.m.kv_receive.labels(transport=request.kv.WhichOneof("location")).observe(ms / 1000)
+        return decode_pb2.SubmitResponse(kv_transfer_ms=ms)
+
+    @grpc_errors
+    async def Stats(self, request, context):
+        s = await self.engine.stats()
+        return decode_pb2.StatsResponse(running=s.running, waiting=s.waiting, max_waiting=self.max_waiting,
+                                        kv_free_tokens=s.kv_free_tokens, kv_total_tokens=s.kv_capacity_tokens,
+                                        kv_free_bytes=int(s.kv_bytes * s.kv_free_tokens / max(1, s.kv_capacity_tokens)),
+                                        reserved=self.engine.num_streams)
+
+    @grpc_errors
+    async def Cancel(self, request, context):
+        return decode_pb2.CancelResponse(found=await self.engine.abort(request.request_id))

@@ -1,0 +1,1 @@
+"""The encode stage: its loop, servicer and process assembly (`app`)."""

@@ -1,0 +1,106 @@
+"""easerve.v1.Encode: batch-encode (through the encoder cache when on), route to co-located
+or remote prefill (thin).
+
+The call's stream carries the first token and ends once prefill has handed the KV to
+decode; encode holds nothing for a request that is decoding.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from easerve.cache.policy import CacheMiss
+from easerve.wire.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.stages.common.limits import InflightLimit
+from easerve.stages.common.peers import Peers, relay
+from easerve.types import PrefillRequest
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2
+from easerve.cache.embeddings import CachedEncode, EmbeddingCache
+
+
+class EncodeServicer(encode_pb2_grpc.EncodeServicer):
+    def __init__(self, loop, router, local_stage=None, remote: Peers | None = None, metrics=None,
+                 max_inflight: int = 512, cache: EmbeddingCache | None = None):
+        if local_stage is None and not remote:
+            raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
+        self.loop, self.router, self.local, self.remote, self.m = loop, router, local_stage, remote, metrics
+        self.limit = InflightLimit(max_inflight, "encode")
+        self.cache = cache
+
+    @grpc_errors
+    async def Holds(self, request, context):
+        hashes = list(request.content_hashes)
+        held = self.cache.holds(hashes) if self.cache is not None else [False] * len(hashes)
+        return encode_pb2.HoldsResponse(held=held)
+
+    async def _embed(self, rid: str, items) -> CachedEncode:
+        if self.cache is not None:
+            return await self.cache.encode(rid, items, self.loop.encode)
+        for i, it in enumerate(items):
+            if not it.pixels:
+                raise CacheMiss(f"item {i} ({it.modality}) came without inputs and this instance has no "
+                                "encoder cache (--encoder-cache-gb 0)")
+        res = await self.loop.encode(rid, items)
+        return CachedEncode(res.embeddings, res.queue_ms, res.encode_ms, 0)
+
+    def _route(self) -> str:
+        if self.local is None:
+            return "remote"
+        if not self.remote:
+            return "local"
+        return self.router.route()
+
+    @grpc_errors
+    async def Encode(self, request, context):
+        with self.limit.admit():
+            async for chunk in self._encode(request, context):
+                yield chunk
+
+    async def _encode(self, request, context):
+        deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        rid = request.meta.request_id
+        if not rid:
+            raise InvalidRequest("meta.request_id is required")
+        items = await asyncio.to_thread(lambda: [media_item_from_proto(m) for m in request.items])
+        if not items:
+            raise InvalidRequest("an encode request needs at least one media item; send text-only requests to prefill")
+        sampling = sampling_from_proto(request.sampling)
+        res = await self._embed(rid, items)
+        deadline.check("encode")
+        route = self._route()
+        if self.m is not None:
+            self.m.on_route(route)
+        timings = {"encode_ms": res.encode_ms, "queue_ms": res.queue_ms, "encode_cache_hits": res.hits}
+        if route == "local":
+            req = PrefillRequest(rid, list(request.input_ids), res.embeddings,
+                                 [(it.modality, it.meta) for it in items], sampling)
+            async for chunk in self.local.run(req, request.decode.address, deadline, **timings):
+                yield chunk
+            return
+        async for chunk in self._remote_prefill(request, items, res, deadline, timings):
+            yield chunk
+
+    async def _remote_prefill(self, request, items, res, deadline: Deadline, timings: dict):
+        t0 = time.monotonic()
+        embeddings = await asyncio.to_thread(lambda: [tensor_to_proto(e) for e in res.embeddings])
+        msg = prefill_pb2.PrefillRequest(
+            meta=cpb.RequestMeta(request_id=request.meta.request_id, deadline_ms=deadline.to_ms(),
+                                 model=request.meta.model),
+            input_ids=request.input_ids, sampling=request.sampling, decode=request.decode,
+            items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta) for it in items],
+            embeddings=prefill_pb2.Embeddings(tensors=embeddings))
+        serialize_ms = (time.monotonic() - t0) * 1000
+        peer, call, first = await self.remote.start_call(
+            lambda p: p.stub.Prefill(msg, timeout=deadline.timeout()))
+        try:
+            for k, v in timings.items():
+                setattr(first.timings, k, v)
+            first.timings.embed_transfer_ms += serialize_ms
+            yield first
+            async for chunk in relay(call):
+                yield chunk
+        finally:
+            self.remote.finish(peer)

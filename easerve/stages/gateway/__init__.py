@@ -1,0 +1,1 @@
+"""The gateway stage: its loop, servicer and process assembly (`app`)."""

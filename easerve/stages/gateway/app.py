@@ -1,0 +1,72 @@
+"""The gateway process: its parts built from its config, and `main(cfg)` that serves them.
+
+Entry point: python -m services.gateway --model DIR --encode H:P --prefill H:P --decode H:P"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
+from easerve.models.registry import load_adapter
+from easerve.rpc.server import ServerOptions, serve
+from easerve.stages.common.cli import write_port_file
+from easerve.stages.common.configs import GatewayConfig
+from easerve.wire.v1 import gateway_pb2_grpc
+from easerve.stages.gateway.auth import ApiKeys, GrpcAuth, http_middleware, warn_if_open
+from easerve.stages.gateway.core import GatewayCore
+from easerve.stages.gateway.http_api import HttpApi
+from easerve.stages.gateway.metrics import GatewayMetrics
+from easerve.stages.gateway.servicer import GatewayServicer
+
+log = logging.getLogger("easerve.gateway")
+
+
+def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
+    fetch = FetchConfig(allowed_domains=cfg.allowed_media_domains,
+                        allowed_local_path=cfg.allowed_local_media_path or None,
+                        max_bytes=int(cfg.media_max_mb * (1 << 20)), timeout_s=cfg.media_timeout_s)
+    limits = MediaLimits(max_request_pixels=int(cfg.media_max_mpixels * 1e6))
+    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch))
+
+
+async def main(cfg: GatewayConfig) -> None:
+    keys, opts = ApiKeys.of(cfg), ServerOptions.of(cfg)
+    warn_if_open(cfg, keys)
+    adapter = load_adapter(cfg.model, role="processor", device="cpu")
+    core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(cfg, adapter))
+    core.start()
+    ready = asyncio.Event()
+    http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set,
+                   middlewares=[http_middleware(keys)] if keys.enabled else [])
+    runner = web.AppRunner(http.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    host, _, port = cfg.http_listen.rpartition(":")
+    site = web.TCPSite(runner, host, int(port), ssl_context=opts.tls.server_ssl_context() if opts.tls.serving else None)
+    await site.start()
+    write_port_file(cfg.http_port_file, site._server.sockets[0].getsockname()[1])
+
+    async def warmup() -> None:
+        ready.set()
+
+    stop = asyncio.Event()  # set on SIGTERM / SIGINT by serve(): the HTTP side refuses new work at once
+    http_drain = asyncio.ensure_future(_drain_on(stop, http))
+    try:
+        await serve([(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(core))], cfg.listen,
+                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts, grace_s=cfg.grace_s,
+                    interceptors=[GrpcAuth(keys)] if keys.enabled else [],
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), stop=stop)
+    finally:
+        http_drain.cancel()
+        http.drain()
+        ready.clear()
+        await runner.cleanup()
+        await core.stop()
+
+
+async def _drain_on(stop: asyncio.Event, http: HttpApi) -> None:
+    await stop.wait()
+    log.info("draining: new HTTP requests get 503, in-flight ones finish")
+    http.drain()
+

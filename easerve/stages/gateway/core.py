@@ -1,0 +1,378 @@
+"""The gateway's domain logic, shared by its gRPC and HTTP fronts.
+
+A request is preprocessed here (chat template, tokenization, the HF processor on decoded
+media; or, when the encoder cache holds all its media, from the chat template alone: see
+easerve.cache.gateway) and given an internal id of the gateway's own. Then, for each request:
+
+1. a decode instance is picked by load and asked to hold a place (`Decode.Open`: refused
+   at once when decode is full, before any compute); that call is also the stream the
+   request's tokens after the first come back on, straight from decode;
+2. an encode instance (media) or a prefill instance (text only) is picked by load and
+   told which decode instance holds the place; its call returns the first token and ends
+   once the KV is at decode;
+3. the first token goes out at once, then decode's tokens. The stop rules and the text are
+   decided downstream (prefill for the first token, decode after it): the gateway forwards.
+
+Leaving early (client gone, deadline) cancels both calls, which frees every stage's work.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from easerve.cache.policy import is_cache_miss
+from easerve.engine.logprobs import TokenLogprobs
+from easerve.errors import Internal, NotFound
+from easerve.media import MediaRef, MediaResolver, config_for
+from easerve.media.resolve import KINDS
+from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.rpc.server import ServerOptions
+from easerve.stages.common.cli import default_max_len
+from easerve.stages.common.configs import GatewayConfig
+from easerve.stages.common.limits import InflightLimit
+from easerve.stages.common.peers import peers_of
+from easerve.types import ProcessedPrompt, SamplingParams
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from easerve.cache.gateway import MediaCache, MediaPlan
+from easerve.stages.gateway.openai_api import BadRequest
+
+__all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
+log = logging.getLogger("easerve.gateway")
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
+
+
+@dataclass
+class Job:
+    """One request as the gateway sees it: chat messages or a raw prompt + media.
+    `request_id` is what the client sees; `internal_id`, unique, is what the stages see."""
+
+    sampling: SamplingParams
+    request_id: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    media: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
+    timeout_s: float | None = None
+    received: float = field(default_factory=time.monotonic)
+    internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
+    preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
+
+
+class GatewayCore:
+    def __init__(self, cfg: GatewayConfig, adapter, metrics, media: MediaResolver | None = None):
+        self.cfg, self.adapter, self.m = cfg, adapter, metrics
+        self.media = media or MediaResolver(config_for(adapter))  # fetches and decodes a Job's MediaRefs
+        self.started = int(time.time())
+        self.limit = InflightLimit(cfg.max_inflight, "the gateway")
+        self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
+        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
+        so = ServerOptions.of(cfg)
+        opts, tls = so.channel_options(), so.tls
+        self._enc = peers_of(cfg, "encode", encode_pb2_grpc.EncodeStub, opts, "easerve.v1.Encode", tls=tls)
+        self._pre = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, opts, "easerve.v1.Prefill", tls=tls)
+        self._dec = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, opts, "easerve.v1.Decode", tls=tls)
+        self.cache = MediaCache(adapter, self.media.cfg, self._enc, cfg.media_hash_entries,
+                                cfg.encoder_cache_affinity) if cfg.media_hash_entries and cfg.encode else None
+
+    def start(self) -> None:
+        for peers in (self._enc, self._pre, self._dec):
+            peers.start()
+
+    async def stop(self) -> None:
+        for peers in (self._enc, self._pre, self._dec):
+            await peers.close()
+
+    # ---- preprocessing ------------------------------------------------------------------
+    def _preprocess_sync(self, job: Job) -> ProcessedPrompt:
+        if job.messages is not None:
+            return self.adapter.preprocess(job.messages)
+        if job.prompt_ids is not None:
+            return ProcessedPrompt(input_ids=list(job.prompt_ids))
+        by_kind = {k: [m[k] for m in job.media if k in m] for k in ("image", "video", "audio")}
+        return self.adapter.preprocess_prompt(job.prompt or "", images=by_kind["image"],
+                                              videos=by_kind["video"], audios=by_kind["audio"])
+
+    def _preprocess_known(self, job: Job, known: dict) -> ProcessedPrompt:
+        """The prompt of media preprocessed before (learned pixel-free items): no decoding, no processor."""
+        if job.messages is not None:
+            return self.adapter.prompt_from_items(self.adapter.chat_text(job.messages), known, chat=True)
+        return self.adapter.prompt_from_items(job.prompt or "", known, chat=False)
+
+    async def _processed(self, job: Job) -> ProcessedPrompt:
+        """Full preprocessing: fetch and decode the media, run the HF processor."""
+        await self.media.resolve_messages(job.messages or [])
+        await self.media.resolve_parts(job.media)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
+
+    async def _prepare(self, job: Job) -> ProcessedPrompt:
+        """Hash the media as received, plan the encode (easerve.cache.gateway), and skip
+        decoding and the processor when the planned encode instance holds every item."""
+        slots = _media_slots(job) if self.cache is not None and job.prompt_ids is None else []
+        if not slots:
+            return await self._processed(job)
+        loop = asyncio.get_running_loop()
+        await self.media.fetch_refs([ref for _, _, ref in slots if ref is not None])
+        pairs = await loop.run_in_executor(self._pool, self.cache.hash_parts, slots)
+        job.media_plan = plan = await self.cache.plan(pairs, self._deadline(job).timeout())
+        known = self.cache.known_items(plan) if plan.all_held else None
+        if known is not None:
+            prompt = await loop.run_in_executor(self._pool, self._preprocess_known, job, known)
+            plan.skipped = True
+            return prompt
+        prompt = await self._processed(job)
+        self.cache.learn(plan, prompt)
+        return prompt
+
+    async def preprocess(self, job: Job) -> ProcessedPrompt:
+        t0 = time.monotonic()
+        # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
+        prompt = await self._prepare(job)
+        job.preprocess_ms = (time.monotonic() - t0) * 1000
+        n, limit = len(prompt.input_ids), self.max_model_len
+        if n >= limit:
+            raise BadRequest(f"the prompt has {n} tokens but this model's context length (max_model_len) "
+                             f"is {limit}; shorten the prompt to under {limit} tokens")
+        if n + job.sampling.max_tokens > limit:
+            raise BadRequest(f"prompt ({n} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the "
+                             f"context length (max_model_len) {limit}; lower max_tokens to at most "
+                             f"{limit - n} or shorten the prompt")
+        return prompt
+
+    # ---- downstream ---------------------------------------------------------------------
+    def _deadline(self, job: Job) -> Deadline:
+        budget = job.timeout_s or self.cfg.request_timeout_s
+        left = budget - (time.monotonic() - job.received)
+        if left <= 0:
+            raise TimeoutError(f"request {job.request_id} ran out of its {budget:.1f} s deadline")
+        return Deadline.after(left)
+
+    def _meta(self, job: Job, deadline: Deadline) -> cpb.RequestMeta:
+        return cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
+
+    async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
+        """(peers, peer, call, first message) of the stage that computes the first token."""
+        meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
+        target = cpb.DecodeTarget(address=decode_addr)
+        if prompt.items:
+            if not self._enc:
+                raise BadRequest("this deployment has no encode stage; send text only")
+            return (self._enc, *await self._encode_call(job, prompt, deadline, decode_addr,
+                                                        dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
+                                                             decode=target)))
+        req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
+        return (self._pre, *await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()),
+                                                       prefer=decode_addr))
+
+    # ---- encoder cache: pixel-free items, late misses ---------------------------------------------
+    async def _encode_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str,
+                           fields: dict):
+        """Open the encode call on the instance the media plan chose (in a monolith: the one
+        holding the reservation). Items it said it holds go without their pixels (all items,
+        when preprocessing was skipped); if it no longer holds one when the request comes
+        (NOT_FOUND "encoder cache miss"), the request is preprocessed in full if it was not,
+        and resent with every item's pixels."""
+        plan = job.media_plan
+        target = decode_addr if decode_addr in self._enc.addrs else (plan.target if plan else None)
+        held = self.cache.held_items(plan, prompt, target) if plan else [False] * len(prompt.items)
+        if any(held):
+            req = await self._encode_request(prompt, fields, held)
+            try:
+                return await self._started(plan, req, deadline, target)
+            except NotFound as e:
+                if not is_cache_miss(e):
+                    raise
+                log.info("request %s: late encoder cache miss at %s (%s); resending with pixels",
+                         job.request_id, target, e)
+                self.cache.missed(plan, target)
+                self.m.cache_late_misses.inc()
+            if plan.skipped:
+                prompt = await self._reprocess(job, prompt)
+        req = await self._encode_request(prompt, fields, [False] * len(prompt.items))
+        return await self._started(plan, req, deadline, target or decode_addr)
+
+    async def _reprocess(self, job: Job, skipped: ProcessedPrompt) -> ProcessedPrompt:
+        """The full preprocessing a late miss needs after a skipped one; the same token ids."""
+        t0 = time.monotonic()
+        prompt = await self._processed(job)
+        job.media_plan.skipped = False
+        self.cache.learn(job.media_plan, prompt)
+        job.preprocess_ms += (time.monotonic() - t0) * 1000
+        if prompt.input_ids != skipped.input_ids:
+            raise Internal(f"request {job.request_id}: the prompt built from learned media metadata differs "
+                           "from the processor's; this is a bug, please report it")
+        return prompt
+
+    async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
+        items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
+            self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
+        return encode_pb2.EncodeRequest(items=items, **fields)
+
+    async def _started(self, plan: MediaPlan | None, req, deadline: Deadline, prefer: str | None):
+        peer, call, first = await self._enc.start_call(lambda p: p.stub.Encode(req, timeout=deadline.timeout()),
+                                                       prefer=prefer)
+        if plan is not None and peer.addr != plan.target:
+            self.cache.sent(plan, peer.addr)
+        return peer, call, first
+
+    async def generate(self, job: Job) -> AsyncIterator[Delta]:
+        """Yield text deltas; the last one carries finish_reason and usage."""
+        with self.limit.admit():
+            async for d in self._generate(job):
+                yield d
+
+    async def _generate(self, job: Job) -> AsyncIterator[Delta]:
+        self.m.requests_running.inc()
+        self.m.requests_waiting.inc()
+        waiting = True
+        try:
+            prompt = await self.preprocess(job)
+            async for d in self._stream(job, prompt):
+                if waiting:
+                    waiting = False
+                    self.m.requests_waiting.dec()
+                yield d
+        finally:
+            self.m.requests_running.dec()
+            if waiting:
+                self.m.requests_waiting.dec()
+
+    async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
+        deadline = self._deadline(job)
+        reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
+                                            max_new_tokens=job.sampling.max_tokens)
+        plan = job.media_plan  # a monolith holding the media also takes the reservation, when it can
+        pinned = plan.target if plan is not None and plan.target in self._dec.addrs else None
+        dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()),
+                                                        prefer=pinned)
+        upeers = upeer = ucall = tail = None
+        try:
+            upeers, upeer, ucall, first = await self._upstream(job, prompt, deadline, dpeer.addr)
+            delta = self._first(job, prompt, first)
+            yield delta
+            if delta.finish_reason is not None:
+                return
+            tail = asyncio.ensure_future(_drain(ucall))
+            async for d in self._decoded(job, prompt, dcall, tail, dpeer.addr):
+                yield d
+        finally:
+            dcall.cancel()
+            if ucall is not None:
+                ucall.cancel()
+            if tail is not None and not tail.done():
+                tail.cancel()
+            if upeer is not None:
+                upeers.finish(upeer)
+            self._dec.finish(dpeer)
+
+    def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
+        ttft = time.monotonic() - job.received
+        self.m.ttft.observe(ttft)
+        t = chunk.timings
+        for stage, ms in (("encode", t.encode_ms), ("prefill", t.prefill_ms), ("queue", t.queue_ms),
+                          ("embed_transfer", t.embed_transfer_ms), ("preprocess", job.preprocess_ms)):
+            if ms > 0:
+                self.m.stage_latency.observe(ms / 1000.0, stage=stage)
+        skipped = bool(job.media_plan and job.media_plan.skipped)  # still so after the encode call: no late miss
+        if skipped:
+            self.m.preprocess_skipped.inc()
+        timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
+                   "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms,
+                   "encode_cache_hits": t.encode_cache_hits, "preprocess_ms": job.preprocess_ms,
+                   "preprocess_skipped": skipped}
+        finish = FINISH_FROM_PROTO[chunk.finish_reason]
+        if finish is not None:
+            return self._last(job, prompt, chunk, finish, 1, None, timings)
+        return Delta(list(chunk.token_ids), chunk.text, timings=timings, logprobs=_logprobs(chunk))
+
+    async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future,
+                       addr: str) -> AsyncIterator[Delta]:
+        """Decode's chunks, failing at once if the upstream call (the KV handoff) fails; a
+        failure of the stream names the decode instance and how far the request got."""
+        first_at, n = time.monotonic(), 1
+        while True:
+            read = asyncio.ensure_future(dcall.read())
+            waits = {read} if tail.done() else {read, tail}
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                read.cancel()
+                raise
+            if tail in done and tail.exception() is not None:
+                read.cancel()
+                raise tail.exception()
+            if read not in done:
+                done, _ = await asyncio.wait({read})
+            try:
+                chunk = read.result()
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e).where(f"decode instance {addr} after {n} token(s)") from None
+            if chunk is grpc.aio.EOF:
+                raise Unavailable(f"decode instance {addr} closed the stream after {n} token(s), "
+                                  "before the request finished")
+            n += len(chunk.token_ids)
+            finish = FINISH_FROM_PROTO[chunk.finish_reason]
+            if finish is not None:
+                yield self._last(job, prompt, chunk, finish, n, first_at, {"kv_transfer_ms": chunk.timings.kv_transfer_ms})
+                return
+            yield Delta(list(chunk.token_ids), chunk.text, logprobs=_logprobs(chunk))
+
+    def _last(self, job, prompt, chunk, finish, n, first_at, timings) -> Delta:
+        now = time.monotonic()
+        tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
+        if n > 1:
+            self.m.tpot.observe(tpot)
+        self.m.e2e.observe(now - job.received)
+        self.m.finished.inc(finished_reason=finish)
+        self.m.prompt_tokens.inc(len(prompt.input_ids))
+        self.m.generation_tokens.inc(n)
+        return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
+                     {**timings, "tpot_ms": tpot * 1000}, _logprobs(chunk))
+
+
+def _logprobs(chunk) -> list[TokenLogprobs]:
+    return [TokenLogprobs.from_proto(m) for m in chunk.logprobs]
+
+
+def _media_slots(job: Job) -> list[tuple[str, dict, object]]:
+    """(kind, part, the part's MediaRef or None) of every media part of a job, in request
+    order, taken before resolving replaces the refs by decoded media."""
+    parts = [p for m in (job.messages or []) if isinstance(m.get("content"), list) for p in m["content"]]
+    parts += list(job.media)
+    out = []
+    for p in parts:
+        kind = p.get("type")
+        if kind in KINDS and kind in p:
+            ref = p[kind]
+            out.append((kind, p, ref if isinstance(ref, MediaRef) else None))
+    return out
+
+
+async def _drain(call) -> None:
+    """Wait for the end of a call whose useful message was already read (the handoff's
+    success); its failure becomes the matching domain error."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc_error(e) from None

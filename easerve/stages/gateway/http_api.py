@@ -1,0 +1,226 @@
+"""OpenAI-compatible HTTP front of the gateway (aiohttp).
+
+POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
+[DONE]), GET /v1/models, GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
+503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
+deadline; the server keeps serving.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+
+from easerve.rpc.errors import domain_error, is_unexpected
+from easerve.stages.gateway import openai_api as oa
+from easerve.stages.gateway.core import GatewayCore, Job
+
+log = logging.getLogger("easerve.gateway")
+
+
+def _error(status: int, message: str, retry_after_s: float | None = None) -> web.Response:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return web.json_response(oa.error_json(message, kind, status), status=status, headers=headers)
+
+
+def _message(e: BaseException) -> str:
+    """What the client is told. A bug here (not a domain error) is logged with its traceback
+    and answered 500 without its details: the client did nothing wrong."""
+    if is_unexpected(e):
+        log.error("unhandled error answering a request", exc_info=e)
+        return f"internal error ({type(e).__name__}); the gateway's log has the traceback"
+    return str(e) or type(e).__name__
+
+
+class HttpApi:
+    """`ready()`: warmed up. After `drain()` new generation requests get 503 with
+    Retry-After (and the connection closed), while the ones in flight finish."""
+
+    def __init__(self, core: GatewayCore, max_body_bytes: int, ready, middlewares=()):
+        self.core, self.ready, self.draining = core, ready, False
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self._refuse_when_draining, *middlewares])
+        self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
+                             web.get("/v1/models", self.models),
+                             web.get("/health", self.health), web.get("/metrics", self.metrics)])
+
+    def drain(self) -> None:
+        self.draining = True
+
+    @web.middleware
+    async def _refuse_when_draining(self, req: web.Request, handler):
+        if self.draining and req.method == "POST":
+            self.core.m.requests.inc(api="http", code="503")
+            resp = _error(503, "the gateway is shutting down; retry (on another instance)", 1.0)
+            resp.force_close()
+            return resp
+        return await handler(req)
+
+    async def health(self, _req: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, "draining", 1.0)
+        return web.json_response({"status": "ok"}) if self.ready() else _error(503, "warming up")
+
+    async def metrics(self, _req: web.Request) -> web.Response:
+        return web.Response(text=self.core.m.render(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, _req: web.Request) -> web.Response:
+        return web.json_response(oa.models_json(self.core.cfg.served_model, self.core.max_model_len, self.core.started))
+
+    async def _body(self, req: web.Request) -> dict:
+        try:
+            raw = await req.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise oa.BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
+        try:
+            return json.loads(raw)
+        except RecursionError:
+            raise oa.BadRequest("request body is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
+            raise oa.BadRequest(f"request body is not valid JSON: {e}") from None
+
+    def _bad(self, e: oa.BadRequest) -> web.Response:
+        self.core.m.requests.inc(api="http", code="400")
+        return _error(400, str(e))
+
+    async def chat(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            a = self.core.adapter
+            chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
+                                         self.core.cfg.default_max_tokens)
+        except oa.BadRequest as e:
+            return self._bad(e)
+        job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
+        return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(req)
+            comp = oa.parse_completion_request(body, self.core.cfg.served_model, self._vocab_size())
+            job = Job(comp.sampling, comp.request_id, timeout_s=comp.timeout_s)
+            if isinstance(comp.prompt, str):
+                job.prompt = comp.prompt
+            else:
+                self._check_ids(comp.prompt)
+                job.prompt_ids = comp.prompt
+        except oa.BadRequest as e:
+            return self._bad(e)
+        return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
+
+    def _vocab_size(self) -> int:
+        a = self.core.adapter
+        return min(len(a.tokenizer), int(getattr(a.text_config, "vocab_size", None) or len(a.tokenizer)))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        media = {tid: mod for mod, tid in getattr(self.core.adapter, "placeholder_ids", {}).items()}
+        hit = next((t for t in ids if t in media), None)
+        if hit is not None:
+            raise oa.BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
+                                "take no media, send the media through /v1/chat/completions")
+
+    async def _answer(self, req: web.Request, job: Job, shape, stream: bool, usage: bool) -> web.StreamResponse:
+        if stream:
+            return await self._stream(req, job, shape, usage)
+        return await self._unary(job, shape)
+
+    async def _unary(self, job: Job, shape) -> web.Response:
+        text, last = [], None
+        lps = []
+        try:
+            async for d in self.core.generate(job):
+                text.append(d.text)
+                lps += zip(d.token_ids, d.logprobs)
+                last = d
+        except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
+            return self._fail(e)
+        self.core.m.requests.inc(api="http", code="200")
+        return web.json_response(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
+                                             last.completion_tokens, lps))
+
+    def _fail(self, e: Exception) -> web.Response:
+        err = domain_error(e)
+        self.core.m.requests.inc(api="http", code=str(err.http))
+        return _error(err.http, _message(e), err.retry_after_s)
+
+    async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
+        gen = self.core.generate(job)
+        created = int(time.time())
+        try:  # fail before the 200 header when the request is bad or the pipeline refuses it
+            first = await gen.__anext__()
+        except Exception as e:  # noqa: BLE001
+            return self._fail(e)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(req)
+        opening = shape.opening(created)
+        if opening is not None:
+            await self._sse(resp, opening)
+        try:
+            d = first
+            while True:
+                await self._sse(resp, shape.chunk(created, d.text, d.finish_reason, list(zip(d.token_ids, d.logprobs))))
+                if d.finish_reason is not None:
+                    break
+                d = await gen.__anext__()
+            if include_usage:
+                usage = oa.usage_json(d.prompt_tokens, d.completion_tokens)
+                await self._sse(resp, {**shape.chunk(created, "", None, []), "choices": [], "usage": usage})
+            self.core.m.requests.inc(api="http", code="200")
+        except (ConnectionResetError, StopAsyncIteration):
+            pass
+        except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+            await self._sse(resp, oa.error_json(_message(e), "server_error", domain_error(e).http))
+        finally:
+            await gen.aclose()  # client gone or done: cancels every stage's work
+        try:
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass
+        return resp
+
+    @staticmethod
+    async def _sse(resp: web.StreamResponse, obj: dict) -> None:
+        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+class _ChatShape:
+    """chat.completion / chat.completion.chunk bodies of one request. `lps`: (token id,
+    TokenLogprobs) pairs, shown when the request asked for logprobs."""
+
+    def __init__(self, chat: oa.ChatRequest, tokenizer):
+        self.r, self.tok, self.want = chat, tokenizer, chat.sampling.logprobs is not None
+
+    def opening(self, created: int) -> dict:
+        return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None)
+
+    def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
+        return oa.chunk_json(self.r, created, {"content": text}, finish,
+                             oa.chat_logprobs(lps, self.tok) if self.want else None)
+
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+        return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
+                                  oa.chat_logprobs(lps, self.tok) if self.want else None)
+
+
+class _TextShape:
+    """text_completion bodies of one /v1/completions request (no opening event)."""
+
+    def __init__(self, comp: oa.CompletionRequest, tokenizer):
+        self.r, self.tok, self.want = comp, tokenizer, comp.sampling.logprobs is not None
+        self.offset = 0  # characters of text sent so far (text_offset of streamed logprobs)
+
+    def opening(self, created: int) -> None:
+        return None
+
+    def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
+        lp = oa.text_logprobs(lps, self.tok, self.offset) if self.want else None
+        self.offset += len(text)
+        return oa.text_chunk_json(self.r, created, text, finish, lp)
+
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+        return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
+                                       oa.text_logprobs(lps, self.tok) if self.want else None)

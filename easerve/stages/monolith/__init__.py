@@ -1,0 +1,1 @@
+"""The monolith stage: its loop, servicer and process assembly (`app`)."""

@@ -1,0 +1,1 @@
+"""The prefill stage: its loop, servicer and process assembly (`app`)."""

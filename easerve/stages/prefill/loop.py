@@ -1,0 +1,194 @@
+"""Continuous batched prefill: an asyncio front over `adapter.prefill(batch)`.
+
+    loop = PrefillLoop(adapter, PrefillBatchConfig(max_batched_tokens=2048, max_batch_size=16),
+                       executor=None, scope=None, on_busy=None)
+    loop.start()                                   # inside the running event loop
+    one = await loop.prefill(req)                  # req: PrefillRequest
+    one.result, one.first_token, one.prefill_ms, one.batch_size
+    await loop.stop()
+
+- Batching: requests queue in a `PrefillBatcher` (FCFS under the token budget, see
+  `easerve.policy.prefill_plan`). One worker task takes the next batch as soon as the
+  previous one has finished, with no waiting for more arrivals: requests that arrive while
+  a batch runs form the next batch.
+- Compute: a batch runs in `executor` (default: one thread of its own) as ONE
+  `adapter.prefill(batch)` forward, then `easerve.engine.sampler.sample` draws each
+  request's first token (its own SamplingParams, step 0); both run under `scope()` when
+  given (a context manager: e.g. the co-located prefill's share of the device).
+  `on_busy(t0, t1)` (monotonic seconds) is called on the event loop after each batch.
+- `PrefilledOne.prefill_ms` is the batch's compute time (forward + sampling) in ms;
+  `batch_size` is how many requests that forward held.
+- Failures: `adapter.check_prefill` runs for every request first; one that raises
+  ValueError (empty prompt, embeddings that do not fit its placeholders) fails alone and
+  the rest of the batch goes on. An error of the batch itself (forward, sampling, scope)
+  fails every request of that batch with it; the loop keeps serving. A request cancelled
+  while queued leaves the queue; one cancelled while its batch runs is computed and dropped.
+  `stop()` fails the requests still queued with RuntimeError.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.engine.sampler import sample
+from easerve.types import PrefillRequest, PrefillResult
+from easerve.errors import InvalidRequest
+
+log = logging.getLogger("easerve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefilledOne:
+    result: PrefillResult
+    first_token: int
+    prefill_ms: float
+    batch_size: int
+
+
+@dataclass
+class _Pending:
+    req: PrefillRequest
+    future: asyncio.Future
+
+
+@dataclass
+class _BatchOut:
+    """What one batch run returns: per request a (result, first token) or its own ValueError."""
+
+    outcomes: list[tuple[PrefillResult, int] | ValueError]
+    t0: float
+    t1: float
+    forward_size: int
+
+
+class PrefillLoop:
+    def __init__(self, adapter, config: PrefillBatchConfig | None = None,
+                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None):
+        self.adapter = adapter
+        self.batcher = PrefillBatcher(config or PrefillBatchConfig())
+        self._own_pool = executor is None
+        self._pool = executor
+        self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
+        self._pending: dict[int, _Pending] = {}
+        self._running: list[_Pending] = []
+        self._keys = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def config(self) -> PrefillBatchConfig:
+        return self.batcher.config
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a prefill batch (not the running one)."""
+        return self.batcher.pending
+
+    def start(self) -> None:
+        """Start the worker task (call from inside the running event loop)."""
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("the prefill loop is already running")
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._worker(), name="prefill-loop")
+
+    async def stop(self) -> None:
+        """Stop the worker; queued and running requests fail with RuntimeError. The loop's
+        own thread (not a given executor) is shut down; start() makes a new one."""
+        running = list(self._running)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        err = RuntimeError("the prefill loop stopped; retry on another prefill worker")
+        for p in [*self._pending.values(), *running]:
+            if not p.future.done():
+                p.future.set_exception(err)
+        for key in list(self._pending):
+            self.batcher.remove(key)
+        self._pending.clear()
+        self._running = []
+        if self._own_pool and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    async def prefill(self, req: PrefillRequest) -> PrefilledOne:
+        """Queue one request; resolves when its batch has been prefilled."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the prefill loop is not running; call start() first")
+        key = next(self._keys)
+        self.batcher.add(key, len(req.input_ids), time.monotonic())
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[key] = _Pending(req, fut)
+        self._wake.set()
+        try:
+            return await fut
+        finally:
+            if self._pending.pop(key, None) is not None:  # cancelled while queued
+                self.batcher.remove(key)
+
+    async def _worker(self) -> None:
+        while True:
+            plan = self.batcher.next_batch(time.monotonic())
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._running = [self._pending.pop(k) for k in plan.request_ids]
+            try:
+                await self._run(self._running)
+            finally:
+                self._running = []
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(self._pool, self._run_sync, [p.req for p in batch])
+        except Exception as e:  # noqa: BLE001 - every request of the batch learns why
+            log.exception("prefill batch of %d failed", len(batch))
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return
+        ms = (out.t1 - out.t0) * 1000
+        for p, o in zip(batch, out.outcomes):
+            if p.future.done():
+                continue
+            if isinstance(o, ValueError):
+                p.future.set_exception(o)
+            else:
+                p.future.set_result(PrefilledOne(o[0], o[1], ms, out.forward_size))
+        if self._on_busy is not None:
+            try:
+                self._on_busy(out.t0, out.t1)
+            except Exception:  # noqa: BLE001 - a tracing hook must never stop prefill
+                log.exception("prefill on_busy hook failed")
+
+    def _run_sync(self, reqs: list[PrefillRequest]) -> _BatchOut:
+        """Executor thread: check each request, one forward for the good ones, first tokens."""
+        t0 = time.monotonic()
+        outcomes: list = [None] * len(reqs)
+        good = []
+        for i, r in enumerate(reqs):
+            try:
+                self.adapter.check_prefill(r)
+            except InvalidRequest as e:
+                outcomes[i] = e
+            else:
+                good.append(i)
+        if good:
+            with self._scope():
+                results = self.adapter.prefill([reqs[i] for i in good])
+                logits = torch.stack([r.last_logits for r in results])
+                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good))
+            for i, res, tok in zip(good, results, firsts):
+                outcomes[i] = (res, int(tok))
+        return _BatchOut(outcomes, t0, time.monotonic(), len(good))

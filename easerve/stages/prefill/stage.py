@@ -1,0 +1,137 @@
+"""Prefill as a stage: batch-prefill, send the first token up at once, hand the KV to the
+decode instance that holds the request's reservation, and let go.
+
+Used by the prefill service and by the encode service's co-located prefill, so a local
+and a remote prefill behave exactly alike downstream. The stream `run()` yields carries
+one chunk (the first token, its text, and the finish reason when the request ends right
+there) and ends once decode has the KV: the tokens after the first go from decode
+straight to the gateway, so prefill holds nothing for a request that is decoding.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from easerve.engine.logprobs import token_logprobs
+from easerve.engine.stops import StopRules
+from easerve.wire.protoconv import token_chunk
+from easerve.rpc.deadline import Deadline
+from easerve.rpc.errors import InvalidRequest, from_rpc_error
+from easerve.stages.common.limits import InflightLimit
+from easerve.stages.common.peers import Peers, peers_of
+from easerve.stages.prefill.loop import PrefillLoop
+from easerve.transport.handoff import KVSenders
+from easerve.types import KVPayload, PrefillRequest
+from easerve.wire.v1 import common_pb2 as cpb
+from easerve.wire.v1 import decode_pb2
+
+PROMPT_TAIL = 8  # prompt tokens that seed the detokenizer (context for the first token's text)
+
+
+def prompt_tail(input_ids) -> list[int]:
+    """The one home of the detokenizer's prompt context (prefill's first token, decode's rest)."""
+    return list(input_ids[-PROMPT_TAIL:])
+
+
+class PrefillStage:
+    def __init__(self, loop: PrefillLoop, decode: Peers, senders: KVSenders, eos_ids, tokenizer,
+                 max_inflight: int = 512, metrics=None):
+        """`decode`: the instances this prefill may hand KV to (requests name one of them);
+        `metrics`: an easerve.stages.common.metrics.PrefillMetrics (or None)."""
+        self.loop, self.decode, self.senders = loop, decode, senders
+        self.eos, self.tokenizer, self.m = tuple(eos_ids), tokenizer, metrics
+        self.limit = InflightLimit(max_inflight, "prefill")
+        self.local_submit = None  # a monolith: every KV goes to this process's own engine
+
+    def decode_in_process(self, submit) -> None:
+        """Hand every KV to `await submit(payload)` (this process's engine), no transport:
+        the monolith, whose reservations the gateway always makes on this very process."""
+        self.local_submit = submit
+
+    def start(self) -> None:
+        self.loop.start()
+        self.decode.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+        await self.decode.close()
+        await self.senders.close()
+
+    async def _target(self, addr: str):
+        peer = await self.decode.lookup(addr)
+        if peer is None:
+            raise InvalidRequest(f"decode target {addr or '(none)'!r} is not one of this prefill's decode "
+                                 f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
+        return peer
+
+    async def run(self, req: PrefillRequest, target: str, deadline: Deadline,
+                  **timings: float) -> AsyncIterator[cpb.TokenChunk]:
+        """Yield the first-token chunk; return once the KV is at `target` (a decode address)."""
+        with self.limit.admit():
+            peer = None if self.local_submit is not None else await self._target(target)
+            if peer is not None:
+                peer.outstanding += 1  # its channel stays open while this request needs it
+            try:
+                async for chunk in self._run(req, peer, deadline, timings):
+                    yield chunk
+            finally:
+                if peer is not None:
+                    self.decode.finish(peer)
+
+    async def _run(self, req: PrefillRequest, peer, deadline: Deadline,
+                   timings: dict) -> AsyncIterator[cpb.TokenChunk]:
+        one = await self.loop.prefill(req)
+        deadline.check("prefill")
+        if self.m is not None:
+            self.m.on_request(one.batch_size, one.result.prompt_len)
+        verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
+        usage = (one.result.prompt_len, 1) if verdict.finished else None
+        lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
+                                           [req.sampling.logprobs]) if lp is not None]
+        yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
+                          usage=usage, logprobs=lps, prefill_ms=one.prefill_ms, **timings)
+        if verdict.finished:
+            return  # the gateway ends its reservation at decode
+        r = one.result
+        payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
+                            req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))
+        await self._handoff(peer, payload, deadline)
+
+    async def _handoff(self, peer, payload: KVPayload, deadline: Deadline) -> None:
+        t0 = time.monotonic()
+        if peer is None:
+            await self.local_submit(payload)
+            if self.m is not None:
+                self.m.on_kv_handoff("in_process", time.monotonic() - t0)
+            return
+        msg, transport = await self.senders.send(peer.addr, payload, timeout=deadline.timeout())
+        meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
+        try:
+            await peer.stub.Submit(decode_pb2.DecodeRequest(meta=meta, kv=msg), timeout=deadline.timeout())
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            self.senders.release(transport, msg)
+        if self.m is not None:
+            self.m.on_kv_handoff(transport.name, time.monotonic() - t0)
+
+
+def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, scope=None, on_busy=None,
+                        metrics=None) -> PrefillStage:
+    """The prefill stage of a process from its config (a PrefillFields config): batched loop,
+    decode peers (polled for load and node identity), KV senders chosen per peer."""
+    from easerve.policy.prefill_plan import PrefillBatchConfig
+    from easerve.wire.v1 import decode_pb2_grpc
+
+    from easerve.rpc.tls import tls_of
+
+    tls = tls_of(cfg)
+    decode = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, channel_options, "easerve.v1.Decode",
+                      on_closed=lambda addr: senders.forget(addr), tls=tls)  # forget: a removed decode instance
+    senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options, tls=tls)
+    batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
+    loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy)
+    return PrefillStage(loop, decode, senders, adapter.eos_token_ids, adapter.tokenizer, cfg.max_inflight,
+                        metrics=metrics)

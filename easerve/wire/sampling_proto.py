@@ -1,0 +1,29 @@
+"""SamplingParams <-> `easerve.v1.SamplingParams`, torch-free (the SDK uses it too).
+
+`easerve.wire.protoconv` re-exports both functions with the rest of the proto <-> domain conversions.
+"""
+from __future__ import annotations
+
+from easerve.types import SamplingParams
+from easerve.wire.v1 import common_pb2 as cpb
+
+
+def sampling_to_proto(sp: SamplingParams) -> cpb.SamplingParams:
+    msg = cpb.SamplingParams(
+        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    return msg
+
+
+def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
+    """Proto -> SamplingParams; unset max_tokens / top_p take defaults. ValueError if invalid."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or default_max_tokens, temperature=round(msg.temperature, 6),
+        top_p=round(msg.top_p, 6) if msg.top_p else 1.0, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)

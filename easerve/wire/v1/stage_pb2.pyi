@@ -1,0 +1,43 @@
+from easerve.wire.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("stage", "inflight", "max_inflight", "queued", "node", "kv_free_tokens", "kv_total_tokens")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    inflight: int
+    max_inflight: int
+    queued: int
+    node: _common_pb2.NodeIdentity
+    kv_free_tokens: int
+    kv_total_tokens: int
+    def __init__(self, stage: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., queued: _Optional[int] = ..., node: _Optional[_Union[_common_pb2.NodeIdentity, _Mapping]] = ..., kv_free_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ...) -> None: ...
+
+class ShmProbeRequest(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: str
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class ShmProbeResponse(_message.Message):
+    __slots__ = ("readable",)
+    READABLE_FIELD_NUMBER: _ClassVar[int]
+    readable: bool
+    def __init__(self, readable: _Optional[bool] = ...) -> None: ...
