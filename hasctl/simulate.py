@@ -14,8 +14,15 @@ from pathlib import Path
 
 from easerve.sim import SimRequest, Topology, simulate
 from easerve.sim.model import ModelConfig
-from hasctl.bench import (BenchConfig, BenchResult, add_workload_args, count_from_args, slo_from_args, summary,
-                          workload_from_args)
+from hasctl.bench import (
+    BenchConfig,
+    BenchResult,
+    add_workload_args,
+    count_from_args,
+    slo_from_args,
+    summary,
+    workload_from_args,
+)
 from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
 from hasctl.deployment import STAGES, Deployment, _stage_config, preset
 from hasctl.profile import media_label
@@ -75,7 +82,7 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
             for i, (t, m) in enumerate(zip(times, modalities(spec, len(times), config.seed)))]
 
 
-def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig = ModelConfig()):
+def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None):
     """(BenchResult in hasctl bench's fields, the simulator's SimResult)."""
     result = simulate(topology(d), profile, sim_requests(config, profile), model)
     records = [RequestRecord.from_dict(r) for r in result.records]

@@ -8,7 +8,7 @@ order. The worker's busy / free transitions are explicit inputs here (`worker_bu
 from __future__ import annotations
 
 from collections import deque
-from typing import Hashable
+from collections.abc import Hashable
 
 from easerve.control.batcher import AdaptiveBatcher, BatcherConfig, Dispatch
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from easerve.control.clock import ManualClock
 

@@ -32,9 +32,9 @@ class ModelConfig:
 
 
 class ServiceModel:
-    def __init__(self, profile: Any, config: ModelConfig = ModelConfig()) -> None:
+    def __init__(self, profile: Any, config: ModelConfig | None = None) -> None:
         self.profile = profile
-        self.config = config
+        self.config = config or ModelConfig()
         self._cache: dict[tuple, float] = {}
         enc = profile.encode
         self._tokens = {(p.modality, p.media): p.tokens_per_item for p in (enc.by_size if enc else ())}

@@ -4,8 +4,9 @@ each encode instance's utilization trace (the encode service's `/trace` format).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from easerve.sim.events import EventQueue
 from easerve.sim.model import ModelConfig, ServiceModel, shares_compute
@@ -18,8 +19,19 @@ GATEWAY_DEVICE = "cpu"
 
 class Req:
     """One request's state while it is simulated."""
-    __slots__ = ("spec", "media_tokens", "prompt_tokens", "tokens", "end", "error", "error_kind", "done",
-                 "stage", "decode", "at_gateway")
+    __slots__ = (
+        "at_gateway",
+        "decode",
+        "done",
+        "end",
+        "error",
+        "error_kind",
+        "media_tokens",
+        "prompt_tokens",
+        "spec",
+        "stage",
+        "tokens",
+    )
 
     def __init__(self, spec: SimRequest, media_tokens: int) -> None:
         self.spec = spec
@@ -63,9 +75,9 @@ class SimResult:
 
 
 class Sim:
-    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig = ModelConfig()) -> None:
+    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None) -> None:
         self.topology = topology
-        self.model = ServiceModel(profile, model_config)
+        self.model = ServiceModel(profile, model_config or ModelConfig())
         self.events = EventQueue()
         self.gateway_device = GATEWAY_DEVICE
         self.gateway = Gateway(self, topology.gateway)
@@ -145,6 +157,6 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig = ModelConfig()) -> SimResult:
+             model_config: ModelConfig | None = None) -> SimResult:
     """Run `requests` through `topology` with service times from `profile`."""
     return Sim(topology, profile, model_config).run(requests)

@@ -11,14 +11,21 @@ the services: a full gateway / encode / prefill (`--max-inflight`) or decode que
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from easerve.control.placement import Candidate, LeastLoaded
 from easerve.control.prefill_batch import PrefillBatcher, PrefillBatchPlan
 from easerve.control.trace import UtilizationTrace
 from easerve.engine.errors import Overloaded, RequestTooLarge
 from easerve.sim.encode import EncodeBatching
-from easerve.sim.topology import batcher_config, partitioner, prefill_batch_config, router, scheduler
+from easerve.sim.topology import (
+    batcher_config,
+    partitioner,
+    prefill_batch_config,
+    router,
+    scheduler,
+)
 
 if TYPE_CHECKING:
     from easerve.sim.run import Req, Sim

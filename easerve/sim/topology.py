@@ -7,14 +7,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from easerve.control.batcher import BatcherConfig
-from easerve.control.partitioner import TIMESLICE, Allocation, PartitionerConfig, SMPartitioner, profile as sm_profile
+from easerve.control.partitioner import (
+    TIMESLICE,
+    Allocation,
+    PartitionerConfig,
+    SMPartitioner,
+)
+from easerve.control.partitioner import profile as sm_profile
 from easerve.control.prefill_batch import PrefillBatchConfig
 from easerve.control.router import DeficitRouter
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.config import DEFAULT_CPU_KV_BYTES, GIB, EngineConfig
 from easerve.engine.scheduler import Scheduler
-from easerve.stages.configs import (DEFAULT_MAX_MODEL_LEN, DecodeConfig, EncodeConfig, GatewayConfig, MonolithConfig,
-                                    PrefillConfig)
+from easerve.stages.configs import (
+    DEFAULT_MAX_MODEL_LEN,
+    DecodeConfig,
+    EncodeConfig,
+    GatewayConfig,
+    MonolithConfig,
+    PrefillConfig,
+)
 
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024  # when the profile has no transfer section
 DEFAULT_GPU_KV_GB = 40.0                # KV budget of a gpu_memory_utilization-sized decode (no device to ask)

@@ -4,7 +4,13 @@ from __future__ import annotations
 import random
 
 from easerve.sim import SimRequest, Topology
-from easerve.stages.configs import DecodeConfig, EncodeConfig, GatewayConfig, MonolithConfig, PrefillConfig
+from easerve.stages.configs import (
+    DecodeConfig,
+    EncodeConfig,
+    GatewayConfig,
+    MonolithConfig,
+    PrefillConfig,
+)
 
 A = ("127.0.0.1:1",)
 

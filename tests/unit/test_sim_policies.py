@@ -67,7 +67,7 @@ def test_swapping_a_policy_changes_the_simulated_result():
     single = simulate(topo(enc={"max_batch": 1, "batch_mode": "request_at_a_time"}), prof, reqs)
     assert {d.reason for d in single.dispatches["encode-0"]} == {"single"}
     assert max(d.size for d in adaptive.dispatches["encode-0"]) > 1
-    ttft = lambda r: sorted(x["chunk_s"][0] - x["sent_s"] for x in r.records)[150]  # noqa: E731
+    ttft = lambda r: sorted(x["chunk_s"][0] - x["sent_s"] for x in r.records)[150]
     assert ttft(adaptive) != ttft(single)
     half = simulate(topo(enc={"colocate_prefill": True, "remote_fraction": 0.5}), prof, reqs)
     most = simulate(topo(enc={"colocate_prefill": True, "remote_fraction": 0.9}), prof, reqs)
