@@ -3,7 +3,8 @@
 Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
 default tiny model), up (launch a deployment), profile (each stage's capacity alone, into a
 profile file), screen (drop allocations that cannot carry a rate), bench (open-loop load
-against an OpenAI-compatible endpoint), tune (Optuna search of allocation x B x s for the most
+against an OpenAI-compatible endpoint), simulate (the same, predicted by the
+discrete-event simulator from a profile), tune (Optuna search of allocation x B x s for the most
 goodput, each trial a real launch), report (plots and a table from bench results), compose
 (a compose file of a deployment), k8s (its Kubernetes manifests). Each
 subcommand lives in its own module and registers itself through `add_parser(subparsers)`.
@@ -15,9 +16,9 @@ import signal
 import sys
 import threading
 
-from hasctl import bench, compose, demo, k8s, profile, report, screen, tiny_cmd, tune, up_cmd
+from hasctl import bench, compose, demo, k8s, profile, report, screen, simulate, tiny_cmd, tune, up_cmd
 
-COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench, tune, report, compose, k8s]
+COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench, simulate, tune, report, compose, k8s]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -252,6 +252,74 @@ class Profiler:
         return t_first - t0, (t_last - t_first) / (n_out - 1), len(prompt.input_ids)
 
 
+    # ---- revision 2: gateway preprocessing, transfers, interference ------------------------------
+    def measure_gateway(self) -> list[pf.GatewayPoint]:
+        """The encode adapter's preprocess (chat template, tokenizer, HF processor) of one request
+        per media size, and of a text-only one: what the gateway spends per request."""
+        from hasctl.workload import text_of
+        out = []
+        for mod in self.modalities + ("text",):
+            for size in (None,) if mod == "text" else sizes_of(self.plan, mod):
+                content = ([] if size is None else [media_part(mod, size)]) + [{"type": "text", "text": text_of(32, 0)}]
+                msgs = [{"role": "user", "content": content}]
+                out.append(pf.GatewayPoint(mod, "" if size is None else media_label(mod, size),
+                                           self._time(lambda m=msgs: self.enc.preprocess(m))))
+        return out
+
+    def measure_transfer(self) -> pf.Transfer:
+        """Bytes per token from the model's config and dtype; same_host: a plain memory copy of
+        64 MiB (what shared memory costs); same_device: a device-to-device copy on CUDA, the same
+        memory copy on CPU. other_host is not measurable on one machine and is left out."""
+        import torch
+        from easerve.engine.kv_pool import KVLayout
+        dtype = self.lm.dtype
+        kv = KVLayout.from_text_config(self.lm.text_config, dtype, "cpu").bytes_per_token
+        embed = self.lm.text_config.hidden_size * torch.empty((), dtype=dtype).element_size()
+        n = 64 << 20
+        src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        host = n / self._time(lambda: dst.copy_(src)) / 1e9
+        links = [pf.LinkPoint("same_host", host)]
+        if self.device.startswith("cuda"):
+            a = torch.empty(n, dtype=torch.uint8, device=self.device)
+            b = torch.empty_like(a)
+            links.append(pf.LinkPoint("same_device", n / self._time(lambda: b.copy_(a)) / 1e9))
+        else:
+            links.append(pf.LinkPoint("same_device", host))
+        return pf.Transfer(embed, kv, tuple(links))
+
+    def measure_interference(self) -> list[pf.Interference]:
+        """Encode of the reference batch while a prefill runs in another thread on the same
+        device (and the reverse), over each alone: the slowdown of sharing it uncontrolled."""
+        import threading
+        if not self.modalities:
+            return []
+        ref = self.modalities[0]
+        items = [self._item(ref, reference_size(self.plan, ref)) for _ in range(max(self.plan.encode_batches))]
+        reqs = self._prefill_reqs(max(self.plan.prompt_lens), 1)
+        enc = lambda: self.enc.encode(items)  # noqa: E731
+        pre = lambda: self.lm.prefill(reqs)  # noqa: E731
+        alone = {"encode": self._time(enc), "prefill": self._time(pre)}
+        out = []
+        for stage, fn, other in (("encode", enc, pre), ("prefill", pre, enc)):
+            stop = threading.Event()
+
+            def busy(f=other) -> None:
+                while not stop.is_set():
+                    f()
+                    self._sync()
+            t = threading.Thread(target=busy, daemon=True)
+            t.start()
+            try:
+                shared = self._time(fn)
+            finally:
+                stop.set()
+                t.join()
+            out.append(pf.Interference(stage, "prefill" if stage == "encode" else "encode",
+                                       max(1.0, shared / alone[stage])))
+        self.tick("interference")
+        return out
+
+
 # ---- environment --------------------------------------------------------------------------------
 def hardware(device: str, devices: tuple[str, ...]) -> pf.Hardware:
     cpu = platform.processor() or "unknown"
@@ -330,11 +398,13 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
                      + len(prof.modalities) + 1)
         encode = prof.measure_encode() if prof.modalities else None
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
+        gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()
     finally:
         bar.close()
     return pf.Profile(hardware(device, devices), versions(), model_info(model, prof.modalities), encode,
                       tuple(prefill), tuple(decode), tuple(unloaded), pf.tiers_from(unloaded, multipliers),
-                      datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), quick)
+                      datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), quick, revision=pf.REVISION,
+                      gateway=tuple(gateway), transfer=transfer, interference=tuple(interference))
 
 
 def add_parser(sub) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from hasctl.bench_metrics import SLO
 
 FORMAT = "easerve.profile/v1"
+REVISION = 2                      # additive revisions of v1: 2 adds gateway, transfer, interference
 TIERS = ("tight", "moderate", "loose")
 DEFAULT_MULTIPLIERS = {"tight": 2.0, "moderate": 4.0, "loose": 8.0}
 
@@ -197,6 +198,67 @@ def tiers_from(unloaded: Sequence[Unloaded], multipliers: dict[str, float] | Non
                                            for u in unloaded)) for name in TIERS)
 
 
+LINK_KINDS = ("same_device", "same_host", "other_host")
+STAGES = ("gateway", "encode", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class GatewayPoint:
+    """Revision 2: the gateway's preprocessing of one request (chat template, tokenizer, media
+    decode through the HF processor) for one modality and media size."""
+    modality: str
+    media: str                    # as in EncodeSizePoint ("" for text)
+    latency_s: float
+
+    def check(self, where: str) -> None:
+        _positive(f"{where}.latency_s", self.latency_s)
+
+
+@dataclass(frozen=True)
+class LinkPoint:
+    """Revision 2: bytes between two stages over one kind of link: `latency_s + bytes / (gb_per_s * 1e9)`."""
+    kind: str                     # same_device | same_host | other_host
+    gb_per_s: float
+    latency_s: float = 0.0
+    measured: bool = True         # False: a stated assumption (e.g. other_host on one machine)
+
+    def check(self, where: str) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ValueError(f"{where}.kind must be one of {list(LINK_KINDS)}, got {self.kind!r}")
+        _positive(f"{where}.gb_per_s", self.gb_per_s)
+        if isinstance(self.latency_s, bool) or not (isinstance(self.latency_s, (int, float)) and self.latency_s >= 0):
+            raise ValueError(f"{where}.latency_s must be seconds >= 0, got {self.latency_s!r}")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Revision 2: what moves between stages. Embedding rows and KV per prompt token, in bytes."""
+    embed_bytes_per_token: int
+    kv_bytes_per_token: int
+    links: tuple[LinkPoint, ...] = ()
+
+    def check(self, where: str) -> None:
+        _count(f"{where}.embed_bytes_per_token", self.embed_bytes_per_token)
+        _count(f"{where}.kv_bytes_per_token", self.kv_bytes_per_token)
+        for i, link in enumerate(self.links):
+            link.check(f"{where}.links[{i}]")
+
+
+@dataclass(frozen=True)
+class Interference:
+    """Revision 2: `stage`'s latency is multiplied by `slowdown` while `by` runs on the same
+    device (co-located encode + prefill on a GPU) or the same CPU cores."""
+    stage: str
+    by: str
+    slowdown: float
+
+    def check(self, where: str) -> None:
+        for name in ("stage", "by"):
+            if getattr(self, name) not in STAGES:
+                raise ValueError(f"{where}.{name} must be one of {list(STAGES)}, got {getattr(self, name)!r}")
+        _positive(f"{where}.slowdown", self.slowdown)
+
+
 @dataclass(frozen=True)
 class Profile:
     hardware: Hardware
@@ -210,6 +272,11 @@ class Profile:
     created_utc: str = ""
     quick: bool = False           # measured with --quick (few points, one repeat): for tests
     format: str = FORMAT
+    # revision 2 (all optional: a revision-1 file loads with none of them)
+    revision: int = 1
+    gateway: tuple[GatewayPoint, ...] = ()
+    transfer: Transfer | None = None
+    interference: tuple[Interference, ...] = ()
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:
@@ -227,6 +294,14 @@ class Profile:
             raise ValueError(f"tiers must be exactly {list(TIERS)}, got {names}")
         for t in self.tiers:
             t.check(f"tiers.{t.name}")
+        if self.revision not in (1, REVISION):
+            raise ValueError(f"revision must be 1 or {REVISION}, got {self.revision!r}; re-run hasctl profile")
+        for i, g in enumerate(self.gateway):
+            g.check(f"gateway[{i}]")
+        if self.transfer is not None:
+            self.transfer.check("transfer")
+        for i, x in enumerate(self.interference):
+            x.check(f"interference[{i}]")
 
     # ---- lookups (what screen, the simulator and admission call) ------------------------------
     def encode_latency(self, batch_size: int, share: float = 1.0, modality: str | None = None,
@@ -273,6 +348,24 @@ class Profile:
         at = self._decode_at(context_len)
         pts = [p for p in at if max_batch is None or p.batch_size <= max_batch] or at[:1]
         return max(p.tokens_per_s for p in pts)
+
+    def gateway_latency(self, modality: str, media: str | None = None) -> float:
+        """Seconds the gateway preprocesses one request: the point of this modality and media,
+        else the mean of the modality's points; 0.0 when the profile has none (revision 1)."""
+        pts = [g for g in self.gateway if g.modality == modality]
+        exact = [g for g in pts if g.media == media]
+        use = exact or pts
+        return sum(g.latency_s for g in use) / len(use) if use else 0.0
+
+    def link(self, kind: str) -> LinkPoint | None:
+        """The measured (or stated) link of this kind, or None."""
+        if kind not in LINK_KINDS:
+            raise ValueError(f"link kind must be one of {list(LINK_KINDS)}, got {kind!r}")
+        return next((x for x in self.transfer.links if x.kind == kind), None) if self.transfer else None
+
+    def slowdown(self, stage: str, by: str) -> float:
+        """Latency factor of `stage` while `by` shares its device or cores (1.0 when not profiled)."""
+        return next((x.slowdown for x in self.interference if x.stage == stage and x.by == by), 1.0)
 
     def unloaded_for(self, modality: str) -> Unloaded:
         for u in self.unloaded:

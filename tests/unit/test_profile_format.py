@@ -68,3 +68,27 @@ def test_validation_names_the_field_and_what_to_change(tmp_path):
         load(tmp_path / "x.json")
     with pytest.raises(ValueError, match="unknown SLO tier"):
         make_profile().slo("strict")
+
+
+def test_revision_2_sections_round_trip_and_revision_1_still_loads(tmp_path):
+    from hasctl.profile_format import GatewayPoint, Interference, LinkPoint, Transfer
+    old = make_profile()
+    raw = json.loads(json.dumps(old.to_dict()))
+    for k in ("revision", "gateway", "transfer", "interference"):
+        raw.pop(k)
+    v1 = Profile.from_dict(raw)  # a file written before revision 2
+    assert v1.revision == 1 and v1.gateway_latency("image", "224x224") == 0.0
+    assert v1.link("same_host") is None and v1.slowdown("encode", "prefill") == 1.0
+    new = dataclasses.replace(old, revision=2, gateway=(GatewayPoint("image", "224x224", 0.02),
+                                                        GatewayPoint("image", "448x448", 0.06)),
+                              transfer=Transfer(4096, 16384, (LinkPoint("same_host", 8.0, 1e-4),
+                                                              LinkPoint("other_host", 12.5, 5e-5, measured=False))),
+                              interference=(Interference("encode", "prefill", 1.7),))
+    back = load(dump(new, tmp_path / "p.json"))
+    assert back == new
+    assert back.gateway_latency("image", "224x224") == 0.02 and back.gateway_latency("image", "1x1") == 0.04
+    assert back.link("same_host").gb_per_s == 8.0 and back.slowdown("encode", "prefill") == 1.7
+    bad = json.loads(json.dumps(back.to_dict()))
+    bad["transfer"]["links"][0]["kind"] = "carrier_pigeon"
+    with pytest.raises(ValueError, match=r"transfer.links\[0\].kind"):
+        Profile.from_dict(bad)
