@@ -1,6 +1,6 @@
 """Every call the simulator makes into the encode batcher goes through `EncodeBatching`.
 
-Today's live loop (easerve/stages/encode_loop.py) queues each dispatch the batcher decides
+Today's live loop (easerve/stages/encode/loop.py) queues each dispatch the batcher decides
 (at an arrival or when its gap / cap timer is due) and its one encode worker runs them in
 order. The worker's busy / free transitions are explicit inputs here (`worker_busy`,
 `worker_free`), so a work-conserving batcher that is told them adapts this one class.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
-from easerve.control.batcher import AdaptiveBatcher, BatcherConfig, Dispatch
+from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig, Dispatch
 
 
 class EncodeBatching:

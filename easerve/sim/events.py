@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from easerve.control.clock import ManualClock
+from easerve.policy.clock import ManualClock
 
 
 class EventQueue:

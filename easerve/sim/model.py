@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from easerve.stages.configs import cpu_cores
+from easerve.stages.common.configs import cpu_cores
 
 DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists no by_size point for it
 

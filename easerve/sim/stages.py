@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from easerve.control.placement import Candidate, LeastLoaded
-from easerve.control.prefill_batch import PrefillBatcher, PrefillBatchPlan
-from easerve.control.trace import UtilizationTrace
-from easerve.engine.errors import Overloaded, RequestTooLarge
+from easerve.policy.placement import Candidate, LeastLoaded
+from easerve.policy.prefill_plan import PrefillBatcher, PrefillBatchPlan
+from easerve.stages.encode.trace import UtilizationTrace
+from easerve.errors import Overloaded, RequestTooLarge
 from easerve.sim.encode import EncodeBatching
 from easerve.sim.topology import (
     batcher_config,

@@ -1,25 +1,25 @@
 """The deployment the simulator runs, as the stages' own frozen configs, and the live policy
-objects built from them exactly as the services build theirs (services/encode/__main__.py,
-services/encode/colocate.py, easerve/stages/prefill_stage.py, services/decode/__main__.py)."""
+objects built from them exactly as the services build theirs (easerve/stages/encode/app.py,
+easerve/stages/encode/colocate.py, easerve/stages/prefill/stage.py, easerve/stages/decode/app.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from easerve.control.batcher import BatcherConfig
-from easerve.control.partitioner import (
+from easerve.policy.batcher import BatcherConfig
+from easerve.policy.partitioner import (
     TIMESLICE,
     Allocation,
     PartitionerConfig,
     SMPartitioner,
 )
-from easerve.control.partitioner import profile as sm_profile
-from easerve.control.prefill_batch import PrefillBatchConfig
-from easerve.control.router import DeficitRouter
+from easerve.policy.partitioner import profile as sm_profile
+from easerve.policy.prefill_plan import PrefillBatchConfig
+from easerve.policy.router import DeficitRouter
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.config import DEFAULT_CPU_KV_BYTES, GIB, EngineConfig
 from easerve.engine.scheduler import Scheduler
-from easerve.stages.configs import (
+from easerve.stages.common.configs import (
     DEFAULT_MAX_MODEL_LEN,
     DecodeConfig,
     EncodeConfig,
@@ -94,7 +94,7 @@ def no_partition() -> Allocation:
 
 
 def engine_config(cfg: DecodeConfig | MonolithConfig, gpu_kv_gb: float) -> EngineConfig:
-    """As services/decode/__main__.py's engine_config, with the model's length 4096 and, for a
+    """As easerve/stages/decode/app.py's engine_config, with the model's length 4096 and, for a
     GPU sized by --gpu-memory-utilization, a stated KV budget."""
     common = dict(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
                   max_seq_len=cfg.max_seq_len or DEFAULT_MAX_MODEL_LEN, block_size=cfg.block_size,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from easerve.sim import SimRequest, Topology
-from easerve.stages.configs import (
+from easerve.stages.common.configs import (
     DecodeConfig,
     EncodeConfig,
     GatewayConfig,

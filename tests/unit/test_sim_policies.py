@@ -2,8 +2,8 @@
 and changing a policy's configuration changes the simulated result."""
 from __future__ import annotations
 
-from easerve.control.batcher import AdaptiveBatcher
-from easerve.control.router import DeficitRouter
+from easerve.policy.batcher import AdaptiveBatcher
+from easerve.policy.router import DeficitRouter
 from easerve.sim import simulate
 from easerve.sim.topology import batcher_config
 from tests.profiles import make_profile
