@@ -276,7 +276,7 @@ class Profile:
                                  f"before {FORMAT}: delete it (the worker then measures its encode grid again "
                                  f"at start and writes {FORMAT} there), or give a file from hasctl profile")
             raise ValueError(f"not a {FORMAT} profile (format: {got!r}); write one with hasctl profile")
-        return _parse(json.dumps(data, allow_nan=False))
+        return _parse(json.dumps(data))
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float:
@@ -338,7 +338,7 @@ def _parse(text: str) -> Profile:
 
 def _describe(err: dict) -> str:
     """One pydantic error as `field.path[i]: what is wrong, got X; what to change`."""
-    loc = [x for x in err["loc"] if x not in ("function-after[__post_init__()]",)]
+    loc = err["loc"]
     path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "profile"
     kind = err["type"]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
@@ -349,5 +349,5 @@ def _describe(err: dict) -> str:
         return f"{parent or 'profile'}: missing key {key!r}; {HINT}"
     msg = err["msg"].removeprefix("Value error, ")
     if kind == "value_error":
-        return f"{path}: {msg}"
+        return f"{path}: {msg}" if loc else msg
     return f"{path}: {msg.replace('Input should be', 'must be')}, got {err.get('input')!r}; {HINT}"

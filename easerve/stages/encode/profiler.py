@@ -40,6 +40,8 @@ def synthetic_part(modality: str, size=None, seed: int = 0) -> dict:
     """A chat content part of seeded random media (what the gateway hands the HF processor):
     image (W, H), video (frames, W, H), audio seconds at 16 kHz; `size` None = STARTUP_MEDIA."""
     import numpy as np
+    if modality not in STARTUP_MEDIA:
+        raise ValueError(f"no synthetic media for modality {modality!r}; choose one of {sorted(STARTUP_MEDIA)}")
     size = STARTUP_MEDIA[modality] if size is None else size
     rng = np.random.default_rng(seed)
     if modality == "image":
@@ -48,9 +50,7 @@ def synthetic_part(modality: str, size=None, seed: int = 0) -> dict:
     if modality == "video":
         f, w, h = size
         return {"type": "video", "video": rng.integers(0, 256, (f, h, w, 3), dtype=np.uint8)}
-    if modality == "audio":
-        return {"type": "audio", "audio": (0.1 * rng.standard_normal(int(16000 * size))).astype(np.float32)}
-    raise ValueError(f"no synthetic media for modality {modality!r}; choose image, video or audio")
+    return {"type": "audio", "audio": (0.1 * rng.standard_normal(int(16000 * size))).astype(np.float32)}
 
 
 def synthetic_item(adapter, modality: str | None = None, size=None, seed: int = 0):
