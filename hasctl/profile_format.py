@@ -189,7 +189,7 @@ class Profile:
         if sorted(names) != sorted(TIERS):
             raise ValueError(f"tiers must be exactly {list(TIERS)}, got {names}")
 
-    # ---- lookups (what screen, the simulator and admission call) ------------------------------
+    # ---- lookups (what hasctl screen calls) ----------------------------------------------------
     def encode_latency(self, batch_size: int, share: float = 1.0, modality: str | None = None,
                        media: str | None = None) -> float:
         """Seconds for one encode call of `batch_size` items. The grid gives the reference media;
