@@ -134,7 +134,7 @@ def test_latency_grid_and_colocation_gain(backend, weights) -> None:
     d, t = results["dynamic"], results["timeslice"]
     ratios = {"encode_p50_speedup_vs_timeslice": round(t["encode_p50_ms"] / d["encode_p50_ms"], 3),
               "makespan_ratio_vs_timeslice": round(t["makespan_ms"] / d["makespan_ms"], 3)}
-    print(f"[{table.device}] co-location " + json.dumps({**ratios, **results}))
+    print(f"[{torch.cuda.get_device_name(0)}] co-location " + json.dumps({**ratios, **results}))
     for r in results.values():
         assert r["encode_p50_ms"] > 0 and r["makespan_ms"] > 0
 
