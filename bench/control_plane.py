@@ -14,7 +14,7 @@ import random
 import time
 
 from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
-from easerve.policy.partitioner import SMPartitioner, profile
+from easerve.policy.partitioner import SMPartitioner, measure_grid
 from easerve.policy.router import DeficitRouter, RandomRouter, max_prefix_error
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     a = ap.parse_args()
 
     times = arrivals(a.n, a.rate)
-    part = SMPartitioner(profile(lambda b, s: 0.01 * b / min(1.0, s / min(1.0, 0.15 * b)), [1, 2, 4, 8]))
+    part = SMPartitioner(measure_grid(lambda b, s: 0.01 * b / min(1.0, s / min(1.0, 0.15 * b)), [1, 2, 4, 8]))
     cfg = BatcherConfig(max_batch=a.max_batch)
     secs, det_routes, batches = replay(times, AdaptiveBatcher(cfg), DeficitRouter(a.s), part)
     rnd_secs, rnd_routes, _ = replay(times, AdaptiveBatcher(cfg), RandomRouter(a.s, seed=0), part)

@@ -25,7 +25,7 @@ from hasctl.bench import (
 )
 from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
 from hasctl.deployment import STAGES, Deployment, _stage_config, preset
-from hasctl.profile import media_label
+from easerve.stages.encode.profiler import media_label
 from hasctl.workload import WorkloadSpec, arrival_times, load_dataset, modalities
 
 ENDPOINT = "simulated"

@@ -137,7 +137,7 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
     from hasctl.bench import BenchConfig, run_bench
     from hasctl.launch import Stack, StageExited
 
-    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "sm-profiles")
+    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "encode-profiles")
     stack = Stack(d, run_dir=run_dir, env={"EASERVE_TUNE_RUN": str(Path(cfg.run_dir).resolve())})
     try:
         try:

@@ -29,6 +29,7 @@ torch is imported lazily, and only by the CUDA code paths.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -348,9 +349,9 @@ class PartitionController:
             yield level
 
     def describe(self) -> dict[str, Any]:
-        table = self.partitioner.table
+        grid = self.partitioner.grid
         return {**self.backend.describe(), "policy": self.partitioner.policy, "note": self.note,
-                "profile": None if table is None else table.to_json(),
+                "latency_grid": None if grid is None else dataclasses.asdict(grid),
                 "requested": None if self.requested is None else vars(self.requested),
                 "last": None if self.last is None else vars(self.last)}
 

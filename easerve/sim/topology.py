@@ -13,7 +13,7 @@ from easerve.policy.partitioner import (
     PartitionerConfig,
     SMPartitioner,
 )
-from easerve.policy.partitioner import profile as sm_profile
+from easerve.policy.partitioner import measure_grid
 from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.policy.router import DeficitRouter
 from easerve.engine.block_manager import BlockManager
@@ -77,7 +77,7 @@ def partition_policy(cfg: EncodeConfig) -> str:
 
 
 def partitioner(cfg: EncodeConfig, profile: Any):
-    """SMPartitioner of a co-located encode, its dynamic table made from the profile's grid
+    """SMPartitioner of a co-located encode, its latency grid read from the profile
     (what the service measures at start-up); None without co-located prefill."""
     if not cfg.colocate_prefill:
         return None
@@ -85,8 +85,8 @@ def partitioner(cfg: EncodeConfig, profile: Any):
     if config.policy != "dynamic":
         return SMPartitioner(None, config)
     shares = profile.encode.shares if profile.encode is not None else (1.0,)
-    table = sm_profile(lambda b, s: profile.encode_latency(b, s), cfg.batch_sizes, shares)
-    return SMPartitioner(table, config)
+    grid = measure_grid(lambda b, s: profile.encode_latency(b, s), cfg.batch_sizes, shares)
+    return SMPartitioner(grid, config)
 
 
 def no_partition() -> Allocation:

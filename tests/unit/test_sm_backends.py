@@ -10,7 +10,7 @@ import pytest
 
 from easerve.partition.backends import CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
 from easerve.partition.green_contexts import GreenContextBackend
-from easerve.policy.partitioner import Allocation, SMPartitioner, profile
+from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
 from easerve.partition.backends import BackendUnavailable
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
@@ -56,7 +56,7 @@ def fake_latency(b: int, share: float) -> float:
 def test_affinity_follows_every_batch() -> None:
     enc, pre = start_worker(), start_worker()
     backend = CpuAffinityBackend()
-    part = SMPartitioner(profile(fake_latency, [1, 2, 4, 8]))
+    part = SMPartitioner(measure_grid(fake_latency, [1, 2, 4, 8]))
     try:
         backend.bind("encode", enc.tid)
         backend.bind("prefill", pre.tid)
@@ -181,7 +181,7 @@ def test_select_backend_falls_back_with_reason(tmp_path) -> None:
 def test_partition_controller_moves_an_unbound_encode_thread() -> None:
     if not hasattr(os, "sched_setaffinity") or len(ALLOWED) < 2:
         pytest.skip("needs Linux and >= 2 allowed cores")
-    part = SMPartitioner(profile(fake_latency, [1, 8]))
+    part = SMPartitioner(measure_grid(fake_latency, [1, 8]))
     ctl = PartitionController(part, CpuAffinityBackend())
     before = os.sched_getaffinity(0)
     with ctl.encode_scope(1) as lv:
