@@ -39,6 +39,14 @@ DispatchReason = Literal["size", "gap", "cap", "single", "idle", "flush"]
 MODES: tuple[str, ...] = ("adaptive", "fixed", "request_at_a_time", "continuous")  # the --batch-mode choices
 
 
+def batch_limit(mode: str, max_batch: int | None) -> int | None:
+    """The largest batch `mode` ever runs: 1 for request_at_a_time, else `max_batch`
+    (None: no limit given)."""
+    if mode not in MODES:
+        raise ValueError(f"batch mode must be one of {MODES}, got {mode!r}")
+    return 1 if mode == "request_at_a_time" else max_batch
+
+
 @dataclass(frozen=True)
 class BatcherConfig:
     """Knobs of one encode worker's batcher. The gap threshold is gap_coef / lambda clamped
