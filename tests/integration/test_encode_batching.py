@@ -87,7 +87,6 @@ def test_requests_faster_than_one_encode_leave_together(two_encoders):
     assert len(done) == N and all(c.text is not None for c in done)
     after = {n: batch_sizes(stack, n) for n in names}
     delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in names}
-    print(delta)
     assert sum(d["sum"] for d in delta.values()) == N, delta
     for n, d in delta.items():
         assert d["sum"] >= 4, f"{n} got too few requests to judge: {delta}"
