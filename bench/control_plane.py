@@ -31,9 +31,10 @@ def replay(times: list[float], batcher: AdaptiveBatcher, router, part: SMPartiti
     routes: list[str] = []
     batches = 0
 
-    def run(d) -> None:
+    def run(d) -> None:  # a worker that finishes each batch at once (decisions only are timed)
         nonlocal batches
         batches += 1
+        batcher.on_free(d.at)
         part.choose(d.size)
         for _ in d.item_ids:
             routes.append(router.route())

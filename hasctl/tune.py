@@ -1,4 +1,4 @@
-"""`hasctl tune`: search allocation x B x s for the most goodput at a rate, on real deployments.
+"""`hasctl tune`: search allocation x batch mode x B x s for the most goodput at a rate, on real deployments.
 
 Optuna TPE (seeded, ask/tell) over `hasctl.tune_space`. Each trial builds the Deployment, starts
 it with `hasctl.launch.Stack`, sends a few warm-up requests, replays the same seeded workload
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from easerve.policy.batcher import MODES as BATCH_MODES
 from hasctl.bench_metrics import SLO
 from hasctl.deployment import Deployment, GatewaySpec
 from hasctl.tune_space import (BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations,
@@ -75,6 +76,7 @@ class TuneConfig:
         return {"model": self.model, "rate": self.rate, "num_requests": self.num_requests, "seed": self.seed,
                 "workload": json_safe(dataclasses.asdict(self.workload)), "slo": self.slo.to_dict(),
                 "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
+                "batch_modes": list(space.batch_modes),
                 "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos,
                 **({"evaluator": self.evaluator} if self.evaluator != "live" else {})}  # old live studies resume
 
@@ -298,7 +300,7 @@ def best_deployment(study) -> Deployment | None:
 
 # ---- command line ------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="search allocation x B x s for the most goodput (Optuna TPE, real launches)")
+    p = sub.add_parser("tune", help="search allocation x batch mode x B x s for the most goodput (Optuna TPE, real launches)")
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--rate", type=float, required=True, help="arrival rate every trial replays, requests/s")
     p.add_argument("--trials", type=int, default=30, help="trials to run now (a resumed study adds these)")
@@ -324,6 +326,8 @@ def add_parser(sub) -> None:
     p.add_argument("--instances", type=int, default=None,
                    help="most E+P+D instances per allocation (default: max(3, number of devices))")
     p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="B values to try")
+    p.add_argument("--batch-modes", default=",".join(BATCH_MODES),
+                   help=f"encode batch modes to try, a subset of {','.join(BATCH_MODES)}")
     p.add_argument("--no-monolith", action="store_true", help="leave the monolith candidate out")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help="placements to try: split (instances round-robin over the devices), shared (all on all "
@@ -370,9 +374,10 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
         say(f"no --profile: all {len(allocs)} allocations of 2..{instances} instances are tried (no screening)")
     batch = tuple(_ints(args.batch_sizes, "--batch-sizes"))
     places = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    modes = tuple(m.strip() for m in args.batch_modes.split(",") if m.strip())
     if len(devices) == 1:  # one device: shared is split
         places = places[:1]
-    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places)
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes)
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> list:

@@ -179,6 +179,7 @@ class PrefillWorker:
     def _done(self, plan: PrefillBatchPlan, t0: float) -> None:
         now = self.sim.events.now()
         self.busy = False
+        self.planner.on_free(now)  # the live planner is work-conserving: it plans again once told
         self.compute.busy_kind = None
         if self.host is not None:
             a = self.host.alloc
@@ -265,6 +266,7 @@ class EncodeInstance:
             reqs = [r for r in (self.reqs.pop(i, None) for i in d.item_ids) if r is not None]
             if reqs:
                 break
+            self.batching.worker_free(self.sim.events.now())  # every item was cancelled: free at once
         now = self.sim.events.now()
         self.alloc = self.partitioner.choose(len(reqs)) if self.partitioner is not None else None
         share = self.alloc.encode_share if self.alloc is not None else 1.0
@@ -277,7 +279,6 @@ class EncodeInstance:
         self.busy = True
         self.compute.busy_kind = "encode"
         self.compute.busy_s += t
-        self.batching.worker_busy(now)
         self.sim.events.after(t, self._done, reqs, now, share)
 
     def _done(self, reqs: list[Req], t0: float, share: float) -> None:

@@ -2,6 +2,8 @@
 and changing a policy's configuration changes the simulated result."""
 from __future__ import annotations
 
+import math
+
 from easerve.policy.batcher import AdaptiveBatcher
 from easerve.policy.router import DeficitRouter
 from easerve.sim import simulate
@@ -10,24 +12,36 @@ from tests.profiles import make_profile
 from tests.unit.sim_helpers import poisson, topo
 
 
-def live_dispatches(cfg, arrivals):
-    """The live batcher fed the arrivals, polled at every deadline as encode_loop's timer does."""
-    b, out = AdaptiveBatcher(batcher_config(cfg)), []
-    for rid, t in arrivals:
-        while (due := b.next_deadline(t)) is not None and due < t:
-            while (d := b.poll(max(due, 0.0))) is not None:
-                out.append(d)
-            if b.next_deadline(due) == due:
-                break
-        d = b.add(rid, t)
+def live_dispatches(cfg, arrivals, durations):
+    """The live batcher driven as encode_loop drives it: the arrivals, its deadlines while the
+    worker is free, and a worker that runs its n-th batch for durations[n] seconds, then says
+    on_free."""
+    b, out, i, now, free_at = AdaptiveBatcher(batcher_config(cfg)), [], 0, 0.0, None
+
+    def take(d, t):
+        nonlocal free_at
         if d is not None:
             out.append(d)
-    now = arrivals[-1][1]
-    while (due := b.next_deadline(now)) is not None:
-        now = max(now, due)
-        while (d := b.poll(now)) is not None:
-            out.append(d)
-    return [(d.item_ids, d.reason) for d in out]
+            free_at = t + durations[len(out) - 1]
+
+    for _ in range(100 * len(arrivals)):
+        due = b.next_deadline(now) if free_at is None else None
+        t_arrive = arrivals[i][1] if i < len(arrivals) else math.inf
+        t_free = math.inf if free_at is None else free_at
+        t_due = math.inf if due is None else max(due, now)
+        now = min(t_arrive, t_free, t_due)
+        if now == math.inf:
+            return [(d.item_ids, d.reason) for d in out]
+        if now == t_free:
+            free_at = None
+            b.on_free(now)
+            take(b.poll(now), now)
+        elif now == t_due:
+            take(b.poll(now), now)
+        else:
+            take(b.add(arrivals[i][0], now), now)
+            i += 1
+    raise AssertionError("the reference loop did not finish")
 
 
 def test_batcher_dispatches_are_the_live_batchers():
@@ -35,9 +49,13 @@ def test_batcher_dispatches_are_the_live_batchers():
     t = topo(enc={"max_batch": 4})
     res = simulate(t, make_profile(encode_s_per_item=0.002), reqs)
     got = [(d.item_ids, d.reason) for d in res.dispatches["encode-0"]]
-    want = live_dispatches(t.encode[0], [(r.index, r.arrival_s) for r in reqs])
+    spans = [s for s in res.traces["encode-0"]["spans"] if s["kind"] == "encode"]
+    assert [s["batch"] for s in spans] == [len(ids) for ids, _ in got]
+    assert all(abs((s["end"] - s["start"]) - 0.002 * s["batch"]) < 1e-9 for s in spans)  # the profile's cost
+    want = live_dispatches(t.encode[0], [(r.index, r.arrival_s) for r in reqs], [s["end"] - s["start"] for s in spans])
     assert got == want
     assert {r for _, r in got} >= {"size", "gap"}
+    assert max(len(ids) for ids, _ in got) == 4
 
 
 def test_router_fractions_are_the_deficit_routers():
