@@ -29,7 +29,7 @@ import numpy as np
 
 from easerve.cache.policy import HolderMap
 from easerve.cache.media_hash import assign_by_modality, media_hash, processor_fingerprint
-from easerve.rpc.errors import Unavailable
+from easerve.errors import Unavailable
 from easerve.types import MMItem, ProcessedPrompt
 from easerve.wire.v1 import encode_pb2
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from easerve.errors import BadRequest
 from easerve.stages.gateway import openai_api as oa
 
 SERVED = "tiny"
@@ -166,7 +167,7 @@ def test_any_json_body_is_never_a_server_error(loop, client, body, path):
         else:
             oa.parse_completion_request(body, SERVED, vocab_size=10_000)
         valid = True
-    except oa.BadRequest:
+    except BadRequest:
         valid = False
     assert status == (503 if valid else 400), (body, status, answer)
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.rpc.errors import Unavailable
+from easerve.errors import Unavailable
 from easerve.rpc.server import serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.common.configs import GatewayConfig, PrefillConfig

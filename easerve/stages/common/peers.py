@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
-from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.rpc.errors import from_rpc_error
+from easerve.errors import Unavailable
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc

@@ -14,6 +14,7 @@ import time
 
 from aiohttp import web
 
+from easerve.errors import BadRequest
 from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
 from easerve.stages.gateway.core import GatewayCore, Job
@@ -75,15 +76,15 @@ class HttpApi:
         try:
             raw = await req.read()
         except web.HTTPRequestEntityTooLarge:
-            raise oa.BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
+            raise BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
         try:
             return json.loads(raw)
         except RecursionError:
-            raise oa.BadRequest("request body is nested too deeply") from None
+            raise BadRequest("request body is nested too deeply") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
-            raise oa.BadRequest(f"request body is not valid JSON: {e}") from None
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
 
-    def _bad(self, e: oa.BadRequest) -> web.Response:
+    def _bad(self, e: BadRequest) -> web.Response:
         self.core.m.requests.inc(api="http", code="400")
         return _error(400, str(e))
 
@@ -93,7 +94,7 @@ class HttpApi:
             a = self.core.adapter
             chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
                                          self.core.cfg.default_max_tokens)
-        except oa.BadRequest as e:
+        except BadRequest as e:
             return self._bad(e)
         job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
         return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
@@ -108,7 +109,7 @@ class HttpApi:
             else:
                 self._check_ids(comp.prompt)
                 job.prompt_ids = comp.prompt
-        except oa.BadRequest as e:
+        except BadRequest as e:
             return self._bad(e)
         return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
 
@@ -120,7 +121,7 @@ class HttpApi:
         media = {tid: mod for mod, tid in getattr(self.core.adapter, "placeholder_ids", {}).items()}
         hit = next((t for t in ids if t in media), None)
         if hit is not None:
-            raise oa.BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
+            raise BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
                                 "take no media, send the media through /v1/chat/completions")
 
     async def _answer(self, req: web.Request, job: Job, shape, stream: bool, usage: bool) -> web.StreamResponse:
