@@ -19,6 +19,7 @@ Addresses of peers (--prefill, --decode, --encode) are wired by `to_commands`, n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,12 +194,20 @@ class Deployment:
 
     @classmethod
     def load(cls, path: str | Path) -> Deployment:
+        """The deployment in a file. A file that does not parse says so (with the line); one
+        that parses but breaks a rule names the file, the key and what to change."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"cannot read the deployment file {str(path)!r}: {e.strerror}") from None
-        return cls.from_dict(_parse(text, _fmt(path), path), where=str(path))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        data = _parse(text, _fmt(path), path)
+        try:
+            return cls.from_dict(data, where="top level")
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def _dashed(flags: Mapping[str, Any]) -> dict:
@@ -210,15 +219,35 @@ def _fmt(path: Path) -> str:
 
 
 def _parse(text: str, fmt: str, path: Path) -> Any:
-    try:
-        if fmt == "json":
+    """The file's data; a syntax error (and only that) says the file is not valid JSON / YAML."""
+    if fmt == "json":
+        try:
             return json.loads(text)
-        import yaml
-        return yaml.safe_load(text)
-    except ValueError as e:  # json.JSONDecodeError
-        raise ValueError(f"{path} is not valid JSON ({e}); fix it or use a .yaml file") from None
-    except Exception as e:  # yaml.YAMLError
-        raise ValueError(f"{path} is not valid YAML: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                             "fix it or use a .yaml file") from None
+    import yaml
+    try:
+        return yaml.load(text, Loader=_loader())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ValueError(f"{path} is not valid YAML ({at}{getattr(e, 'problem', None) or e}); "
+                         "fix it") from None
+
+
+@functools.cache
+def _loader():
+    """yaml's SafeLoader without its implicit dates: a deployment has none, and a value such
+    as 2024-13-45 stays the string it looks like (checked as any other value)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.yaml_implicit_resolvers = {
+        c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:timestamp"]
+        for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    return Loader
 
 
 def _mapping(data: Any, where: str, allowed: set[str]) -> dict:
@@ -257,12 +286,17 @@ def _stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
     kw = dict(fields)
     for k, v in flags:
         kind = flag_kind(stage, k)
-        kw[k.replace("-", "_")] = tuple(str(v).split(",")) if kind is tuple else kind(v)
+        try:
+            kw[k.replace("-", "_")] = tuple(str(v).split(",")) if kind is tuple else kind(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}.flags.{k} must be {_KINDS.get(kind, kind.__name__)}, got {v!r}") from None
     try:
         return STAGE_CONFIGS[stage](**kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 # who calls whom: a stage's peer flag -> the stages whose instances that flag lists
 PEER_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
