@@ -194,8 +194,7 @@ class Deployment:
 
     @classmethod
     def load(cls, path: str | Path) -> Deployment:
-        """The deployment in a file. A file that does not parse says so (with the line); one
-        that parses but breaks a rule names the file, the key and what to change."""
+        """A file that does not parse says so; one that breaks a rule names the key to change."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -219,7 +218,6 @@ def _fmt(path: Path) -> str:
 
 
 def _parse(text: str, fmt: str, path: Path) -> Any:
-    """The file's data; a syntax error (and only that) says the file is not valid JSON / YAML."""
     if fmt == "json":
         try:
             return json.loads(text)
@@ -229,25 +227,19 @@ def _parse(text: str, fmt: str, path: Path) -> Any:
     import yaml
     try:
         return yaml.load(text, Loader=_loader())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ValueError(f"{path} is not valid YAML ({at}{getattr(e, 'problem', None) or e}); "
-                         "fix it") from None
+    except yaml.YAMLError as e:  # a syntax error (MarkedYAMLError: where) or unreadable characters
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ValueError(f"{path} is not valid YAML ({at}{problem or e}); fix it") from None
 
 
 @functools.cache
 def _loader():
-    """yaml's SafeLoader without its implicit dates: a deployment has none, and a value such
-    as 2024-13-45 stays the string it looks like (checked as any other value)."""
+    """yaml's SafeLoader without implicit dates: 2024-13-45 stays a string, checked as any value."""
     import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-    Loader.yaml_implicit_resolvers = {
-        c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:timestamp"]
-        for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    return Loader
+    no_dates = {c: [(t, rx) for t, rx in rs if t != "tag:yaml.org,2002:timestamp"]
+                for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    return type("Loader", (yaml.SafeLoader,), {"yaml_implicit_resolvers": no_dates})
 
 
 def _mapping(data: Any, where: str, allowed: set[str]) -> dict:
