@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.errors import Unavailable
-from easerve.rpc.server import serve
+from easerve.errors import MessageTooLarge, Unavailable
+from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.common.configs import GatewayConfig, PrefillConfig
 from easerve.stages.common.peer_sources import PeerSource, PeersFile, resolve_addr, split_hostport, write_peers_file
@@ -246,4 +246,35 @@ def test_reach_of_waits_for_an_instance_that_started_listening_after_our_first_t
             await peers.close()
             stop.set()
             await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_a_message_over_the_size_limit_is_not_retried_on_another_instance():
+    """RESOURCE_EXHAUSTED "message larger than max" is refused by every instance alike: the
+    call is tried once and surfaces as MessageTooLarge, not as a retry (nor as Overloaded)."""
+    async def main():
+        stops, ports, tasks = [asyncio.Event(), asyncio.Event()], [], []
+        for stop in stops:  # two instances, each taking messages up to 4 MiB
+            tasks.append(asyncio.ensure_future(serve([], "127.0.0.1:0", stop=stop, grace_s=0, on_bound=ports.append,
+                                                     options=ServerOptions(max_message_bytes=4 << 20))))
+            while len(ports) < len(tasks):
+                await asyncio.sleep(0.01)
+        peers = Peers(lambda ch: ch.unary_stream("/grpc.health.v1.Health/Watch"),  # a streaming method they serve
+                      [f"127.0.0.1:{p}" for p in ports], service="easerve.v1.Prefill")
+        opened: list[str] = []
+
+        def open_call(peer):
+            opened.append(peer.addr)
+            return peer.stub(b"\0" * (5 << 20), timeout=10)
+        try:
+            with pytest.raises(MessageTooLarge, match=r"easerve.v1.Prefill at 127.0.0.1:\d+: a message of 5242880 "
+                                                      r"bytes is over the gRPC limit of 4194304 bytes"):
+                await peers.start_call(open_call)
+            assert len(opened) == 1, opened  # not retried: it would not fit the other instance either
+            assert all(p.outstanding == 0 for p in map(peers.get, peers.addrs))
+        finally:
+            await peers.close()
+            for stop in stops:
+                stop.set()
+            await asyncio.gather(*tasks)
     asyncio.run(main())
