@@ -37,12 +37,11 @@ def adapter(tmp_path_factory):
     return load_adapter(cached_tiny("qwen2.5-vl", root), role="processor")
 
 
-@pytest.fixture(scope="module")
-def client(loop, adapter):
-    """An aiohttp test client of HttpApi(GatewayCore(...)) on 127.0.0.1."""
+def _http_client(loop, adapter, core_cls):
+    """An aiohttp test client of HttpApi(core_cls(...)) on 127.0.0.1 (yields it, then closes)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from easerve.stages.gateway.core import GatewayConfig, GatewayCore
+    from easerve.stages.gateway.core import GatewayConfig
     from easerve.stages.gateway.http_api import HttpApi
     from easerve.stages.gateway.metrics import GatewayMetrics
 
@@ -50,7 +49,7 @@ def client(loop, adapter):
                         max_model_len=256)
 
     async def start():  # gRPC channels bind to the running loop
-        api = HttpApi(GatewayCore(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
+        api = HttpApi(core_cls(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
         c = TestClient(TestServer(api.app, host="127.0.0.1"), loop=loop)
         await c.start_server()
         return c
@@ -58,6 +57,13 @@ def client(loop, adapter):
     c = loop.run_until_complete(start())
     yield c
     loop.run_until_complete(c.close())
+
+
+@pytest.fixture(scope="module")
+def client(loop, adapter):
+    """HttpApi over a real GatewayCore whose stages are not there."""
+    from easerve.stages.gateway.core import GatewayCore
+    yield from _http_client(loop, adapter, GatewayCore)
 
 
 def post(loop, client, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
@@ -230,28 +236,12 @@ def test_valid_bodies_pass_validation_and_reach_the_pipeline(loop, client):
 def cut_short(loop, adapter):
     """HttpApi over a GatewayCore whose stream breaks the contract: one token, then its end,
     with no finish reason (what a pipeline bug would produce; the real stages cannot)."""
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from easerve.stages.gateway.core import Delta, GatewayConfig, GatewayCore
-    from easerve.stages.gateway.http_api import HttpApi
-    from easerve.stages.gateway.metrics import GatewayMetrics
+    from easerve.stages.gateway.core import Delta, GatewayCore
 
     class CutShort(GatewayCore):
         async def generate(self, job):
             yield Delta([5], "Hel")
-
-    cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
-                        max_model_len=256)
-
-    async def start():
-        api = HttpApi(CutShort(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
-        c = TestClient(TestServer(api.app, host="127.0.0.1"), loop=loop)
-        await c.start_server()
-        return c
-
-    c = loop.run_until_complete(start())
-    yield c
-    loop.run_until_complete(c.close())
+    yield from _http_client(loop, adapter, CutShort)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
