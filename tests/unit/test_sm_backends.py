@@ -201,6 +201,27 @@ def test_levels_validated() -> None:
         StaticSplitBackend(TimeSliceBackend(), share=1.0)
 
 
+@needs_affinity
+def test_auto_falls_back_only_when_a_mechanism_is_unavailable_and_a_bad_argument_propagates() -> None:
+    """A ValueError in a backend's constructor is not a missing mechanism: under auto (and
+    under a named backend) it reaches the caller instead of turning into time-slicing."""
+    bad = (0.7, 0.3)  # not increasing: CpuAffinityBackend's constructor refuses them
+    with pytest.raises(ValueError, match=r"levels must be strictly increasing shares in \(0, 1\], got \[0.7, 0.3\]"):
+        select_backend("auto", "cpu", bad)
+    with pytest.raises(ValueError, match="levels must be strictly increasing"):
+        select_backend("cpu_affinity", "cpu", bad)
+    out: dict = {}
+
+    def on_one_core() -> None:  # the mechanism really is missing: one core, nothing to split
+        os.sched_setaffinity(0, {ALLOWED[0]})
+        out["backend"] = select_backend("auto", "cpu")
+    t = threading.Thread(target=on_one_core)
+    t.start()
+    t.join(30)
+    ts = out["backend"]
+    assert ts.name == "timeslice" and "cpu_affinity unavailable: only 1 allowed core: nothing to split" in ts.degraded
+
+
 class _FakeStream(tuple):
     device = "cuda:0"
     waits: list = []
