@@ -188,11 +188,16 @@ def test_deployment_flags_are_the_stage_configs_own(stage):
     wires it), and the generated parser knows exactly the config's fields."""
     import dataclasses
 
+    from easerve.fields import is_flag
     from easerve.stages.common.configs import STAGE_CONFIGS, parser
-    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(STAGE_CONFIGS[stage])}
+    every = dataclasses.fields(STAGE_CONFIGS[stage])
+    fields = {f.name.replace("_", "-"): f for f in every if is_flag(f)}
     options = {o[2:] for a in parser(STAGE_CONFIGS[stage], stage)._actions for o in a.option_strings
                if o.startswith("--")} - {"help"}
     assert options == set(fields)
+    # only the engine's own choices are no flags (EngineConfig: for tests and benchmarks)
+    assert {f.name for f in every if not is_flag(f)} == ({"kv_layout", "linear_layout"}
+                                                         if stage in ("decode", "monolith") else set())
     assert set(FLAGS[stage]) == {n for n, f in fields.items() if not f.metadata["wired"]}
     assert {"model", "listen", "device"} <= set(fields) - set(FLAGS[stage])
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-from easerve.stages.common.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores
-
-
-def default_max_len(text_config) -> int:
-    """The model's context length, capped at DEFAULT_MAX_MODEL_LEN (gateway and decode agree)."""
-    return min(int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN)
+from easerve.engine.config import default_max_len  # noqa: F401 (the gateway's too)
+from easerve.stages.common.configs import cpu_cores
 
 
 def setup_process(cfg) -> None:
