@@ -25,9 +25,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from easerve.engine.config import DEFAULT_MAX_MODEL_LEN, DEVICE_HELP, EngineConfig  # noqa: F401 (re-exported)
+from easerve.fields import check_device  # noqa: F401 (re-exported: hasctl checks deployment devices)
 from easerve.fields import (Addresses, Device, Fraction, HostPort, NonNegFloat, NonNegInt, PosFloat, PosInt,
-                            check_device, check_fields, choices, flag_name, flags_for, hints, is_flag, opt,
-                            torch_device)  # noqa: F401 (check_device, torch_device re-exported)
+                            check_fields, choices, flag_name, flags_for, hints, is_flag, opt, torch_device)
 from easerve.partition.backends import Preference
 from easerve.policy.batcher import BatchMode, BatcherConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
@@ -163,7 +163,7 @@ class EncodeConfig(PrefillFields, StageConfig):
             return PartitionerConfig(policy=self.partition_policy, tolerance=self.partition_tolerance)
 
     def _check(self) -> None:
-        self.batcher, self.partitioner  # noqa: B018 (built now: a bad flag fails the parse)
+        self.batcher, self.partitioner  # built now: a bad flag fails the parse
         if self.batch_mode == "request_at_a_time" and self.max_batch != 1:
             raise ValueError(f"--batch-mode request_at_a_time takes --max-batch 1, got {self.max_batch}")
         if not self.colocate_prefill and not self.prefill:
