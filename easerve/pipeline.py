@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
 from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams
@@ -29,7 +29,7 @@ class InProcessPipeline:
     def __init__(self, model: str, device: str = "cpu", engine: EngineConfig | None = None):
         self.encoder = load_adapter(model, role="encode", device=device)
         self.lm = load_adapter(model, role="decode", device=device)
-        self.engine = DecodeEngine(self.lm, engine or EngineConfig())
+        self.engine = DecodeEngine(self.lm, engine or EngineConfig(kv_capacity_tokens=DEFAULT_KV_TOKENS))
         self._ids = itertools.count()
 
     def prepare(self, messages: list[dict]) -> ProcessedPrompt:

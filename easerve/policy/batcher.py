@@ -32,11 +32,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Literal
+from typing import Hashable, Literal, get_args
 
-BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]
+from easerve.fields import PosFloat, PosInt, check_fields
+
+BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]  # --batch-mode
+MODES: tuple[str, ...] = get_args(BatchMode)
 DispatchReason = Literal["size", "gap", "cap", "single", "idle", "flush"]
-MODES: tuple[str, ...] = ("adaptive", "fixed", "request_at_a_time", "continuous")  # the --batch-mode choices
 
 
 def batch_limit(mode: str, max_batch: int | None) -> int | None:
@@ -53,32 +55,21 @@ class BatcherConfig:
     to [min_gap_s, max_gap_s]; `max_gap_s=None` means `safety_cap_s`. `initial_rate` seeds
     lambda (e.g. the deployment's target rate) until arrivals have been seen."""
 
-    max_batch: int = 8
-    safety_cap_s: float = 1.0
-    gap_coef: float = 2.0
+    max_batch: PosInt = 8
+    safety_cap_s: PosFloat = 1.0
+    gap_coef: PosFloat = 2.0
     mode: BatchMode = "adaptive"
-    rate_halflife: float = 16.0
-    min_gap_s: float = 0.001
-    max_gap_s: float | None = None
-    initial_rate: float | None = None
+    rate_halflife: PosFloat = 16.0     # arrivals
+    min_gap_s: PosFloat = 0.001        # > 0: a 0 threshold would split simultaneous arrivals
+    max_gap_s: PosFloat | None = None
+    initial_rate: PosFloat | None = None  # req/s
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        _positive("safety_cap_s", self.safety_cap_s)
-        _positive("gap_coef", self.gap_coef)
-        _positive("rate_halflife (arrivals)", self.rate_halflife)
-        _positive("min_gap_s (a 0 threshold would split simultaneous arrivals)", self.min_gap_s)
-        if self.max_gap_s is not None:
-            _positive("max_gap_s", self.max_gap_s)
+        check_fields(self)
         if self.min_gap_s > self.gap_ceiling_s:
             raise ValueError(
                 f"min_gap_s ({self.min_gap_s}) must be <= max_gap_s ({self.gap_ceiling_s}); "
                 "lower min_gap_s or raise max_gap_s / safety_cap_s")
-        if self.initial_rate is not None:
-            _positive("initial_rate (req/s)", self.initial_rate)
 
     @property
     def gap_ceiling_s(self) -> float:
@@ -88,11 +79,6 @@ class BatcherConfig:
     def alpha(self) -> float:
         """EWMA weight of one new gap sample."""
         return 1.0 - 0.5 ** (1.0 / self.rate_halflife)
-
-
-def _positive(name: str, v: float) -> None:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import time
 
-from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.policy.batcher import AdaptiveBatcher
 from easerve.policy.router import DeficitRouter
 from easerve.stages.common.metrics import PrefillMetrics
 from easerve.models.registry import load_adapter
@@ -53,10 +53,7 @@ class Encoder:
         if self.controller is not None:
             self.metrics.on_partition(self.controller.backend.name, self.controller.partitioner.policy,
                                       self.controller.backend.degraded)
-        batcher = AdaptiveBatcher(BatcherConfig(
-            max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
-            gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
-        self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool)
+        self.loop = EncodeLoop(self.adapter, AdaptiveBatcher(cfg.batcher), self.controller, self.metrics, self.encode_pool)
         self.local = self._local_stage()
         self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
                                "easerve.v1.Prefill", tls=self.opts.tls)
@@ -74,8 +71,8 @@ class Encoder:
         if not self.cfg.colocate_prefill:
             return None  # encode alone on its device: nothing to share
         c = self.cfg
-        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partition_policy,
-                                c.partition_profile or None, c.batch_sizes, c.partition_tolerance,
+        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partitioner.policy,
+                                c.partition_profile or None, c.batch_sizes, c.partitioner.tolerance,
                                 self.encode_pool, self.prefill_pool, model=c.model)
 
     def _local_stage(self):

@@ -35,7 +35,7 @@ from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampl
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.server import ServerOptions
-from easerve.stages.common.cli import default_max_len
+from easerve.engine.config import default_max_len
 from easerve.stages.common.configs import GatewayConfig
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import peers_of
