@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from easerve.media import MediaConfig, MediaRef, MediaResolver
+from easerve.models.common import hf_messages
 from easerve.stages.gateway import openai_api as oa
 from easerve.types import ChatMessage, MediaPart, TextPart
 
@@ -43,9 +44,14 @@ def test_parts_become_typed_messages_and_sampling_follows_openai_defaults():
     assert [(type(p), getattr(p, "kind", None)) for p in user] == [(MediaPart, "image"), (MediaPart, "video"),
                                                                    (TextPart, None)]
     assert isinstance(user[0].ref, MediaRef) and not user[0].decoded  # parsing does no I/O and no decoding
-    decoded = resolved(req)[1].content
+    messages = resolved(req)
+    decoded = messages[1].content
     assert decoded[0].value.size == (24, 16) and [f.size for f in decoded[1].value] == [(24, 16)] * 2
     assert decoded[2] is user[2] and not user[0].decoded  # new parts; the parsed request is left as it was
+    assert hf_messages(messages) == [  # the chat template's form, built by the adapter only
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "image", "image": decoded[0].value},
+                                     {"type": "video", "video": decoded[1].value}, {"type": "text", "text": "what?"}]}]
     assert req.stream and req.include_usage
     sp = req.sampling
     assert sp.temperature == 1.0 and sp.max_tokens == 32 and sp.stop == ("END",) and sp.seed == 7

@@ -345,7 +345,8 @@ class GatewayCore:
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
-                yield self._last(job, prompt, chunk, finish, n, first_at, Timings(kv_transfer_ms=chunk.timings.kv_transfer_ms))
+                timings = Timings(kv_transfer_ms=chunk.timings.kv_transfer_ms)
+                yield self._last(job, prompt, chunk, finish, n, first_at, timings)
                 return
             yield Delta(list(chunk.token_ids), chunk.text, logprobs=_logprobs(chunk))
 
