@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
-from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams
+from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams, items_meta
 
 
 @dataclass
@@ -40,7 +40,7 @@ class InProcessPipeline:
         rid = f"req-{next(self._ids)}"
         embeds = self.encoder.encode(prompt.items) if prompt.items else []
         req = PrefillRequest(rid, prompt.input_ids, embeds,
-                             [(it.modality, it.meta) for it in prompt.items], sampling)
+                             items_meta(prompt.items), sampling)
         res = self.lm.prefill([req])[0]
         first = sample(res.last_logits[None], [sampling], [0])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -31,6 +31,7 @@ from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
 from easerve.errors import InvalidRequest
+from easerve.models.base import ModelAdapter
 from easerve.types import KVPayload, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class _Request:
 
 
 class DecodeEngine:
-    def __init__(self, adapter: Any, config: EngineConfig) -> None:
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig) -> None:
         self.adapter = adapter
         self.config = config
         self.device = torch.device(config.torch_device)
@@ -112,7 +113,7 @@ class DecodeEngine:
         self._pending: list[StepOutput] = []
         self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
 
-    def _choose_linear_layouts(self, adapter: Any) -> dict:
+    def _choose_linear_layouts(self, adapter: ModelAdapter) -> dict:
         """CPU: store the LM's linear weights in whichever layout decodes faster (cpu_gemv)."""
         if self.device.type != "cpu" or self.config.linear_layout != "auto":
             return {}

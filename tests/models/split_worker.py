@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from easerve.wire.codec import decode_kv, decode_tensors, encode_kv, encode_tensors
-from easerve.types import MMItem, PrefillRequest, SamplingParams
+from easerve.types import MMItem, PrefillRequest, SamplingParams, items_meta
 
 
 def write_request(path: Path, input_ids: list[int], items: list[MMItem]) -> None:
@@ -63,7 +63,7 @@ def prefill(adapter, work: Path, n: int) -> None:
         items = _read_items(meta, tensors[:n_meta], with_pixels=False)
         sp = SamplingParams(max_tokens=8)
         req = PrefillRequest(f"r{k}", meta["input_ids"], tensors[n_meta:],
-                             [(it.modality, it.meta) for it in items], sp)
+                             items_meta(items), sp)
         res = adapter.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
         payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta,
