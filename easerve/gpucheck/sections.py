@@ -148,8 +148,8 @@ def ipc(dry: bool) -> dict:
         copy_s = time.perf_counter() - t0
         del y
         gbps = asyncio.run(_shm_round(x) if dry else _cuda_ipc_round(x))
-        out[f"{size // 1_000_000}MB"] = {"bytes": x.numel() * 2, "transport_gbps": round(gbps, 2),
-                                         "device_copy_gbps": round(x.numel() * 2 / copy_s / 1e9, 2)}
+        out[f"{size // 1_000_000}MB"] = {"bytes": x.numel() * 2, "transport_gbps": round(gbps, 4),
+                                         "device_copy_gbps": round(x.numel() * 2 / copy_s / 1e9, 4)}
     out["transport"] = "shm in one process (dry run)" if dry else "cuda_ipc to a second process"
     return out
 
@@ -221,19 +221,23 @@ def decode(dry: bool) -> dict:
     steps = "4" if dry else "32"
     dev = "cpu" if dry else "cuda"
     seven_b = {"family": "qwen2", "hidden": 3584, "layers": 4, "heads": 28, "kv_heads": 4, "intermediate": 18944}
-    if dry:
-        seven_b = {"family": "qwen2", "hidden": 256, "layers": 2, "heads": 14, "kv_heads": 2, "intermediate": 512}
+    bench = ["--text-lm"]
+    if dry:  # same shapes' kinds at toy size: head_dim 16, GQA group 7
+        seven_b = {"family": "qwen2", "hidden": 224, "layers": 2, "heads": 14, "kv_heads": 2, "intermediate": 448}
+        bench = ["--text-lm-spec", "{}"]
     runs = {}
-    for model, extra in (("bench", ["--text-lm"]), ("7b_shaped_4_layers", ["--text-lm-spec", json.dumps(seven_b)])):
+    for model, extra in (("bench", bench), ("7b_shaped_4_layers", ["--text-lm-spec", json.dumps(seven_b)])):
         for layout in ("slots", "paged"):
             argv = [sys.executable, str(ROOT / "bench" / "decode_batching.py"), *extra, "--device", dev,
                     "--batches", batches, "--steps", steps, "--layout", layout, "--prompt-len", "32"]
             p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
-            last = (p.stdout.strip().splitlines() or ["{}"])[-1]
+            last = (p.stdout.strip().splitlines() or [""])[-1]
             try:
-                runs[f"{model}/{layout}"] = json.loads(last)
+                got = json.loads(last) if p.returncode == 0 else None
             except ValueError:
-                runs[f"{model}/{layout}"] = {"error": p.stderr.strip()[-800:]}
+                got = None
+            runs[f"{model}/{layout}"] = got if isinstance(got, dict) else {
+                "error": f"exit {p.returncode}: {p.stderr.strip()[-800:]}"}
     return runs
 
 
