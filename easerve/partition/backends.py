@@ -10,8 +10,8 @@ found no mechanism and time-slices, or a green-context level whose prefill remai
 refused). Backends:
 
 - GreenContextBackend: CUDA green contexts; per level, one SM split made up front into an
-  encode group and the disjoint remainder for prefill, each with its own stream, so switching
-  is picking a pre-created stream (no driver call).
+  encode group and a disjoint prefill group (cut from the remainder, see green_contexts),
+  each with its own context and stream, so switching is picking a pre-created stream.
 - MPSBackend: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by the driver at CUDA init, so the share
   is fixed per process at launch (`env_for(share)`); `apply` cannot change it.
 - CpuAffinityBackend: splits the process's allowed cores between the encode and local-prefill
@@ -322,15 +322,20 @@ class MPSBackend(SMBackend):
 
 
 @contextlib.contextmanager
-def _stream_scope(stream: Any, sync: bool):
+def _stream_scope(stream: Any, sync: bool, enter: Any = None, torch: Any = None):
     """Run a block on `stream`, after the work already queued on the caller's current stream
-    (inputs it uploaded). With `sync`, the exit waits on the host for this stream alone, so
-    results are ready for any thread or stream and the other side's stream keeps running;
-    without it the caller orders the hand-off with CUDA events. (A GPU-side wait of the
-    shared default stream instead would chain encode and prefill back together.)"""
-    torch = _torch()
+    (inputs it uploaded). `enter`: for a stream of another CUDA context (a green context), a
+    scope that makes that context current; the wait on the caller's stream is set up before
+    it, so that event is recorded in the caller's context, and events recorded inside the
+    block belong to `stream`'s context (an event may only be recorded on a stream of its own
+    context; a stream may wait on an event of any). With `sync`, the exit waits on the host
+    for this stream alone, so results are ready for any thread or stream and the other
+    side's stream keeps running; without it the caller orders the hand-off with CUDA events.
+    (A GPU-side wait of the shared default stream instead would chain encode and prefill
+    back together.)"""
+    torch = _torch() if torch is None else torch
     stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
+    with enter() if enter is not None else contextlib.nullcontext(), torch.cuda.stream(stream):
         yield stream
     if sync:
         stream.synchronize()
