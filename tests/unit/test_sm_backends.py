@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from easerve.partition.backends import CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
+from easerve.partition.cpu_affinity import CpuAffinityBackend
+from easerve.partition.backends import MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
 from easerve.partition.green_contexts import GreenContextBackend
 from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
 from easerve.partition.backends import BackendUnavailable

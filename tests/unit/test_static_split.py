@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from easerve.partition.backends import CpuAffinityBackend, MPSBackend, select_backend
+from easerve.partition.cpu_affinity import CpuAffinityBackend
+from easerve.partition.backends import MPSBackend, select_backend
 from easerve.policy.partitioner import Allocation
 from easerve.partition.green_contexts import sm_split
 from easerve.policy.partitioner import (
