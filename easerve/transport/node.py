@@ -5,7 +5,8 @@ differ from container hostnames, two containers of one host may or may not share
 /dev/shm, and "localhost" in a pod is not the node. So:
 
 - every stage process publishes a `NodeIdentity` (through `easerve.v1.Stage/Load`): the
-  kernel's boot id (equal on one host, containers included) and its device;
+  kernel's boot id (equal on one host, containers included), its device and, for a decode
+  instance, where a prefill instance forms an NCCL pair group with it (`kv_rendezvous`);
 - whether shared-memory handoff works is *tried*, in the direction it is used: the sender
   creates a small probe segment holding random bytes and asks the receiver
   (`Stage/ShmProbe`) to read it; the segment is unlinked right after. Only a receiver that
@@ -28,13 +29,14 @@ _TOKEN_BYTES = 16
 class NodeIdentity:
     host_id: str
     device: str = "cpu"
+    kv_rendezvous: str = ""  # decode: host:port where a prefill forms its NCCL pair ("" = none)
 
     def to_proto(self, msg) -> None:
-        msg.host_id, msg.device = self.host_id, self.device
+        msg.host_id, msg.device, msg.kv_rendezvous = self.host_id, self.device, self.kv_rendezvous
 
     @classmethod
     def from_proto(cls, msg) -> "NodeIdentity":
-        return cls(msg.host_id, msg.device or "cpu")
+        return cls(msg.host_id, msg.device or "cpu", kv_rendezvous=msg.kv_rendezvous)
 
 
 def host_id() -> str:
