@@ -61,7 +61,11 @@ def test_two_prefill_instances_pair_with_one_decode_and_match_the_shm_bytes():
 
         a, b = (KVSenders(NodeIdentity("h", "cpu"), reach_of, kind="nccl") for _ in range(2))
         ta, tb = await asyncio.gather(a.transport_for("d:1"), b.transport_for("d:1"))
-        assert ta.config.pair != tb.config.pair and len(hub.pairs) == 2  # each instance its own group
+        for _ in range(100):  # the decode side registers a pair just after its group forms
+            if len(hub.pairs) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert ta.config.pair != tb.config.pair and set(hub.pairs) == {ta.config.pair, tb.config.pair}
         assert (ta.config.rank, ta.config.backend) == (SRC, "gloo")
         shm_tx, shm_rx = ShmTransport(), ShmTransport(ShmConfig(copy_out=True))
         pays = [kv(tokens=4 + i, rid=f"r{i}") for i in range(4)]
