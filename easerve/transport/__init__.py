@@ -2,5 +2,5 @@
 picks per decode instance from where the two processes live (handoff.choose_kind)."""
 from typing import Literal, get_args
 
-KVTransportKind = Literal["auto", "inline", "shm", "grpc", "cuda_ipc"]
+KVTransportKind = Literal["auto", "inline", "shm", "grpc", "cuda_ipc", "nccl"]
 KINDS: tuple[str, ...] = get_args(KVTransportKind)

@@ -79,6 +79,7 @@ class NcclHandle:
     dst_rank: int
     tag: int
     nbytes: int
+    pair: str = ""  # the pair's name: which of the receiver's pair groups carries it
 
 
 Handle = Union[InlineHandle, ShmHandle, GrpcHandle, CudaIpcHandle, NcclHandle]
@@ -94,7 +95,7 @@ def handle_to_proto(h: Handle) -> kv_pb2.KVTransfer:
     elif isinstance(h, GrpcHandle):
         msg.grpc.CopyFrom(kv_pb2.GrpcStream(endpoint=h.endpoint, key=h.key))
     elif isinstance(h, NcclHandle):
-        msg.nccl.CopyFrom(kv_pb2.NcclPeer(src_rank=h.src_rank, dst_rank=h.dst_rank, tag=h.tag))
+        msg.nccl.CopyFrom(kv_pb2.NcclPeer(src_rank=h.src_rank, dst_rank=h.dst_rank, tag=h.tag, pair=h.pair))
     elif isinstance(h, CudaIpcHandle):
         msg.cuda_ipc.CopyFrom(kv_pb2.CudaIpc(
             header=h.header, ready_event=h.ready_event, device=h.device, device_uuid=h.device_uuid,
@@ -117,7 +118,7 @@ def handle_from_proto(msg: kv_pb2.KVTransfer) -> Handle:
     if which == "grpc":
         return GrpcHandle(rid, msg.grpc.endpoint, msg.grpc.key, msg.nbytes)
     if which == "nccl":
-        return NcclHandle(rid, msg.nccl.src_rank, msg.nccl.dst_rank, msg.nccl.tag, msg.nbytes)
+        return NcclHandle(rid, msg.nccl.src_rank, msg.nccl.dst_rank, msg.nccl.tag, msg.nbytes, msg.nccl.pair)
     if which == "cuda_ipc":
         c = msg.cuda_ipc
         refs = tuple(CudaTensorRef(

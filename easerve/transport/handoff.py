@@ -3,20 +3,23 @@
 Prefill side: `KVSenders.send(addr, payload) -> (KVTransfer, sender)` picks the transport
 *per decode instance* from where the two processes live (`transport.node`): when the
 instance reads a shared-memory probe this process wrote -> shm (or CUDA IPC when both
-ends are on one GPU, told by its UUID), anything else -> the gRPC byte stream to that instance's
-KVStream service. A forced kind ("shm", "grpc", ...)
-skips the choice. Decode side: `KVReceiver.fetch(msg) -> KVPayload` accepts every backend
+ends are on one GPU, told by its UUID); two GPUs without shared memory -> an NCCL pair group
+with that instance (`transport.nccl_pairs`, when it advertises a rendezvous), anything else ->
+the gRPC byte stream to that instance's KVStream service. A forced kind ("shm", "grpc", "nccl",
+...) skips the choice ("nccl" with a CPU end: the same pair group over gloo). Decode side:
+`KVReceiver.fetch(msg) -> KVPayload` accepts every backend
 it can. The transport moves the codec parts (typed header + raw tensors, never pickle);
 the message carries only the handle (or the bytes, for inline).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 from easerve.transport import KINDS
 from easerve.wire.codec import kv_from_parts, kv_to_parts
-from easerve.errors import InvalidRequest
+from easerve.errors import InvalidRequest, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
@@ -44,12 +47,14 @@ def choose_kind(me: NodeIdentity, peer: NodeIdentity | None, shared_shm: bool) -
                        else "shared /dev/shm; a GPU's UUID is unknown")
     if shared_shm:
         return "shm", "shared /dev/shm"
+    if me.device.startswith("cuda") and peer.device.startswith("cuda") and peer.kv_rendezvous:
+        return "nccl", "GPUs without shared /dev/shm: an NCCL pair group"
     return "grpc", "same host, separate /dev/shm" if same else "another host"
 
 
 class KVSenders:
     """One sender per kind (a single shm slab serves every decode instance of this host),
-    one gRPC stream transport per remote decode instance."""
+    one gRPC stream transport or NCCL pair group per remote decode instance."""
 
     def __init__(self, me: NodeIdentity, reach_of: ReachLookup, kind: str = "auto", channel_options=(),
                  tls: Tls = NO_TLS):
@@ -59,17 +64,38 @@ class KVSenders:
         self._tls = tls
         self._by_addr: dict[str, KVTransport] = {}
         self._shared: dict[str, KVTransport] = {}
+        self._choosing: dict[str, asyncio.Lock] = {}  # one choice (and one pair formed) per instance
         self.choices: dict[str, tuple[str, str]] = {}  # addr -> (kind, why), for /metrics and logs
 
     async def transport_for(self, addr: str) -> KVTransport:
         t = self._by_addr.get(addr)
-        if t is None:
-            kind, why = (self.kind, "set by --kv-transport") if self.kind != "auto" else \
-                choose_kind(self.me, *(await self._reach_of(addr)))
-            t = self._make(kind, addr)
-            self._by_addr[addr], self.choices[addr] = t, (kind, why)
-            log.info("KV to %s over %s (%s)", addr, kind, why)
+        if t is not None and not getattr(t, "stopped", None):
+            return t
+        async with self._choosing.setdefault(addr, asyncio.Lock()):
+            t = self._by_addr.get(addr)
+            if t is not None and getattr(t, "stopped", None):  # a broken pair: form a new one
+                await self.forget(addr)
+                t = None
+            return t if t is not None else await self._choose(addr)
+
+    async def _choose(self, addr: str) -> KVTransport:
+        peer, shared = await self._reach_of(addr) if self.kind in ("auto", "nccl") else (None, False)
+        kind, why = (self.kind, "set by --kv-transport") if self.kind != "auto" else \
+            choose_kind(self.me, peer, shared)
+        t = await self._pair(addr, peer) if kind == "nccl" else self._make(kind, addr)
+        self._by_addr[addr], self.choices[addr] = t, (kind, why)
+        log.info("KV to %s over %s (%s)", addr, kind, why)
         return t
+
+    async def _pair(self, addr: str, peer: NodeIdentity | None) -> KVTransport:
+        """This instance's own pair group with the decode instance at `addr` (a new one per
+        instance that comes; `forget` ends it when the instance goes)."""
+        if peer is None or not peer.kv_rendezvous:
+            raise Unavailable(f"decode instance {addr} advertises no NCCL rendezvous (its node identity "
+                              f"{'is unknown' if peer is None else 'has none'}); start it with --kv-rendezvous "
+                              f"or choose another --kv-transport")
+        from easerve.transport.nccl_pairs import connect_pair
+        return await connect_pair(peer.kv_rendezvous, self.me.device, peer.device)
 
     def _make(self, kind: str, addr: str) -> KVTransport:
         if kind == "grpc":
@@ -95,7 +121,8 @@ class KVSenders:
         return handle_to_proto(handle), t
 
     async def forget(self, addr: str) -> None:
-        """Drop what was kept for a decode instance that is gone (its own gRPC stream transport)."""
+        """Drop what was kept for a decode instance that is gone (its own gRPC stream
+        transport or NCCL pair group)."""
         t = self._by_addr.pop(addr, None)
         self.choices.pop(addr, None)
         if t is not None and t not in self._shared.values():
@@ -135,9 +162,10 @@ class KVReceiver:
         return kv_from_parts(header, tensors)
 
 
-def receivers(device: str) -> tuple[KVReceiver, list]:
+def receivers(device: str, rendezvous: str = "") -> tuple[KVReceiver, list]:
     """Decode side: a receiver for every backend this process can take, plus the
-    servicers to mount (the gRPC stream's parking lot)."""
+    servicers to mount (the gRPC stream's parking lot). `rendezvous` (host:port): where
+    prefill instances form NCCL pair groups with this one ("" : none)."""
     kvs = KVStreamServicer()
     # shm: copy out of the sender's slab, so its region is back the moment the payload is read,
     # however long the payload then lives here (an engine queue, a traceback of a late request)
@@ -146,4 +174,7 @@ def receivers(device: str) -> tuple[KVReceiver, list]:
     if device.startswith("cuda"):
         from easerve.transport.cuda_ipc import CudaIpcTransport
         found["cuda_ipc"] = CudaIpcTransport()
+    if rendezvous:
+        from easerve.transport.nccl_pairs import PairRendezvous
+        found["nccl"] = PairRendezvous(rendezvous, device)
     return KVReceiver(found), [(kv_pb2_grpc.add_KVStreamServicer_to_server, kvs)]

@@ -5,8 +5,9 @@ differ from container hostnames, two containers of one host may or may not share
 /dev/shm, and "localhost" in a pod is not the node. So:
 
 - every stage process publishes a `NodeIdentity` (through `easerve.v1.Stage/Load`): the
-  kernel's boot id (equal on one host, containers included), its device and, on CUDA, the
-  GPU's UUID (device indices depend on each process's CUDA_VISIBLE_DEVICES; the UUID does not);
+  kernel's boot id (equal on one host, containers included), its device, on CUDA the GPU's
+  UUID (device indices depend on each process's CUDA_VISIBLE_DEVICES; the UUID does not) and,
+  for a decode instance, where a prefill instance forms an NCCL pair group with it (`kv_rendezvous`);
 - whether shared-memory handoff works is *tried*, in the direction it is used: the sender
   creates a small probe segment holding random bytes and asks the receiver
   (`Stage/ShmProbe`) to read it; the segment is unlinked right after. Only a receiver that
@@ -30,13 +31,15 @@ class NodeIdentity:
     host_id: str
     device: str = "cpu"
     gpu_uuid: str = ""  # CUDA: the GPU's UUID ("" when not CUDA or unknown)
+    kv_rendezvous: str = ""  # decode: host:port where a prefill forms its NCCL pair ("" = none)
 
     def to_proto(self, msg) -> None:
         msg.host_id, msg.device, msg.gpu_uuid = self.host_id, self.device, self.gpu_uuid
+        msg.kv_rendezvous = self.kv_rendezvous
 
     @classmethod
     def from_proto(cls, msg) -> "NodeIdentity":
-        return cls(msg.host_id, msg.device or "cpu", msg.gpu_uuid)
+        return cls(msg.host_id, msg.device or "cpu", msg.gpu_uuid, kv_rendezvous=msg.kv_rendezvous)
 
 
 def host_id() -> str:

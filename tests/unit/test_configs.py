@@ -57,7 +57,7 @@ def test_encode_builds_its_batcher_and_partitioner_configs():
     (EncodeConfig, {"threads": -1}, "--threads must be >= 0 (0 = automatic), got -1"),
     (PrefillConfig, {"decode": ("h:2",), "max_inflight": 0}, "--max-inflight must be >= 1, got 0"),
     (PrefillConfig, {"decode": ("h:2",), "kv_transport": "rdma"}, "--kv-transport must be one of auto, inline, "
-                                                                  "shm, grpc, cuda_ipc, got 'rdma'"),
+                                                                  "shm, grpc, cuda_ipc, nccl, got 'rdma'"),
     (GatewayConfig, {"prefill": ("h:1",), "decode": ("h:2",), "request_timeout_s": 0.0},
      "--request-timeout-s must be > 0, got 0.0"),
     (GatewayConfig, {"prefill": ("h:1",), "decode": ("h:2",), "listen": "50051"},

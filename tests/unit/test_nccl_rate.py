@@ -11,21 +11,24 @@ from easerve.wire import codec
 from easerve.transport.nccl import NcclConfig, NcclTransport
 
 
-class QueuingComm:
-    """torch.distributed's send as NCCL does it: queued, returns at once."""
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class QueuingGroup:
+    """A pair ProcessGroup's send as NCCL does it: queued, its work "done" at once."""
 
     def __init__(self) -> None:
         self.queued: list[int] = []
 
-    def send(self, tensor, dst: int) -> None:
-        self.queued.append(tensor.numel() * tensor.element_size())
-
-    def is_initialized(self) -> bool:
-        return False
+    def send(self, tensors, dst: int, tag: int) -> _Done:
+        self.queued += [t.numel() * t.element_size() for t in tensors]
+        return _Done()
 
 
 def test_rate_is_measured_after_the_transfer_completes() -> None:
-    comm, finished = QueuingComm(), []
+    comm, finished = QueuingGroup(), []
     wire_s = 0.2  # what the queued transfer takes on the device
 
     def completed() -> None:
@@ -33,7 +36,7 @@ def test_rate_is_measured_after_the_transfer_completes() -> None:
         finished.append(sum(comm.queued))
 
     t = NcclTransport(NcclConfig(rank=0, init_method="tcp://127.0.0.1:1", backend="gloo", device="cpu"),
-                      comm=comm, completed=completed)
+                      group=comm, completed=completed)
     keys = [torch.ones(4, 1024, dtype=torch.float16)]
     header, tensors = codec.kv_to_parts(_payload(keys))
 

@@ -79,4 +79,4 @@ def test_senders_pick_once_per_peer_and_share_one_shm_transport():
         await forced.close()
     asyncio.run(main())
     with pytest.raises(ValueError, match="kv-transport"):
-        KVSenders(me, reach_of, kind="nccl")
+        KVSenders(me, reach_of, kind="rdma")

@@ -115,7 +115,7 @@ def test_handle_proto_roundtrip_all_kinds():
     ref = CudaTensorRef("bfloat16", (2, 3), (3, 1), 0, 1, b"h" * 64, 4096, 512, b"rc", 8, b"ev", True)
     handles = [InlineHandle("a", b"xyz"), ShmHandle("a", "easerve-1", 0, 99),
                ShmHandle("a", "easerve-slab-1", 64, 99, slab=True, generation=5),
-               GrpcHandle("a", "host:1", "a/k", 7), NcclHandle("a", 0, 1, 42, 1000),
+               GrpcHandle("a", "host:1", "a/k", 7), NcclHandle("a", 0, 1, 42, 1000, "host-1-ab"),
                CudaIpcHandle("a", b"{}", (ref, ref), b"e" * 64, 1, 24)]
     for h in handles:
         assert handle_from_proto(kv_pb2.KVTransfer.FromString(handle_to_proto(h).SerializeToString())) == h

@@ -72,6 +72,8 @@ class DecodeMetrics:
                                    buckets=LATENCY_BUCKETS, registry=r)
         self.kv_receive = Histogram("easerve:kv_receive_seconds", "Time decode took to take a request's KV in",
                                     ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_receive_bytes = Counter("easerve:kv_receive_bytes", "KV tensor bytes decode took in",
+                                        ["transport"], registry=r)
         self.generation_tokens = Counter("easerve:generation_tokens", "Tokens decoded", registry=r)
         self.finished = Counter("easerve:request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)

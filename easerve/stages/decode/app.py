@@ -3,6 +3,9 @@
 Entry point: python -m services.decode --model DIR [--listen 127.0.0.1:50054] [--num-slots 64 --max-seq-len 2048]"""
 from __future__ import annotations
 
+import socket
+from dataclasses import replace
+
 
 from easerve.engine.engine import DecodeEngine
 from easerve.stages.common.metrics import DecodeMetrics, new_registry
@@ -21,6 +24,17 @@ from easerve.wire.v1 import decode_pb2_grpc
 from easerve.stages.decode.servicer import DecodeServicer
 
 
+def rendezvous_listen(cfg: DecodeConfig) -> str:
+    """Where this instance's NCCL pair store listens: --kv-rendezvous, else the --listen host
+    (any port); "" for off. A wildcard host is advertised as this host's name."""
+    if cfg.kv_rendezvous == "off":
+        return ""
+    if cfg.kv_rendezvous:
+        return cfg.kv_rendezvous
+    host = cfg.listen.rsplit(":", 1)[0].strip("[]")
+    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:0"
+
+
 def build_engine(cfg: EngineConfig, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:
     """The engine of a decode (or monolith) config: its engine flags are EngineConfig's fields, so
     the config is the engine's as it is (KV sized as EngineConfig.sizing says)."""
@@ -36,9 +50,10 @@ async def main(cfg: DecodeConfig) -> None:
     metrics = DecodeMetrics(registry, lambda: last_stats.get("s"))
     engine = build_engine(cfg, adapter, health, metrics)
     opts = ServerOptions.of(cfg)
-    kv_in, extra = receivers(cfg.torch_device)
+    kv_in, extra = receivers(cfg.torch_device, rendezvous_listen(cfg))
     servicer = DecodeServicer(engine, kv_in, cfg.max_waiting, metrics)
-    node = local_identity(cfg.torch_device)
+    pairs = kv_in.transports.get("nccl")
+    node = replace(local_identity(cfg.torch_device), kv_rendezvous=pairs.address if pairs is not None else "")
 
     async def load() -> stage_load.Load:
         s = last_stats["s"] = await engine.stats()
@@ -59,6 +74,8 @@ async def main(cfg: DecodeConfig) -> None:
                     on_bound=lambda p: write_port_file(cfg.port_file, p), settle=servicer.settle)
     finally:
         await engine.stop()
+        if pairs is not None:
+            await pairs.close()
         if runner is not None:
             await runner.cleanup()
 

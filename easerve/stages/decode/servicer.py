@@ -78,7 +78,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         ms = (time.monotonic() - t0) * 1000
         self._kv_ms[payload.request_id] = ms
         if self.m is not None:
-            self.m.kv_receive.labels(transport=request.kv.WhichOneof("location")).observe(ms / 1000)
+            where = request.kv.WhichOneof("location")
+            self.m.kv_receive.labels(transport=where).observe(ms / 1000)
+            self.m.kv_receive_bytes.labels(transport=where).inc(
+                sum(t.numel() * t.element_size() for t in [*payload.keys, *payload.values]))
         return decode_pb2.SubmitResponse(kv_transfer_ms=ms)
 
     @grpc_errors

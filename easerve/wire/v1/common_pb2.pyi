@@ -128,14 +128,16 @@ class DecodeTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class NodeIdentity(_message.Message):
-    __slots__ = ("host_id", "device", "gpu_uuid")
+    __slots__ = ("host_id", "device", "gpu_uuid", "kv_rendezvous")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    KV_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device: str
     gpu_uuid: str
-    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
+    kv_rendezvous: str
+    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., kv_rendezvous: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs")

@@ -63,14 +63,16 @@ class CudaIpc(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class NcclPeer(_message.Message):
-    __slots__ = ("src_rank", "dst_rank", "tag")
+    __slots__ = ("src_rank", "dst_rank", "tag", "pair")
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    PAIR_FIELD_NUMBER: _ClassVar[int]
     src_rank: int
     dst_rank: int
     tag: int
-    def __init__(self, src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
+    pair: str
+    def __init__(self, src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., tag: _Optional[int] = ..., pair: _Optional[str] = ...) -> None: ...
 
 class GrpcStream(_message.Message):
     __slots__ = ("endpoint", "key")
