@@ -419,7 +419,9 @@ def _prescreen_k(text: str | None) -> int | None:
     return int(k)
 
 
-def run(args) -> int:
+def run(args, evaluate_live: Callable[..., dict] = evaluate) -> int:
+    """The command; `evaluate_live` (`evaluate`'s signature) measures a trial live: the seam a
+    test uses to see which deployments would be launched, without launching them."""
     if args.trials < 1:
         raise ValueError(f"--trials must be >= 1, got {args.trials}")
     keep = _prescreen_k(args.prescreen)
@@ -453,8 +455,8 @@ def run(args) -> int:
     def one(d: Deployment, number: int) -> dict:
         if cfg.evaluator == "sim":
             return evaluate_sim(d, cfg, profile)
-        return evaluate(d, cfg, run_dir / f"trial-{number}",
-                        on_up=lambda st: say(f"trial {number}: up, gateway {st.endpoints.http}"))
+        return evaluate_live(d, cfg, run_dir / f"trial-{number}",
+                             on_up=lambda st: say(f"trial {number}: up, gateway {st.endpoints.http}"))
 
     n_trials = args.trials
     if keep is not None:

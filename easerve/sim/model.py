@@ -7,8 +7,11 @@ imports nothing of hasctl).
 - decode step: `profile.decode_step_s(batch, mean context)`;
 - transfers: `latency_s + bytes / GB/s` of the link kind between the two devices (0 when the
   profile has no `transfer` section); links are not modelled as contended;
-- interference: a stage's latency times `profile.slowdown(stage, by)` while a stage of kind
-  `by` runs on a device that shares compute with it (1.0 when not profiled).
+- interference: a stage's latency times 1 + the sum over the busy workers that share its
+  device or cores of (`profile.slowdown(stage, by)` - 1) for a pair the profile measured; a
+  pair it did not measure counts CPU_SHARE_SLOWDOWN (2.0, processor sharing: two compute-bound
+  workers with a thread per core on the same cores each run at half speed) on CPU cores and
+  1.0 on a GPU. The factor is taken when a batch or step starts.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Any
 
 from easerve.stages.common.configs import cpu_cores
 
+CPU_SHARE_SLOWDOWN = 2.0  # an unprofiled pair of busy workers on the same CPU cores
 DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists no by_size point for it
 
 
@@ -68,8 +72,12 @@ class ServiceModel:
         ctx = 1 << max(0, int(context).bit_length() - 1)  # memo by power of two; nearest point is taken anyway
         return self._memo(("d", batch, ctx), lambda: self.profile.decode_step_s(batch, context))
 
-    def slowdown(self, stage: str, by: str) -> float:
-        return self.profile.slowdown(stage, by)
+    def slowdown(self, stage: str, by: str, cpu: bool = False) -> float:
+        """`stage`'s latency factor while a `by` worker is busy on its device (`cpu`: on its cores)."""
+        def f() -> float:
+            measured = any(x.stage == stage and x.by == by for x in getattr(self.profile, "interference", ()) or ())
+            return self.profile.slowdown(stage, by) if measured or not cpu else CPU_SHARE_SLOWDOWN
+        return self._memo(("s", stage, by, cpu), f)
 
     # ---- transfers ----------------------------------------------------------------------------
     def link_kind(self, a: str, b: str) -> str:

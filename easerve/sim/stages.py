@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 class Compute:
     """One worker's compute on a device; `factor()` is the interference slowdown it suffers
-    from the busy workers that share its device or cores."""
+    from the busy workers that share its device or cores (see easerve/sim/model.py)."""
 
     def __init__(self, sim: Sim, kind: str, device: str) -> None:
         self.sim, self.kind, self.device = sim, kind, device
@@ -42,10 +42,10 @@ class Compute:
         self.busy_s = 0.0
 
     def factor(self, skip: Compute | None = None) -> float:
-        f = 1.0
+        f, cpu = 1.0, not self.device.startswith("cuda")
         for n in self.neighbours:
             if n.busy_kind is not None and n is not skip:
-                f = max(f, self.sim.model.slowdown(self.kind, n.busy_kind))
+                f += self.sim.model.slowdown(self.kind, n.busy_kind, cpu) - 1.0
         return f
 
 
@@ -174,7 +174,7 @@ class PrefillWorker:
             return other
         if h.alloc.prefill_share > 0:
             return max(other, 1.0 / h.alloc.prefill_share)
-        return max(other, self.sim.model.slowdown("prefill", "encode"))
+        return max(other, self.sim.model.slowdown("prefill", "encode", not self.device.startswith("cuda")))
 
     def _done(self, plan: PrefillBatchPlan, t0: float) -> None:
         now = self.sim.events.now()

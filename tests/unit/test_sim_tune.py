@@ -48,3 +48,48 @@ def test_tune_with_the_simulator_writes_a_deployment(tmp_path):
     done = [t for t in study.trials if t.value is not None]
     assert len(study.trials) == 6 and done and all(t.user_attrs["evaluator"] == "sim" for t in study.trials)
     assert all(t.user_attrs["metrics"]["completed"] + t.user_attrs["metrics"]["failed"] == 60 for t in done)
+
+
+def test_prescreen_measures_only_the_top_k_simulated_candidates_live(tmp_path):
+    """`--evaluator live --prescreen sim:K`: the simulator ranks --trials candidates and only
+    the K best distinct ones reach the live evaluator (a fake here: nothing is launched)."""
+    from hasctl import tune
+    from hasctl.cli import build_parser
+
+    prof = dump(make_profile(), tmp_path / "p.json")
+    common = ["--model", str(tmp_path), "--rate", "3", "--trials", "8", "--profile", str(prof), "--slo", "moderate",
+              "--devices", DEVICES, "--requests", "40", "--seed", "5"]
+    # the same search scored in the simulator alone: its K best distinct points are the expected live ones
+    sim_storage = f"sqlite:///{tmp_path / 'sim.db'}"
+    assert main(["tune", *common, "--storage", sim_storage, "--study", "s", "--evaluator", "sim"]) == 0
+    sim_trials = sorted((t for t in optuna.load_study(study_name="s", storage=sim_storage).trials
+                         if t.value is not None), key=lambda t: (-t.value, t.number))
+    expected, seen = [], set()
+    for t in sim_trials:
+        key = tuple(sorted(t.params.items()))
+        if key not in seen:
+            seen.add(key)
+            expected.append((t.params, t.value))
+    k = 3
+    assert len(expected) > k  # else "only the top K" would not be tested
+
+    launched = []
+
+    def fake_live(d, cfg, run_dir, on_up=lambda s: None):
+        assert cfg.evaluator == "live"
+        launched.append(d.to_dict())
+        return {"request_goodput": 0.5 + len(launched), "completed": cfg.num_requests, "failed": 0}
+
+    storage = f"sqlite:///{tmp_path / 'live.db'}"
+    args = build_parser(["tune"]).parse_args(["tune", *common, "--storage", storage, "--study", "l",
+                                              "--evaluator", "live", "--prescreen", f"sim:{k}",
+                                              "--run-dir", str(tmp_path / "runs")])
+    assert tune.run(args, evaluate_live=fake_live) == 0
+    study = optuna.load_study(study_name="l", storage=storage)
+    assert len(launched) == k and len(study.trials) == k
+    assert [t.params for t in study.trials] == [p for p, _ in expected[:k]]
+    assert [t.user_attrs["deployment"] for t in study.trials] == launched
+    for t, (_, sim_value) in zip(study.trials, expected):
+        assert t.user_attrs["evaluator"] == "live"
+        assert t.user_attrs["prescreen_sim_goodput"] == sim_value
+        assert t.value == t.user_attrs["metrics"]["request_goodput"]  # scored by the live evaluator

@@ -1,0 +1,312 @@
+"""How close the simulator (`hasctl simulate`, `easerve.sim`) comes to live runs on this machine.
+
+Per modality, on its bench-scale checkpoint (`hasctl make-tiny --scale bench`): image on
+Qwen2.5-VL, audio on Ultravox:
+
+1. profile: `hasctl profile` of the checkpoint on this process's cores, reused when the run
+   folder already holds it (`profile-<family>-<scale>.json`);
+2. rates: each deployment's saturated throughput in the simulator (a burst of --requests sent at
+   once), their median S; the rates are 0.5 S, S and 1.5 S (half of saturation, near it, over
+   it); the SLO is the profile's `--slo` tier;
+3. cells: for each deployment (dynamo-like, default, colocated, monolith and
+   bench/deployments/two-decode.yaml), one live stack (`hasctl.launch.Stack`, every worker on all
+   cores, as the presets) warmed up with a few requests, then `hasctl bench` (`run_bench`,
+   --requests Poisson arrivals, ignore_eos) at each rate; and `hasctl simulate`'s
+   `run_simulation` on the same BenchConfig (same seed, arrival times, modalities, sizes).
+
+Prints the table (live / simulated: goodput, throughput, P50 / P99 TTFT and TPOT) and the
+relative errors |sim - live| / live, where goodput and throughput take max(live, 0.2 req/s) as
+the denominator (a cell near zero in both does not count as 100 % off). Saves (--out-dir) the
+profiles, every cell's bench JSON (live and simulated, for `hasctl report`), fidelity.md and
+fidelity.json. Last stdout line: JSON with "goodput_rel_err_median", "goodput_rel_err_max",
+"ttft_p50_rel_err_median", "rank_agreement" (Kendall tau-b of the deployments' goodput order,
+live vs simulated, per modality and rate, averaged) and "cells" (the per-cell figures).
+
+  python bench/sim_fidelity.py                           # image, 5 deployments x 3 rates, 30 requests
+  python bench/sim_fidelity.py --modalities image,audio  # adds Ultravox
+  python bench/sim_fidelity.py --quick                   # tiny checkpoint, 2 deployments x 1 rate
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hasctl.bench import BenchConfig, run_bench  # noqa: E402
+from hasctl.deployment import Deployment, preset  # noqa: E402
+from hasctl.workload import WorkloadSpec  # noqa: E402
+
+FAMILIES = {"image": "qwen2.5-vl", "audio": "ultravox"}
+DEPLOYMENTS = ("dynamo-like", "default", "colocated", "monolith", "bench/deployments/two-decode.yaml")
+QUICK_DEPLOYMENTS = ("default", "monolith")
+LOADS = (0.5, 1.0, 1.5)   # x the simulated saturation
+FLOOR_RPS = 0.2           # denominator floor of the goodput / throughput errors
+FIELDS = (("request_goodput", "goodput"), ("request_throughput", "thru"), ("median_ttft_ms", "TTFT p50"),
+          ("p99_ttft_ms", "TTFT p99"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
+RATE_FIELDS = ("request_goodput", "request_throughput")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modalities", default="image", help=f"comma-separated, of {','.join(FAMILIES)}")
+    ap.add_argument("--requests", type=int, default=30, help="requests per cell")
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--slo", default="moderate", choices=["tight", "moderate", "loose"], help="profile SLO tier")
+    ap.add_argument("--warmup", type=int, default=2, help="requests sent to each stack before its cells")
+    ap.add_argument("--cache-dir", default=str(ROOT / "runs"), help="where the checkpoints are built")
+    ap.add_argument("--out-dir", default=str(ROOT / "runs" / "sim-fidelity"),
+                    help="run folder (a profile found there is reused)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny checkpoint, `hasctl profile --quick`, default and monolith at S, 6 requests")
+    args = ap.parse_args(argv)
+    args.modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    bad = [m for m in args.modalities if m not in FAMILIES]
+    if bad:
+        ap.error(f"--modalities: {bad} unknown; choose from {sorted(FAMILIES)}")
+    args.scale, args.deployments, args.loads = "bench", DEPLOYMENTS, LOADS
+    if args.quick:
+        args.scale, args.deployments, args.loads = "tiny", QUICK_DEPLOYMENTS, (1.0,)
+        args.requests, args.output_tokens, args.warmup = 6, 8, 1
+    args.out_dir = Path(args.out_dir)
+    return args
+
+
+def deployment(name: str) -> Deployment:
+    return Deployment.load(ROOT / name) if name.endswith((".yaml", ".json")) else preset(name)
+
+
+# ---- 1. checkpoint and profile ------------------------------------------------------------------
+def checkpoint(args, modality: str) -> str:
+    from easerve.models.tiny import cached_tiny
+    return str(cached_tiny(FAMILIES[modality], args.cache_dir, seed=0, scale=args.scale))
+
+
+def profile_of(args, model: str, modality: str, say):
+    """`hasctl profile` of `model` into the run folder, or the file an earlier run left there."""
+    from hasctl.profile_format import load
+    path = args.out_dir / f"profile-{FAMILIES[modality]}-{args.scale}{'-quick' if args.quick else ''}.json"
+    if path.is_file():
+        say(f"[{modality}] reusing {path}")
+        return load(path), path
+    say(f"[{modality}] hasctl profile {model} -> {path}")
+    cmd = [sys.executable, "-m", "hasctl.cli", "profile", "--model", model, "--out", str(path), "--no-progress"]
+    # --quick: the small plan, but the median of 3 calls per point (one call is at the mercy of a
+    # neighbour's burst on these shared cores)
+    subprocess.run(cmd + (["--quick", "--repeats", "3"] if args.quick else []), check=True, cwd=ROOT)
+    return load(path), path
+
+
+def workload(args, profile, modality: str) -> WorkloadSpec:
+    """The profile's reference media size (its by_size points cover it) and output length."""
+    enc = profile.encode
+    size = next((p.media for p in enc.by_size if p.modality == modality), None) if enc else None
+    if modality == "image":
+        w, h = (int(x) for x in (size or "224x224").split("x"))
+        return WorkloadSpec(modality="image", image_size=(w, h), output_tokens=args.output_tokens)
+    return WorkloadSpec(modality="audio", audio_s=float((size or "2s").rstrip("s")), output_tokens=args.output_tokens)
+
+
+def bench_config(args, spec: WorkloadSpec, slo, rate: float, label: str, url: str = "http://simulated.invalid"):
+    return BenchConfig(url=url, rate=rate, num_requests=args.requests, seed=args.seed, workload=spec,
+                       ignore_eos=True, slo=slo, label=label, progress=False)
+
+
+# ---- 2. rates -----------------------------------------------------------------------------------
+def saturation(args, profile, spec: WorkloadSpec, slo) -> tuple[float, dict[str, float]]:
+    """Median over the deployments of the simulated throughput of a burst of --requests."""
+    from hasctl.simulate import run_simulation
+    per = {}
+    for name in args.deployments:
+        d = deployment(name)
+        per[d.name] = run_simulation(d, profile, bench_config(args, spec, slo, 1000.0, d.name))[0] \
+            .metrics["request_throughput"]
+    return statistics.median(per.values()), per
+
+
+# ---- 3. cells -----------------------------------------------------------------------------------
+def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: list[float],
+               run_dir: Path, say) -> dict[float, dict]:
+    """One stack for every rate of `d`: warm-up, then `hasctl bench` at each rate."""
+    from hasctl.launch import Stack
+    from hasctl.tune import stop_uninterrupted
+    stack = Stack(d.with_model(model).with_gateway_ports(0, 0), run_dir=run_dir, env={"EASERVE_LOG_LEVEL": "WARNING"})
+    out = {}
+    try:
+        stack.start(timeout=600)
+        url = stack.endpoints.http
+        if args.warmup:
+            warm = BenchConfig(url=url, rate=4.0, num_requests=args.warmup, seed=args.seed + 999, workload=spec,
+                               progress=False)
+            asyncio.run(run_bench(warm))
+        for rate in rates:
+            result = asyncio.run(run_bench(bench_config(args, spec, slo, rate, d.name, url)))
+            (run_dir / f"live-{rate:g}.json").write_text(result.to_json())
+            out[rate] = result.metrics
+            say(f"  live {d.name:12s} {rate:6.3f} req/s: {brief(result.metrics)}")
+    finally:
+        stop_uninterrupted(stack)
+    return out
+
+
+def sim_cell(args, d: Deployment, profile, spec: WorkloadSpec, slo, rate: float, run_dir: Path) -> dict:
+    from hasctl.simulate import ENDPOINT, run_simulation
+    bench, sim = run_simulation(d, profile, bench_config(args, spec, slo, rate, d.name))
+    doc = bench.to_dict()
+    doc["endpoint"] = ENDPOINT
+    doc["simulated"] = {"sim_seconds": sim.sim_seconds, "wall_seconds": sim.wall_seconds, "events": sim.events}
+    (run_dir / f"sim-{rate:g}.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    return bench.metrics
+
+
+def brief(m: dict) -> str:
+    return " ".join(f"{short}={fmt(m.get(k))}" for k, short in FIELDS) + f" failed={m.get('failed')}"
+
+
+def fmt(v, p: int = 2) -> str:
+    return "-" if v is None else f"{v:.{p}f}"
+
+
+# ---- errors and ranks -----------------------------------------------------------------------
+def rel_err(live: float | None, sim: float | None, floor: float = 0.0) -> float | None:
+    """|sim - live| / max(live, floor); None where either is missing or the denominator is 0."""
+    if live is None or sim is None:
+        return None
+    den = max(live, floor)
+    return abs(sim - live) / den if den > 0 else None
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float | None:
+    """Kendall's tau-b of two paired samples (ties in either counted as neither concordant nor
+    discordant); None when one of them is all ties."""
+    conc = disc = tx = ty = 0
+    n = len(xs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tx += 1
+            elif dy == 0:
+                ty += 1
+            elif (dx > 0) == (dy > 0):
+                conc += 1
+            else:
+                disc += 1
+    den = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
+    return (conc - disc) / den if den > 0 else None
+
+
+def cell_errors(live: dict, sim: dict) -> dict:
+    return {k: rel_err(live.get(k), sim.get(k), FLOOR_RPS if k in RATE_FIELDS else 0.0) for k, _ in FIELDS}
+
+
+def summarize(cells: dict) -> dict:
+    """The last-line figures from the cells {modality: {rate: {deployment: {live, sim, err}}}}."""
+    flat = [c for by_rate in cells.values() for by_dep in by_rate.values() for c in by_dep.values()]
+    good = [c["err"]["request_goodput"] for c in flat if c["err"]["request_goodput"] is not None]
+    ttft = [c["err"]["median_ttft_ms"] for c in flat if c["err"]["median_ttft_ms"] is not None]
+    taus = []
+    for by_rate in cells.values():
+        for by_dep in by_rate.values():
+            names = sorted(by_dep)
+            if len(names) > 1:
+                taus.append(kendall_tau([by_dep[n]["live"]["request_goodput"] or 0.0 for n in names],
+                                        [by_dep[n]["sim"]["request_goodput"] or 0.0 for n in names]))
+    known = [t for t in taus if t is not None]
+    r = lambda v: None if v is None else round(v, 4)  # noqa: E731
+    return {"goodput_rel_err_median": r(statistics.median(good)) if good else None,
+            "goodput_rel_err_max": r(max(good)) if good else None,
+            "ttft_p50_rel_err_median": r(statistics.median(ttft)) if ttft else None,
+            "rank_agreement": r(statistics.mean(known)) if known else None,
+            "rank_rates": len(taus), "rank_rates_all_tied": len(taus) - len(known)}
+
+
+def table(cells: dict, meta: dict) -> str:
+    head = ["modality", "deployment", "load", "rate"] + [f"{short} live/sim (err)" for _, short in FIELDS]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for mod, by_rate in cells.items():
+        for rate, by_dep in by_rate.items():
+            for name, c in by_dep.items():
+                vals = []
+                for k, _ in FIELDS:
+                    p = 2 if k in RATE_FIELDS else 0
+                    e = c["err"][k]
+                    vals.append(f"{fmt(c['live'].get(k), p)} / {fmt(c['sim'].get(k), p)} "
+                                f"({'-' if e is None else f'{e:.0%}'})")
+                lines.append(f"| {mod} | {name} | {c['load']:g}x | {rate:g} | " + " | ".join(vals) + " |")
+    for mod, m in meta.items():
+        lines.append(f"\n{mod}: {m['family']} ({m['scale']}), profile {m['profile']}; simulated saturation "
+                     f"{m['saturation_rps']:.3f} req/s (median of {m['saturation_by_deployment']}); SLO {m['slo']}; "
+                     f"{m['requests']} requests per cell, Poisson, seed {m['seed']}, {m['output_tokens']} output "
+                     f"tokens (ignore_eos); errors |sim - live| / live, goodput and throughput over "
+                     f"max(live, {FLOOR_RPS} req/s).")
+    return "\n".join(lines)
+
+
+# ---- main -------------------------------------------------------------------------------------
+def run_modality(args, modality: str, say) -> tuple[dict, dict]:
+    model = checkpoint(args, modality)
+    profile, path = profile_of(args, model, modality, say)
+    spec = workload(args, profile, modality)
+    slo = profile.slo(args.slo)
+    sat, per = saturation(args, profile, spec, slo)
+    rates = [round(f * sat, 3) for f in args.loads]
+    say(f"[{modality}] simulated saturation {sat:.3f} req/s {per}; rates {rates}; SLO {slo.ttft_ms:.0f} ms TTFT, "
+        f"{slo.tpot_ms:.1f} ms TPOT ({args.slo})")
+    cells: dict[float, dict] = {r: {} for r in rates}
+    for name in args.deployments:
+        d = deployment(name)
+        run_dir = args.out_dir / modality / d.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        live = live_cells(args, d, model, spec, slo, rates, run_dir, say)
+        for load, rate in zip(args.loads, rates):
+            sim = sim_cell(args, d, profile, spec, slo, rate, run_dir)
+            say(f"  sim  {d.name:12s} {rate:6.3f} req/s: {brief(sim)}")
+            keep = lambda m: {k: m.get(k) for k, _ in FIELDS} | {"completed": m.get("completed"),  # noqa: E731
+                                                                  "failed": m.get("failed")}
+            cells[rate][d.name] = {"load": load, "live": keep(live[rate]), "sim": keep(sim),
+                                   "err": cell_errors(live[rate], sim)}
+    meta = {"family": FAMILIES[modality], "scale": args.scale, "model": model, "profile": str(path),
+            "saturation_rps": sat, "saturation_by_deployment": {k: round(v, 3) for k, v in per.items()},
+            "rates": rates, "slo": slo.to_dict(), "requests": args.requests, "seed": args.seed,
+            "output_tokens": args.output_tokens}
+    return cells, meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running stack, like Ctrl-C
+    t0 = time.monotonic()
+    cells, meta = {}, {}
+    for m in args.modalities:
+        cells[m], meta[m] = run_modality(args, m, say)
+    text = table(cells, meta)
+    print(text)
+    (args.out_dir / "fidelity.md").write_text(text + "\n")
+    out = summarize(cells)
+    out["minutes"] = round((time.monotonic() - t0) / 60, 2)
+    out["cells"] = {f"{mod}/{name}@{rate:g}": c for mod, by_rate in cells.items()
+                    for rate, by_dep in by_rate.items() for name, c in by_dep.items()}
+    (args.out_dir / "fidelity.json").write_text(json.dumps({"summary": out, "meta": meta}, indent=2) + "\n")
+    say(f"saved {args.out_dir / 'fidelity.md'} and fidelity.json")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
