@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from easerve.policy.batcher import AdaptiveBatcher, Dispatch
+from easerve.policy.clock import Clock, MonotonicClock
 from easerve.types import MMItem
 
 log = logging.getLogger("easerve.encode")
@@ -24,7 +24,7 @@ log = logging.getLogger("easerve.encode")
 class _Pending:
     items: list[MMItem]
     future: asyncio.Future
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float  # clock.now() at arrival
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,11 @@ def _fail(batch: dict[str, _Pending], e: BaseException) -> None:
 
 class EncodeLoop:
     def __init__(self, adapter, batcher: AdaptiveBatcher, controller=None, metrics=None,
-                 executor: concurrent.futures.Executor | None = None):
+                 executor: concurrent.futures.Executor | None = None, clock: Clock | None = None):
+        """`clock`: where every time the loop reads comes from (arrivals, the batcher's `now`,
+        queue and encode times); a MonotonicClock unless given."""
         self.adapter, self.batcher, self.controller, self.m = adapter, batcher, controller, metrics
+        self.clock = clock or MonotonicClock()
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._pending: dict[str, _Pending] = {}
         self._dispatches: asyncio.Queue[Dispatch] = asyncio.Queue()
@@ -70,8 +73,9 @@ class EncodeLoop:
         if not self._tasks or dead:
             raise RuntimeError("the encode loop is not running; restart this encode worker")
         fut = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Pending(items, fut)
-        d = self.batcher.add(request_id, time.monotonic())
+        now = self.clock.now()
+        self._pending[request_id] = _Pending(items, fut, now)
+        d = self.batcher.add(request_id, now)
         if d is not None:
             self._dispatches.put_nowait(d)
         self._arrival.set()
@@ -83,7 +87,7 @@ class EncodeLoop:
 
     async def _timer(self) -> None:
         while True:
-            now = time.monotonic()
+            now = self.clock.now()
             d = self.batcher.poll(now)
             if d is not None:
                 self._dispatches.put_nowait(d)
@@ -110,13 +114,13 @@ class EncodeLoop:
 
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
             _fail(batch, e)
             return
-        t1 = time.monotonic()
+        t1 = self.clock.now()
         i = 0
         for p in batch.values():
             n = len(p.items)
