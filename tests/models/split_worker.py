@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from easerve.engine.detok import prompt_tail
 from easerve.wire.codec import decode_kv, decode_tensors, encode_kv, encode_tensors
 from easerve.types import MMItem, PrefillRequest, SamplingParams
 
@@ -67,7 +68,7 @@ def prefill(adapter, work: Path, n: int) -> None:
         res = adapter.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
         payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta,
-                            first, sp, prompt_ids_tail=meta["input_ids"][-8:])
+                            first, sp, prompt_ids_tail=prompt_tail(meta["input_ids"]))
         (work / f"kv{k}.bin").write_bytes(encode_kv(payload))
 
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from easerve.engine.detok import prompt_tail
 from easerve.engine.logprobs import token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.policy.clock import Clock, MonotonicClock
@@ -27,14 +28,6 @@ from easerve.transport.handoff import KVSenders
 from easerve.types import KVPayload, PrefillRequest
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2
-
-PROMPT_TAIL = 8  # prompt tokens that seed the detokenizer (context for the first token's text)
-
-
-def prompt_tail(input_ids) -> list[int]:
-    """The one home of the detokenizer's prompt context (prefill's first token, decode's rest)."""
-    return list(input_ids[-PROMPT_TAIL:])
-
 
 class PrefillStage:
     def __init__(self, loop: PrefillLoop, decode: Peers, senders: KVSenders, eos_ids, tokenizer,
