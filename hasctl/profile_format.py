@@ -74,10 +74,6 @@ class EncodePoint:
             raise ValueError(f"{where}.share must be in (0, 1], got {self.share!r}")
         _positive(f"{where}.latency_s", self.latency_s)
 
-    @property
-    def items_per_s(self) -> float:
-        return self.batch_size / self.latency_s
-
 
 @dataclass(frozen=True)
 class EncodeSizePoint:

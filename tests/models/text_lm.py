@@ -100,7 +100,6 @@ def build_text_lm(spec: TextLMSpec = TextLMSpec(), device: str = "cpu",
 class TextLMAdapter(ModelAdapter):
     family = "text-lm"
     modalities = ()
-    architectures = ()
 
     def __init__(self, lm: torch.nn.Module, lm_head: torch.nn.Module, tokenizer, mrope: bool,
                  causal_lm: torch.nn.Module | None = None) -> None:
