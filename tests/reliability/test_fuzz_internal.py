@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from easerve import Client, codec
+from easerve import Client
+from easerve.wire import codec
 from easerve.types import KVPayload, SamplingParams
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, encode_pb2, kv_pb2, prefill_pb2, stage_pb2
