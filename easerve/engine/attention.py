@@ -10,7 +10,7 @@ kwarg `STEP_KWARG`, which reaches `easerve_attention` (registered as attn implem
 sdpa's masks, and a decode step (q_len 1, no padding mask, a cache that is not compileable)
 skips mask building entirely (sdpa_mask returns None).
 
-Step caches, one per backend (`select_backend`):
+Step caches, one per backend (`select_attention`):
 - "slots" (`SlotStepCache`): the batch's K/V are strided views of a `SlotKVPool`; sdpa
   reads them in place, with a length mask only when the rows' lengths differ.
 - "paged-gather" (`PagedStepCache`): a `PagedKVPool` on a device without flashinfer; the
@@ -79,7 +79,7 @@ def paged_kernel_available(device_type: str, dtype: torch.dtype, flashinfer_impo
     return flashinfer_importable and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def select_backend(layout: str, paged_kernel: bool) -> str:
+def select_attention(layout: str, paged_kernel: bool) -> str:
     """The attention backend for a KV layout ("paged" / "slots"), given
     `paged_kernel_available(...)`."""
     if layout == "slots":

@@ -10,7 +10,7 @@ Four ways to size the KV pool (set at most one):
 None: paged with DEFAULT_KV_TOKENS. Memory-sized pools never hold more than `max_running`
 requests of `max_seq_len` tokens would use. `kv_layout` "auto" picks slots (attention reads
 the pool in place; needs max_seq_len) unless the engine's device runs flashinfer's paged
-kernel (see `attention.select_backend`).
+kernel (see `attention.select_attention`).
 """
 from __future__ import annotations
 
