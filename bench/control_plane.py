@@ -14,7 +14,7 @@ import random
 import time
 
 from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
-from easerve.policy.partitioner import SMPartitioner, profile
+from easerve.policy.partitioner import SMPartitioner, measure_grid
 from easerve.policy.router import DeficitRouter, RandomRouter, max_prefix_error
 
 
@@ -31,9 +31,10 @@ def replay(times: list[float], batcher: AdaptiveBatcher, router, part: SMPartiti
     routes: list[str] = []
     batches = 0
 
-    def run(d) -> None:
+    def run(d) -> None:  # a worker that finishes each batch at once (decisions only are timed)
         nonlocal batches
         batches += 1
+        batcher.on_free(d.at)
         part.choose(d.size)
         for _ in d.item_ids:
             routes.append(router.route())
@@ -67,7 +68,7 @@ def main() -> None:
     a = ap.parse_args()
 
     times = arrivals(a.n, a.rate)
-    part = SMPartitioner(profile(lambda b, s: 0.01 * b / min(1.0, s / min(1.0, 0.15 * b)), [1, 2, 4, 8]))
+    part = SMPartitioner(measure_grid(lambda b, s: 0.01 * b / min(1.0, s / min(1.0, 0.15 * b)), [1, 2, 4, 8]))
     cfg = BatcherConfig(max_batch=a.max_batch)
     secs, det_routes, batches = replay(times, AdaptiveBatcher(cfg), DeficitRouter(a.s), part)
     rnd_secs, rnd_routes, _ = replay(times, AdaptiveBatcher(cfg), RandomRouter(a.s, seed=0), part)

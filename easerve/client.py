@@ -9,9 +9,10 @@
 a gateway started with --api-key; `tls=Tls(ca="ca.pem")` (easerve.rpc.tls) talks TLS to a
 gateway started with --tls-cert (add cert= / key= for one that asks for client certificates).
 
-Errors are the domain errors of `easerve.rpc.errors` (one table maps them to status codes),
-under the names below. Leaving a stream early (break, `close()`, garbage collection) cancels
-the RPC, and with it every stage's work for the request.
+Errors are the domain errors of `easerve.errors` (`easerve.rpc.errors` maps them to status
+codes), also under the SDK's names below (`easerve.OverloadedError` is `easerve.errors.Overloaded`).
+Leaving a stream early (break, `close()`, garbage collection) cancels the RPC, and with it every
+stage's work for the request.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass, fields
 import grpc
 
 from easerve.client_request import build_request
-from easerve.rpc import errors as _errors
+from easerve import errors as _errors
+from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel, sync_channel
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import gateway_pb2 as gpb
@@ -38,7 +40,6 @@ RequestCancelled = _errors.Cancelled
 InternalError = _errors.Internal
 UnauthenticatedError = _errors.Unauthenticated
 MessageTooLargeError = _errors.MessageTooLarge
-from_rpc_error = _errors.from_rpc_error
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CHANNEL_OPTIONS = (("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),

@@ -10,7 +10,7 @@ import io
 import os
 from collections.abc import Iterable
 
-from easerve.rpc.errors import InvalidRequest as InvalidRequestError
+from easerve.errors import InvalidRequest
 from easerve.wire.sampling_proto import sampling_to_proto
 from easerve.types import SamplingParams
 from easerve.wire.v1 import common_pb2 as cpb
@@ -20,9 +20,9 @@ from easerve.wire.v1 import gateway_pb2 as gpb
 def _read_path(value, what: str) -> bytes:
     path = os.fspath(value)
     if path.startswith(("http://", "https://")):
-        raise InvalidRequestError(f"{what}: the server fetches no URLs; pass the bytes, a file path or a data: URI")
+        raise InvalidRequest(f"{what}: the server fetches no URLs; pass the bytes, a file path or a data: URI")
     if not os.path.isfile(path):
-        raise InvalidRequestError(f"{what}: {path!r} is neither an existing file nor a data: URI")
+        raise InvalidRequest(f"{what}: {path!r} is neither an existing file nor a data: URI")
     with open(path, "rb") as f:
         return f.read()
 
@@ -39,7 +39,7 @@ def _image_bytes(img, what: str = "image") -> bytes:
         buf = io.BytesIO()
         img.save(buf, format="PNG")
         return buf.getvalue()
-    raise InvalidRequestError(f"{what}: expected bytes, a PIL image, a file path or a data: URI, "
+    raise InvalidRequest(f"{what}: expected bytes, a PIL image, a file path or a data: URI, "
                               f"got {type(img).__name__}")
 
 
@@ -61,10 +61,10 @@ def video_part(video, fps: float = 0.0) -> gpb.ContentPart:
     elif isinstance(video, Iterable) or hasattr(video, "__array__"):
         frames = [_image_bytes(f, "video frame") for f in video]
         if not frames:
-            raise InvalidRequestError("video: the list of frames is empty")
+            raise InvalidRequest("video: the list of frames is empty")
         v = gpb.VideoInput(frames=gpb.VideoFrames(frames=frames), fps=fps)
     else:
-        raise InvalidRequestError(f"video: expected a list of frames or a video file, got {type(video).__name__}")
+        raise InvalidRequest(f"video: expected a list of frames or a video file, got {type(video).__name__}")
     return gpb.ContentPart(video=v)
 
 
@@ -76,12 +76,12 @@ def audio_part(audio) -> gpb.ContentPart:
         samples, rate = audio
         arr = np.asarray(samples, dtype="<f4")
         if arr.ndim != 1 or int(rate) <= 0:
-            raise InvalidRequestError("audio: pass (mono 1-D float32 samples, sample_rate > 0)")
+            raise InvalidRequest("audio: pass (mono 1-D float32 samples, sample_rate > 0)")
         return gpb.ContentPart(audio=gpb.AudioInput(
             samples=gpb.AudioSamples(f32le=arr.tobytes(), sample_rate=int(rate))))
     if isinstance(audio, (bytes, bytearray, memoryview, str, os.PathLike)):
         return gpb.ContentPart(audio=gpb.AudioInput(wav=_image_bytes(audio, "audio")))
-    raise InvalidRequestError(f"audio: expected WAV bytes, a path or (samples, sample_rate), got {type(audio).__name__}")
+    raise InvalidRequest(f"audio: expected WAV bytes, a path or (samples, sample_rate), got {type(audio).__name__}")
 
 
 def _url(v) -> str:
@@ -107,22 +107,22 @@ def content_part(part) -> gpb.ContentPart:
         return gpb.ContentPart(text=part)
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in _PART_BUILDERS:
-        raise InvalidRequestError(f"content part {part!r:.80}: 'type' must be one of {sorted(_PART_BUILDERS)}")
+        raise InvalidRequest(f"content part {part!r:.80}: 'type' must be one of {sorted(_PART_BUILDERS)}")
     try:
         return _PART_BUILDERS[kind](part)
     except KeyError as e:
-        raise InvalidRequestError(f"content part of type {kind!r} lacks the key {e}") from None
+        raise InvalidRequest(f"content part of type {kind!r} lacks the key {e}") from None
     except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidRequestError):
+        if isinstance(e, InvalidRequest):
             raise
-        raise InvalidRequestError(f"content part of type {kind!r}: {e}") from None
+        raise InvalidRequest(f"content part of type {kind!r}: {e}") from None
 
 
 def chat_message(m) -> gpb.ChatMessage:
     if isinstance(m, gpb.ChatMessage):
         return m
     if not isinstance(m, dict) or "content" not in m:
-        raise InvalidRequestError("each message must be a dict with 'role' and 'content'")
+        raise InvalidRequest("each message must be a dict with 'role' and 'content'")
     content = m["content"]
     parts = [content] if isinstance(content, str) else list(content)
     return gpb.ChatMessage(role=m.get("role", "user"), content=[content_part(p) for p in parts])
@@ -151,9 +151,9 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
                            stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos,
                            logprobs=logprobs)
     except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
+        raise InvalidRequest(str(e)) from None
     if seed is not None and seed < 0:
-        raise InvalidRequestError(f"seed must be >= 0, got {seed}")
+        raise InvalidRequest(f"seed must be >= 0, got {seed}")
     return sampling_to_proto(p)
 
 
@@ -163,22 +163,22 @@ def build_request(prompt: str | None = None, *, messages=None, raw_prompt: str |
     """The GenerateRequest for the SDK arguments (see `Client.generate`)."""
     given = sum(x is not None for x in (prompt, messages, raw_prompt))
     if given > 1:
-        raise InvalidRequestError("pass only one of prompt, messages and raw_prompt")
+        raise InvalidRequest("pass only one of prompt, messages and raw_prompt")
     media = media_parts(images, video, audio, video_fps)
     if given == 0 and not media:
-        raise InvalidRequestError("nothing to generate from: pass prompt, messages or raw_prompt")
+        raise InvalidRequest("nothing to generate from: pass prompt, messages or raw_prompt")
     req = gpb.GenerateRequest(model=model or "", request_id=request_id or "", sampling=sampling_proto(**sampling))
     if raw_prompt is not None:
         if not raw_prompt:
-            raise InvalidRequestError("raw_prompt is empty; pass the prompt text with its placeholders")
+            raise InvalidRequest("raw_prompt is empty; pass the prompt text with its placeholders")
         req.prompt = raw_prompt
         req.media.extend(media)
     elif messages is not None:
         if media:
-            raise InvalidRequestError("with messages=, put images/video/audio inside the messages' content")
+            raise InvalidRequest("with messages=, put images/video/audio inside the messages' content")
         req.messages.extend(chat_message(m) for m in messages)
         if not req.messages:
-            raise InvalidRequestError("messages is empty; pass at least one message")
+            raise InvalidRequest("messages is empty; pass at least one message")
     else:
         text = [gpb.ContentPart(text=prompt)] if prompt else []
         req.messages.append(gpb.ChatMessage(role="user", content=media + text))

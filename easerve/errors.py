@@ -1,7 +1,9 @@
 """The domain errors every part of EAServe raises, with the status each one surfaces as.
 
-No grpc and no torch here: the engine and the policies raise these, and `easerve.rpc.errors`
-maps them to gRPC status codes (by name) and HTTP statuses in one table.
+The one import path for them: every module imports a domain error class from here
+(tests/unit/test_error_imports.py walks the imports). No grpc and no torch here: the engine
+and the policies raise these, and `easerve.rpc.errors` maps them to gRPC status codes (by
+name), trailing metadata and HTTP statuses.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ class EAServeError(Exception):
     code = "INTERNAL"
     http = 500
     retry_after_s: float | None = None
+    # a reason code a caller acts on (gRPC trailing metadata `easerve-reason`): a class that
+    # sets one is rebuilt as itself across gRPC, whatever its message says
+    reason: str | None = None
 
     def __init__(self, *args, retry_after_s: float | None = None):
         super().__init__(*args)
@@ -30,8 +35,32 @@ class InvalidRequest(EAServeError, ValueError):
     code, http = "INVALID_ARGUMENT", 400
 
 
+class BadRequest(InvalidRequest):
+    """Client error at the gateway's HTTP / gRPC front: the message says what to change."""
+
+
+class MediaError(InvalidRequest):
+    """User media that cannot be used; the message says what is accepted instead."""
+
+
+class CodecError(InvalidRequest):
+    """A payload that cannot be encoded or decoded; the message says what is wrong
+    (an InvalidRequest, hence a ValueError: the bytes came from a caller)."""
+
+
 class NotFound(EAServeError):
     code, http = "NOT_FOUND", 404
+
+
+class CacheMiss(NotFound):
+    """A media item came without its inputs (pixels) for a content hash this encode
+    instance does not hold (evicted, or another instance): resend the item with inputs.
+    Recognised by its reason code, never by its words."""
+    reason = "ENCODER_CACHE_MISS"
+
+    @classmethod
+    def of_item(cls, index: int, modality: str, why: str) -> CacheMiss:
+        return cls(f"encoder cache miss: item {index} ({modality}) {why}; resend the item with its inputs")
 
 
 class Overloaded(EAServeError):
@@ -46,6 +75,10 @@ class Unavailable(EAServeError):
     retry_after_s = 1.0
 
 
+class EngineFailed(Unavailable):
+    """The decode engine's step raised: this instance cannot finish the request."""
+
+
 class DeadlineExceeded(EAServeError, TimeoutError):
     code, http = "DEADLINE_EXCEEDED", 504
 
@@ -56,6 +89,12 @@ class Cancelled(EAServeError):
 
 class Internal(EAServeError):
     pass
+
+
+class BadUpstream(Internal):
+    """A stage answered against the protocol (a stream that ended without a finish reason):
+    the answer is cut short, HTTP 502."""
+    http = 502
 
 
 class Unauthenticated(EAServeError):

@@ -254,6 +254,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="open-loop load against an OpenAI-compatible chat endpoint")
     p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    add_workload_args(p)
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=3600.0, help="hard limit for the whole run (s)")
+    p.add_argument("--label", default="", help="deployment name recorded for hasctl report")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.set_defaults(func=run)
+
+
+def add_workload_args(p) -> None:
+    """The workload and SLO flags `hasctl bench` and `hasctl simulate` share."""
     p.add_argument("--modality", default="image", choices=["image", "video", "audio", "text", "mixed"])
     p.add_argument("--mix", default="image,video,audio,text", help="modalities 'mixed' draws from")
     p.add_argument("--rate", type=float, required=True, help="mean arrival rate, requests/s")
@@ -276,12 +287,6 @@ def add_parser(sub) -> None:
     p.add_argument("--ttft-ms", type=float, default=None)
     p.add_argument("--tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--timeout", type=float, default=3600.0, help="hard limit for the whole run (s)")
-    p.add_argument("--label", default="", help="deployment name recorded for hasctl report")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", required=True, help="result JSON")
-    p.set_defaults(func=run)
 
 
 def slo_from_args(args) -> SLO | None:
@@ -300,17 +305,24 @@ def slo_from_args(args) -> SLO | None:
     return None
 
 
-def config_from_args(args) -> BenchConfig:
-    spec = WorkloadSpec(modality=args.modality, image_size=parse_size(args.image_size),
+def workload_from_args(args) -> WorkloadSpec:
+    return WorkloadSpec(modality=args.modality, image_size=parse_size(args.image_size),
                         video_frames=args.video_frames, video_size=parse_size(args.video_size, "--video-size"),
                         video_format=args.video_format, audio_s=args.audio_s, input_tokens=args.input_tokens,
                         output_tokens=args.output_tokens, mix=tuple(m for m in args.mix.split(",") if m))
+
+
+def count_from_args(args) -> int | None:
+    """--requests (default 100, or each --dataset line once); None with --duration."""
     if args.duration is not None:
-        n = None
-    elif args.requests is None and args.dataset:
-        n = len(load_dataset(args.dataset))  # each dataset request once
-    else:
-        n = args.requests or 100
+        return None
+    if args.requests is None and args.dataset:
+        return len(load_dataset(args.dataset))
+    return args.requests or 100
+
+
+def config_from_args(args) -> BenchConfig:
+    spec, n = workload_from_args(args), count_from_args(args)
     return BenchConfig(url=args.url, rate=args.rate, burstiness=args.burstiness, num_requests=n,
                        duration_s=args.duration, seed=args.seed, workload=spec, dataset=args.dataset,
                        model=args.model, ignore_eos=args.ignore_eos, slo=slo_from_args(args),

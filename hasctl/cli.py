@@ -3,28 +3,35 @@
 Subcommands: make-tiny (random-weight checkpoints), demo (the main job on the
 default tiny model), up (launch a deployment), profile (each stage's capacity alone, into a
 profile file), screen (drop allocations that cannot carry a rate), bench (open-loop load
-against an OpenAI-compatible endpoint), tune (Optuna search of allocation x B x s for the most
+against an OpenAI-compatible endpoint), simulate (the same, predicted by the
+discrete-event simulator from a profile), tune (Optuna search of allocation x B x s for the most
 goodput, each trial a real launch), report (plots and a table from bench results), compose
 (a compose file of a deployment), k8s (its Kubernetes manifests). Each
-subcommand lives in its own module and registers itself through `add_parser(subparsers)`.
+subcommand lives in its own module and registers itself through `add_parser(subparsers)`;
+only the module of the command being run is imported (make-tiny's pulls in torch and
+transformers, which `simulate` or `compose` never need).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import threading
 
-from hasctl import bench, compose, demo, k8s, profile, report, screen, tiny_cmd, tune, up_cmd
+# command -> the hasctl module that defines it (its add_parser registers that name)
+COMMANDS = {"make-tiny": "tiny_cmd", "demo": "demo", "up": "up_cmd", "profile": "profile", "screen": "screen",
+            "bench": "bench", "simulate": "simulate", "tune": "tune", "report": "report", "compose": "compose",
+            "k8s": "k8s"}
 
-COMMANDS = [tiny_cmd, demo, up_cmd, profile, screen, bench, tune, report, compose, k8s]
 
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv` naming a command, only that command's module is imported."""
     p = argparse.ArgumentParser(prog="hasctl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for mod in COMMANDS:
-        mod.add_parser(sub)
+    wanted = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
+    for name in wanted:
+        importlib.import_module(f"hasctl.{COMMANDS[name]}").add_parser(sub)
     return p
 
 
@@ -37,7 +44,8 @@ def _sigint_interrupts() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     _sigint_interrupts()
     try:
         return int(args.func(args) or 0)

@@ -19,6 +19,7 @@ Addresses of peers (--prefill, --decode, --encode) are wired by `to_commands`, n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,12 +194,19 @@ class Deployment:
 
     @classmethod
     def load(cls, path: str | Path) -> Deployment:
+        """A file that does not parse says so; one that breaks a rule names the key to change."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"cannot read the deployment file {str(path)!r}: {e.strerror}") from None
-        return cls.from_dict(_parse(text, _fmt(path), path), where=str(path))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        data = _parse(text, _fmt(path), path)
+        try:
+            return cls.from_dict(data, where="top level")
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def _dashed(flags: Mapping[str, Any]) -> dict:
@@ -210,15 +218,28 @@ def _fmt(path: Path) -> str:
 
 
 def _parse(text: str, fmt: str, path: Path) -> Any:
-    try:
-        if fmt == "json":
+    if fmt == "json":
+        try:
             return json.loads(text)
-        import yaml
-        return yaml.safe_load(text)
-    except ValueError as e:  # json.JSONDecodeError
-        raise ValueError(f"{path} is not valid JSON ({e}); fix it or use a .yaml file") from None
-    except Exception as e:  # yaml.YAMLError
-        raise ValueError(f"{path} is not valid YAML: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                             "fix it or use a .yaml file") from None
+    import yaml
+    try:
+        return yaml.load(text, Loader=_loader())
+    except yaml.YAMLError as e:  # a syntax error (MarkedYAMLError: where) or unreadable characters
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ValueError(f"{path} is not valid YAML ({at}{problem or e}); fix it") from None
+
+
+@functools.cache
+def _loader():
+    """yaml's SafeLoader without implicit dates: 2024-13-45 stays a string, checked as any value."""
+    import yaml
+    no_dates = {c: [(t, rx) for t, rx in rs if t != "tag:yaml.org,2002:timestamp"]
+                for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    return type("Loader", (yaml.SafeLoader,), {"yaml_implicit_resolvers": no_dates})
 
 
 def _mapping(data: Any, where: str, allowed: set[str]) -> dict:
@@ -257,12 +278,17 @@ def _stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
     kw = dict(fields)
     for k, v in flags:
         kind = flag_kind(stage, k)
-        kw[k.replace("-", "_")] = tuple(str(v).split(",")) if kind is tuple else kind(v)
+        try:
+            kw[k.replace("-", "_")] = tuple(str(v).split(",")) if kind is tuple else kind(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}.flags.{k} must be {_KINDS.get(kind, kind.__name__)}, got {v!r}") from None
     try:
         return STAGE_CONFIGS[stage](**kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 # who calls whom: a stage's peer flag -> the stages whose instances that flag lists
 PEER_ROLES: dict[str, dict[str, tuple[str, ...]]] = {

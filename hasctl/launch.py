@@ -109,11 +109,11 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 def _keep_profile(cmd: Command, run_dir: Path) -> Command:
-    """An encode worker with co-located prefill saves its SM-partition profile in the run
+    """An encode worker with co-located prefill saves its start-up encode profile in the run
     dir (unless the deployment names a file), so a restarted worker reuses it."""
     if cmd.stage != "encode" or "--colocate-prefill" not in cmd.argv or "--partition-profile" in cmd.argv:
         return cmd
-    path = run_dir / f"{cmd.name}.sm-profile.json"
+    path = run_dir / f"{cmd.name}.encode-profile.json"
     return dataclasses.replace(cmd, argv=(*cmd.argv, "--partition-profile", str(path)))
 
 

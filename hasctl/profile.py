@@ -5,31 +5,30 @@ On one device (the first of --devices; the rest are recorded as alike) or one co
 the decode role's LM, as in `easerve.pipeline`):
 - encode: `adapter.encode` over batch sizes x share levels on the reference media of the
   model's first modality, under the partition backend `easerve.partition.backends` picks
-  (green contexts on CUDA, core affinity on CPU); where that backend cannot split (MPS, time
-  slicing, one core) only share 1.0 is measured and `encode.backend_note` says so. Then each
-  modality's media sizes at share 1.0.
+  (green contexts on CUDA, core affinity on CPU), by `easerve.stages.encode.profiler` (the
+  profiler a co-located encode worker runs at start-up); where that backend cannot split
+  (MPS, time slicing, one core) only share 1.0 is measured and `encode.backend_note` says so.
+  Then each modality's media sizes at share 1.0.
 - prefill: `adapter.prefill` of text-only prompts over prompt lengths x batch sizes.
 - decode: `DecodeEngine.step` with 1..N running requests, at a few context lengths.
 - unloaded TTFT / TPOT per modality (and text): one request alone through preprocess ->
   encode -> prefill -> first token (TTFT), then the engine until `--output-tokens` (TPOT).
 - SLO tiers: multiples (--tiers, default 2,4,8) of those unloaded latencies.
-Every cell is the median of --repeats timed calls after one warm-up call; CUDA work is
-synchronized before each clock read. `--quick`: a few small points, one repeat (tests).
+Every cell is the median of --repeats timed calls after one warm-up call
+(`profiler.time_call`: the clock is read after CUDA work is synchronized). `--quick`: a few small points, one repeat (tests).
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
 from easerve.engine.detok import prompt_tail
+from easerve.stages.encode import profiler as ep
 from hasctl import profile_format as pf
 
 
@@ -65,27 +64,6 @@ QUICK = Plan(encode_batches=(1, 2), shares=(0.5, 1.0), image_sizes=((56, 56),), 
              decode_batches=(1, 4), decode_contexts=(32,), decode_steps=2, output_tokens=4, repeats=1)
 
 
-def media_label(modality: str, size) -> str:
-    if modality == "image":
-        return f"{size[0]}x{size[1]}"
-    if modality == "video":
-        return f"{size[0]}x{size[1]}x{size[2]}"
-    return f"{size:g}s"
-
-
-def media_part(modality: str, size, seed: int = 0) -> dict:
-    """A chat content part of synthetic media (what the gateway hands the HF processor)."""
-    import numpy as np
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    if modality == "image":
-        return {"type": "image", "image": Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))}
-    if modality == "video":
-        f, w, h = size
-        return {"type": "video", "video": rng.integers(0, 256, (f, h, w, 3), dtype=np.uint8)}
-    return {"type": "audio", "audio": (0.1 * rng.standard_normal(int(16000 * size))).astype(np.float32)}
-
-
 def sizes_of(plan: Plan, modality: str) -> tuple:
     return {"image": plan.image_sizes, "video": plan.video_sizes, "audio": plan.audio_seconds}[modality]
 
@@ -105,59 +83,33 @@ class Profiler:
         self.enc = load_adapter(model, role="encode", device=device)
         self.lm = load_adapter(model, role="decode", device=device)
         self.modalities = tuple(self.enc.modalities)
-
-    # ---- timing -------------------------------------------------------------------------------
-    def _sync(self) -> None:
-        if self.device.startswith("cuda"):
-            import torch
-            torch.cuda.synchronize(self.device)
+        self.sync = ep.device_sync(device)
 
     def _time(self, fn: Callable[[], object]) -> float:
-        fn()
-        self._sync()
-        ts = []
-        for _ in range(self.plan.repeats):
-            t0 = time.perf_counter()
-            fn()
-            self._sync()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return ep.time_call(fn, self.plan.repeats, sync=self.sync)
 
     def _item(self, modality: str, size):
-        prompt = self.enc.preprocess([{"role": "user", "content": [media_part(modality, size), {"type": "text",
-                                                                                               "text": "x"}]}])
-        return prompt.items[0]
+        return ep.synthetic_item(self.enc, modality, size)
 
     # ---- encode -------------------------------------------------------------------------------
     def measure_encode(self) -> pf.EncodeProfile:
         from easerve.partition.backends import select_backend
         plan, ref = self.plan, self.modalities[0]
-        ref_size = reference_size(plan, ref)
         backend = select_backend("auto", self.device, plan.shares)
-        split = backend.name in ("green_contexts", "cpu_affinity")
-        shares = backend.levels if split else (1.0,)
-        note = backend.reason if split else f"no partition backend here ({backend.reason}): share 1.0 only"
-        item = self._item(ref, ref_size)
-        grid = []
         try:
-            for b in plan.encode_batches:
-                for share in shares:
-                    with backend.encode_context(backend.level_for(share) if split else None):
-                        lat = self._time(lambda: self.enc.encode([item] * b))
-                    grid.append(pf.EncodePoint(b, float(share), lat))
-                    self.tick(f"encode b={b} share={share:g}")
+            grid = ep.measure_encode(self.enc, backend, plan.encode_batches, media=reference_size(plan, ref),
+                                     repeats=plan.repeats, sync=self.sync, tick=self.tick)
         finally:
             backend.close()
         by_size = [self._size_point(m, s, b) for m in self.modalities for s in sizes_of(plan, m)
                    for b in plan.size_batches]
-        return pf.EncodeProfile(backend.name if split else "none", note, ref, media_label(ref, ref_size),
-                                tuple(grid), tuple(by_size))
+        return dataclasses.replace(grid, by_size=tuple(by_size))
 
     def _size_point(self, modality: str, size, batch: int) -> pf.EncodeSizePoint:
         item = self._item(modality, size)
         lat = self._time(lambda: self.enc.encode([item] * batch))
-        self.tick(f"encode {modality} {media_label(modality, size)} b={batch}")
-        return pf.EncodeSizePoint(modality, media_label(modality, size), int(item.num_tokens), batch, lat)
+        self.tick(f"encode {modality} {ep.media_label(modality, size)} b={batch}")
+        return pf.EncodeSizePoint(modality, ep.media_label(modality, size), int(item.num_tokens), batch, lat)
 
     # ---- prefill / decode ------------------------------------------------------------------------
     def _prompt(self, n: int, seed: int) -> list[int]:
@@ -218,7 +170,7 @@ class Profiler:
             runs = [self._one_request(mod, size, seed) for seed in range(self.plan.repeats + 1)][1:]  # 1st: warm-up
             ttft = statistics.median(r[0] for r in runs)
             tpot = statistics.median(r[1] for r in runs)
-            out.append(pf.Unloaded(mod, "" if size is None else media_label(mod, size), runs[0][2],
+            out.append(pf.Unloaded(mod, "" if size is None else ep.media_label(mod, size), runs[0][2],
                                    self.plan.output_tokens, ttft, tpot))
             self.tick(f"unloaded {mod}")
         return out
@@ -229,7 +181,7 @@ class Profiler:
         from hasctl.workload import text_of
         n_out = self.plan.output_tokens
         sp = SamplingParams(max_tokens=n_out, ignore_eos=True)
-        content = ([] if size is None else [media_part(modality, size, seed)]) + [
+        content = ([] if size is None else [ep.synthetic_part(modality, size, seed)]) + [
             {"type": "text", "text": text_of(32, seed)}]
         engine = self._engine(1, 16384)
         t0 = time.perf_counter()
@@ -238,14 +190,14 @@ class Profiler:
         req = PrefillRequest("u", prompt.input_ids, embeds, [(it.modality, it.meta) for it in prompt.items], sp)
         res = self.lm.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
-        self._sync()
+        self.sync()
         t_first = time.perf_counter()
         engine.add(KVPayload("u", res.keys, res.values, res.prompt_len, res.rope_delta, first, sp,
                              prompt_tail(prompt.input_ids)))
         t_last, seen = t_first, 1
         while engine.has_work:
             outs = [o for o in engine.step() if o.token_id is not None and o.index >= 1]
-            self._sync()
+            self.sync()
             if outs:
                 t_last, seen = time.perf_counter(), seen + len(outs)
         if seen != n_out:
@@ -253,39 +205,72 @@ class Profiler:
         return t_first - t0, (t_last - t_first) / (n_out - 1), len(prompt.input_ids)
 
 
-# ---- environment --------------------------------------------------------------------------------
-def hardware(device: str, devices: tuple[str, ...]) -> pf.Hardware:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpus: tuple[str, ...] = ()
-    if device.startswith("cuda"):
+    # ---- revision 2: gateway preprocessing, transfers, interference ------------------------------
+    def measure_gateway(self) -> list[pf.GatewayPoint]:
+        """The encode adapter's preprocess (chat template, tokenizer, HF processor) of one request
+        per media size, and of a text-only one: what the gateway spends per request."""
+        from hasctl.workload import text_of
+        out = []
+        for mod in self.modalities + ("text",):
+            for size in (None,) if mod == "text" else sizes_of(self.plan, mod):
+                content = ([] if size is None else [ep.synthetic_part(mod, size, 0)]) + [{"type": "text", "text": text_of(32, 0)}]
+                msgs = [{"role": "user", "content": content}]
+                out.append(pf.GatewayPoint(mod, "" if size is None else ep.media_label(mod, size),
+                                           self._time(lambda m=msgs: self.enc.preprocess(m))))
+        return out
+
+    def measure_transfer(self) -> pf.Transfer:
+        """Bytes per token from the model's config and dtype; same_host: a plain memory copy of
+        64 MiB (what shared memory costs); same_device: a device-to-device copy on CUDA, the same
+        memory copy on CPU. other_host is not measurable on one machine and is left out."""
         import torch
-        gpus = tuple(torch.cuda.get_device_name(d) for d in devices)
-    return pf.Hardware(cpu, len(os.sched_getaffinity(0)), gpus, device, devices)
+        from easerve.engine.kv_pool import KVLayout
+        dtype = self.lm.dtype
+        kv = KVLayout.from_text_config(self.lm.text_config, dtype, "cpu").bytes_per_token
+        embed = self.lm.text_config.hidden_size * torch.empty((), dtype=dtype).element_size()
+        n = 64 << 20
+        src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        host = n / self._time(lambda: dst.copy_(src)) / 1e9
+        links = [pf.LinkPoint("same_host", host)]
+        if self.device.startswith("cuda"):
+            a = torch.empty(n, dtype=torch.uint8, device=self.device)
+            b = torch.empty_like(a)
+            links.append(pf.LinkPoint("same_device", n / self._time(lambda: b.copy_(a)) / 1e9))
+        else:
+            links.append(pf.LinkPoint("same_device", host))
+        return pf.Transfer(embed, kv, tuple(links))
 
+    def measure_interference(self) -> list[pf.Interference]:
+        """Encode of the reference batch while a prefill runs in another thread on the same
+        device (and the reverse), over each alone: the slowdown of sharing it uncontrolled."""
+        import threading
+        if not self.modalities:
+            return []
+        ref = self.modalities[0]
+        items = [self._item(ref, reference_size(self.plan, ref)) for _ in range(max(self.plan.encode_batches))]
+        reqs = self._prefill_reqs(max(self.plan.prompt_lens), 1)
+        enc = lambda: self.enc.encode(items)  # noqa: E731
+        pre = lambda: self.lm.prefill(reqs)  # noqa: E731
+        alone = {"encode": self._time(enc), "prefill": self._time(pre)}
+        out = []
+        for stage, fn, other in (("encode", enc, pre), ("prefill", pre, enc)):
+            stop = threading.Event()
 
-def versions() -> pf.Versions:
-    import importlib.metadata as md
-
-    import torch
-    import transformers
-    try:
-        ours = md.version("easerve")
-    except md.PackageNotFoundError:
-        ours = "unknown (not installed)"
-    return pf.Versions(ours, torch.__version__, transformers.__version__, platform.python_version())
-
-
-def model_info(path: str, modalities: tuple[str, ...]) -> pf.ModelInfo:
-    from easerve.models.registry import detect_family
-    digest = hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
-    return pf.ModelInfo(str(Path(path).resolve()), detect_family(path), digest, modalities)
+            def busy(f=other) -> None:
+                while not stop.is_set():
+                    f()
+                    self.sync()
+            t = threading.Thread(target=busy, daemon=True)
+            t.start()
+            try:
+                shared = self._time(fn)
+            finally:
+                stop.set()
+                t.join()
+            out.append(pf.Interference(stage, "prefill" if stage == "encode" else "encode",
+                                       max(1.0, shared / alone[stage])))
+        self.tick("interference")
+        return out
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -331,11 +316,13 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
                      + len(prof.modalities) + 1)
         encode = prof.measure_encode() if prof.modalities else None
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
+        gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()
     finally:
         bar.close()
-    return pf.Profile(hardware(device, devices), versions(), model_info(model, prof.modalities), encode,
+    return pf.Profile(ep.hardware(device, devices), ep.versions(), ep.model_info(model, prof.modalities), encode,
                       tuple(prefill), tuple(decode), tuple(unloaded), pf.tiers_from(unloaded, multipliers),
-                      datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), quick)
+                      ep.utc_now(), quick, revision=pf.REVISION,
+                      gateway=tuple(gateway), transfer=transfer, interference=tuple(interference))
 
 
 def add_parser(sub) -> None:
@@ -354,8 +341,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-
     import torch
     multipliers = parse_tiers(args.tiers)
     if args.devices:

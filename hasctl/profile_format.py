@@ -1,51 +1,56 @@
-"""The profile file (`"format": "easerve.profile/v1"`): what `hasctl profile` measured, read by
-`hasctl screen`, `hasctl bench --slo`, the discrete-event simulator and SLO-aware admission.
+"""The profile file (`"format": "easerve.profile/v1"`): what `hasctl profile` measured (scope
+"full"), or the encode grid alone that a co-located encode worker measured at start-up (scope
+"encode"). Read by `hasctl screen`, `hasctl bench --slo`, `hasctl tune`, `hasctl simulate` (easerve/sim)
+and the encode worker's `--partition-profile`.
 
 Documented field by field in docs/profile-format.md. Every measurement is a *latency* of one
-call at one operating point (seconds), so a simulator can draw service times from it; the
-throughputs (items/s, tokens/s) are derived from those latencies, never stored twice. The
-lookups below (`encode_latency`, `prefill_latency`, `decode_step_s`) interpolate linearly
-between measured points and extrapolate along the last segment. `load` / `from_dict` validate
-and raise ValueError naming the field and what to change; `dump` writes indented JSON.
+call at one operating point (seconds); the throughputs (items/s, tokens/s) are derived from
+those latencies, never stored twice. The lookups below (`encode_latency`, `prefill_latency`,
+`decode_step_s`) interpolate linearly between measured points and extrapolate along the last
+segment.
+
+The types are frozen pydantic dataclasses: each field states its type and bounds, and `load` /
+`from_dict` validate a file with `TypeAdapter(Profile).validate_json(..., strict=True)`, raising
+ValueError that names the field path and what to change. A new optional field is one line with
+a default (older files then load without it); `dump` writes indented JSON.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import types
-import typing
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Literal, Sequence, get_args
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 from hasctl.bench_metrics import SLO
 
 FORMAT = "easerve.profile/v1"
+REVISION = 2                      # additive revisions of v1: 2 adds gateway, transfer, interference
+OLD_STARTUP_FORMAT = "easerve.sm_profile"  # the encode start-up's own file before profile/v1
 TIERS = ("tight", "moderate", "loose")
 DEFAULT_MULTIPLIERS = {"tight": 2.0, "moderate": 4.0, "loose": 8.0}
+SCOPES = ("full", "encode")
+HINT = "re-run hasctl profile"
+
+# strict: no "3" -> 3, no true -> 1; JSON numbers may be ints where a float is asked
+_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+Seconds = Annotated[float, Field(gt=0)]      # a measured latency: finite, > 0
+Count = Annotated[int, Field(ge=1)]
+Share = Annotated[float, Field(gt=0, le=1)]  # fraction of the device's compute
 
 
-def _positive(where: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{where} must be a finite number > 0, got {v!r}; re-run hasctl profile")
-
-
-def _count(where: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{where} must be an int >= 1, got {v!r}")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class Hardware:
     cpu_model: str
-    cores: int                    # logical cores the profile process was allowed to use
+    cores: Count                  # logical cores the profile process was allowed to use
     gpus: tuple[str, ...] = ()    # names of the GPUs given (empty on a CPU run)
     device: str = "cpu"           # where the stages were measured: "cuda:0" or "cpu:0-1"
     devices: tuple[str, ...] = ("cpu",)  # every device given; screen assumes they are alike
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class Versions:
     easerve: str
     torch: str
@@ -53,7 +58,7 @@ class Versions:
     python: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class ModelInfo:
     path: str
     family: str
@@ -61,130 +66,93 @@ class ModelInfo:
     modalities: tuple[str, ...]   # media kinds the model takes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class EncodePoint:
     """adapter.encode of `batch_size` reference items under compute share `share`."""
-    batch_size: int
-    share: float
-    latency_s: float
-
-    def check(self, where: str) -> None:
-        _count(f"{where}.batch_size", self.batch_size)
-        if not 0 < self.share <= 1:
-            raise ValueError(f"{where}.share must be in (0, 1], got {self.share!r}")
-        _positive(f"{where}.latency_s", self.latency_s)
+    batch_size: Count
+    share: Share
+    latency_s: Seconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class EncodeSizePoint:
     """adapter.encode of `batch_size` items of one modality and media size at share 1.0."""
     modality: str
-    media: str                    # "224x224" (image), "8x112x112" (video FxWxH), "2.0s" (audio)
-    tokens_per_item: int          # embedding rows one item yields (its prompt placeholders)
-    batch_size: int
-    latency_s: float
-
-    def check(self, where: str) -> None:
-        _count(f"{where}.tokens_per_item", self.tokens_per_item)
-        _count(f"{where}.batch_size", self.batch_size)
-        _positive(f"{where}.latency_s", self.latency_s)
+    media: str                    # "224x224" (image), "8x112x112" (video FxWxH), "2s" (audio)
+    tokens_per_item: Count        # embedding rows one item yields (its prompt placeholders)
+    batch_size: Count
+    latency_s: Seconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class EncodeProfile:
-    backend: str                  # sm backend the shares ran on: green_contexts, cpu_affinity, none
+    """The encode stage: latency by batch size x share (`grid`) and by media size (`by_size`)."""
+    backend: str                  # partition backend the shares ran on: green_contexts, cpu_affinity, none
     backend_note: str             # why (e.g. "no partition backend here: share 1.0 only")
     reference_modality: str
     reference_media: str          # the media the grid was measured on
     grid: tuple[EncodePoint, ...]  # batch sizes x shares, reference media
     by_size: tuple[EncodeSizePoint, ...] = ()
 
-    def check(self, where: str) -> None:
+    def __post_init__(self) -> None:
         if not self.grid:
-            raise ValueError(f"{where}.grid is empty; profile at least batch 1 at share 1.0")
-        for i, p in enumerate(self.grid):
-            p.check(f"{where}.grid[{i}]")
+            raise ValueError(f"grid is empty; profile at least batch 1 at share 1.0 ({HINT})")
         if not any(p.share == 1.0 for p in self.grid):
-            raise ValueError(f"{where}.grid has no share 1.0 point (the exclusive baseline); re-run hasctl profile")
-        for i, p in enumerate(self.by_size):
-            p.check(f"{where}.by_size[{i}]")
+            raise ValueError(f"grid has no share 1.0 point (the exclusive baseline); {HINT}")
 
     @property
     def shares(self) -> tuple[float, ...]:
         return tuple(sorted({p.share for p in self.grid}))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class PrefillPoint:
     """`batch_size` text-only prompts of `prompt_len` tokens through adapter.prefill."""
-    prompt_len: int
-    batch_size: int
-    latency_s: float
-
-    def check(self, where: str) -> None:
-        _count(f"{where}.prompt_len", self.prompt_len)
-        _count(f"{where}.batch_size", self.batch_size)
-        _positive(f"{where}.latency_s", self.latency_s)
+    prompt_len: Count
+    batch_size: Count
+    latency_s: Seconds
 
     @property
     def tokens_per_s(self) -> float:
         return self.prompt_len * self.batch_size / self.latency_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class DecodePoint:
     """One DecodeEngine.step with `batch_size` running requests (context `context_len`)."""
-    batch_size: int
-    step_s: float
-    context_len: int = 0
-
-    def check(self, where: str) -> None:
-        _count(f"{where}.batch_size", self.batch_size)
-        _positive(f"{where}.step_s", self.step_s)
+    batch_size: Count
+    step_s: Seconds
+    context_len: Annotated[int, Field(ge=0)] = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.batch_size / self.step_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class Unloaded:
     """One request alone through encode -> prefill -> decode, in process."""
     modality: str                 # image, video, audio or text
     media: str                    # its media size ("" for text)
-    prompt_tokens: int
-    output_tokens: int
-    ttft_s: float
-    tpot_s: float
-
-    def check(self, where: str) -> None:
-        _count(f"{where}.prompt_tokens", self.prompt_tokens)
-        _count(f"{where}.output_tokens", self.output_tokens)
-        _positive(f"{where}.ttft_s", self.ttft_s)
-        _positive(f"{where}.tpot_s", self.tpot_s)
+    prompt_tokens: Count
+    output_tokens: Count
+    ttft_s: Seconds
+    tpot_s: Seconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class TierLimit:
     modality: str
-    ttft_ms: float
-    tpot_ms: float
+    ttft_ms: Seconds
+    tpot_ms: Seconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class Tier:
     """SLO tier: `multiplier` x the unloaded TTFT and TPOT of each modality."""
-    name: str
-    multiplier: float
-    limits: tuple[TierLimit, ...]
-
-    def check(self, where: str) -> None:
-        _positive(f"{where}.multiplier", self.multiplier)
-        if not self.limits:
-            raise ValueError(f"{where}.limits is empty; give one limit per modality")
-        for i, lim in enumerate(self.limits):
-            _positive(f"{where}.limits[{i}].ttft_ms", lim.ttft_ms)
-            _positive(f"{where}.limits[{i}].tpot_ms", lim.tpot_ms)
+    name: Literal["tight", "moderate", "loose"]
+    multiplier: Seconds
+    limits: Annotated[tuple[TierLimit, ...], Field(min_length=1)]
 
 
 def tiers_from(unloaded: Sequence[Unloaded], multipliers: dict[str, float] | None = None) -> tuple[Tier, ...]:
@@ -193,38 +161,82 @@ def tiers_from(unloaded: Sequence[Unloaded], multipliers: dict[str, float] | Non
                                            for u in unloaded)) for name in TIERS)
 
 
-@dataclass(frozen=True)
+LinkKind = Literal["same_device", "same_host", "other_host"]
+Stage = Literal["gateway", "encode", "prefill", "decode"]
+LINK_KINDS: tuple[str, ...] = get_args(LinkKind)
+STAGES: tuple[str, ...] = get_args(Stage)
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class GatewayPoint:
+    """Revision 2: the gateway's preprocessing of one request (chat template, tokenizer, media
+    decode through the HF processor) for one modality and media size."""
+    modality: str
+    media: str                    # as in EncodeSizePoint ("" for text)
+    latency_s: Seconds
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class LinkPoint:
+    """Revision 2: bytes between two stages over one kind of link: `latency_s + bytes / (gb_per_s * 1e9)`."""
+    kind: LinkKind
+    gb_per_s: Annotated[float, Field(gt=0)]
+    latency_s: Annotated[float, Field(ge=0)] = 0.0
+    measured: bool = True         # False: a stated assumption (e.g. other_host on one machine)
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Transfer:
+    """Revision 2: what moves between stages. Embedding rows and KV per prompt token, in bytes."""
+    embed_bytes_per_token: Count
+    kv_bytes_per_token: Count
+    links: tuple[LinkPoint, ...] = ()
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Interference:
+    """Revision 2: `stage`'s latency is multiplied by `slowdown` while `by` runs on the same
+    device (co-located encode + prefill on a GPU) or the same CPU cores."""
+    stage: Stage
+    by: Stage
+    slowdown: Annotated[float, Field(gt=0)]
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Profile:
+    """scope "full": every stage (hasctl profile); "encode": `encode` alone (an encode
+    worker's start-up), with the other stages empty."""
     hardware: Hardware
     versions: Versions
     model: ModelInfo
     encode: EncodeProfile | None  # None for a text-only model
-    prefill: tuple[PrefillPoint, ...]
-    decode: tuple[DecodePoint, ...]
-    unloaded: tuple[Unloaded, ...]
-    tiers: tuple[Tier, ...]
+    prefill: tuple[PrefillPoint, ...] = ()
+    decode: tuple[DecodePoint, ...] = ()
+    unloaded: tuple[Unloaded, ...] = ()
+    tiers: tuple[Tier, ...] = ()
     created_utc: str = ""
     quick: bool = False           # measured with --quick (few points, one repeat): for tests
-    format: str = FORMAT
+    format: Literal["easerve.profile/v1"] = FORMAT
+    scope: Literal["full", "encode"] = "full"
+    # revision 2 (all optional: a revision-1 file loads with none of them)
+    revision: Literal[1, 2] = 1
+    gateway: tuple[GatewayPoint, ...] = ()
+    transfer: Transfer | None = None
+    interference: tuple[Interference, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.format != FORMAT:
-            raise ValueError(f"format must be {FORMAT!r}, got {self.format!r}; re-run hasctl profile")
-        if self.encode is not None:
-            self.encode.check("encode")
+        if self.scope == "encode":
+            if self.encode is None:
+                raise ValueError("scope 'encode' needs the encode stage; it is null")
+            return
         for name in ("prefill", "decode", "unloaded"):
-            pts = getattr(self, name)
-            if not pts:
-                raise ValueError(f"{name} is empty; re-run hasctl profile")
-            for i, p in enumerate(pts):
-                p.check(f"{name}[{i}]")
+            if not getattr(self, name):
+                raise ValueError(f"{name} is empty; {HINT}")
         names = [t.name for t in self.tiers]
         if sorted(names) != sorted(TIERS):
             raise ValueError(f"tiers must be exactly {list(TIERS)}, got {names}")
-        for t in self.tiers:
-            t.check(f"tiers.{t.name}")
 
-    # ---- lookups (what screen, the simulator and admission call) ------------------------------
+    # ---- lookups (what hasctl screen and the simulator call) ----------------------------------------------------
     def encode_latency(self, batch_size: int, share: float = 1.0, modality: str | None = None,
                        media: str | None = None) -> float:
         """Seconds for one encode call of `batch_size` items. The grid gives the reference media;
@@ -270,6 +282,23 @@ class Profile:
         pts = [p for p in at if max_batch is None or p.batch_size <= max_batch] or at[:1]
         return max(p.tokens_per_s for p in pts)
 
+    def gateway_latency(self, modality: str, media: str | None = None) -> float:
+        """Seconds the gateway preprocesses one request: the point of this modality and media,
+        else the mean of the modality's points; 0.0 when the profile has none (revision 1)."""
+        pts = [g for g in self.gateway if g.modality == modality]
+        use = [g for g in pts if g.media == media] or pts
+        return sum(g.latency_s for g in use) / len(use) if use else 0.0
+
+    def link(self, kind: str) -> LinkPoint | None:
+        """The measured (or stated) link of this kind, or None."""
+        if kind not in LINK_KINDS:
+            raise ValueError(f"link kind must be one of {list(LINK_KINDS)}, got {kind!r}")
+        return next((x for x in self.transfer.links if x.kind == kind), None) if self.transfer else None
+
+    def slowdown(self, stage: str, by: str) -> float:
+        """Latency factor of `stage` while `by` shares its device or cores (1.0 when not profiled)."""
+        return next((x.slowdown for x in self.interference if x.stage == stage and x.by == by), 1.0)
+
     def unloaded_for(self, modality: str) -> Unloaded:
         for u in self.unloaded:
             if u.modality == modality:
@@ -303,10 +332,15 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
+        """A profile from its JSON object (as `json.loads` gives it); ValueError naming the field."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            if got == OLD_STARTUP_FORMAT:
+                raise ValueError(f"this is an {OLD_STARTUP_FORMAT} file, the encode worker's start-up profile "
+                                 f"before {FORMAT}: delete it (the worker then measures its encode grid again "
+                                 f"at start and writes {FORMAT} there), or give a file from hasctl profile")
             raise ValueError(f"not a {FORMAT} profile (format: {got!r}); write one with hasctl profile")
-        return _build(cls, data, "profile")
+        return _parse(json.dumps(data))
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float:
@@ -333,48 +367,51 @@ def dump(profile: Profile, path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path) -> Profile:
+def load(path: str | Path, require: Literal["full", "encode"] = "full") -> Profile:
+    """The profile at `path`. require "full": every stage measured (what screen, bench and tune
+    read); "encode": the encode grid is enough (what the encode worker's start-up reads)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as e:
         raise ValueError(f"cannot read the profile {str(path)!r}: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); re-run hasctl profile") from None
+        raise ValueError(f"{path} is not valid JSON ({e}); {HINT}") from None
     try:
-        return Profile.from_dict(data)
+        prof = Profile.from_dict(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    if require == "full" and prof.scope != "full":
+        raise ValueError(f"{path} holds the encode grid alone (scope {prof.scope!r}, written by an encode "
+                         f"worker's start-up); this needs every stage: write one with hasctl profile")
+    if require == "encode" and prof.encode is None:
+        raise ValueError(f"{path} has no encode stage (a text-only model's profile)")
+    return prof
 
 
-# ---- generic, checked construction from JSON -----------------------------------------------------
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be an object, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
-    missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING)
-    if missing:
-        raise ValueError(f"{where}: missing key(s) {missing}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _value(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+_ADAPTER = TypeAdapter(Profile)
 
 
-def _value(tp: Any, v: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        return _value(next(a for a in args if a is not type(None)), v, where)
-    if origin is tuple:
-        if not isinstance(v, list):
-            raise ValueError(f"{where} must be a list, got {type(v).__name__}")
-        return tuple(_value(args[0], x, f"{where}[{i}]") for i, x in enumerate(v))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, v, where)
-    ok = {float: (int, float), int: (int,), str: (str,), bool: (bool,)}[tp]
-    if not isinstance(v, ok) or (tp is not bool and isinstance(v, bool)):
-        raise ValueError(f"{where} must be a {tp.__name__}, got {v!r}")
-    return float(v) if tp is float else v
+def _parse(text: str) -> Profile:
+    try:
+        return _ADAPTER.validate_json(text, strict=True)
+    except ValidationError as e:
+        raise ValueError("; ".join(_describe(err) for err in e.errors()[:3])
+                         + (f" (and {e.error_count() - 3} more)" if e.error_count() > 3 else "")) from None
+
+
+def _describe(err: dict) -> str:
+    """One pydantic error as `field.path[i]: what is wrong, got X; what to change`."""
+    loc = err["loc"]
+    path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "profile"
+    kind = err["type"]
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        parent, _, key = path.rpartition(".")
+        return f"{parent or 'profile'}: unknown key {key!r} (a typo, or a newer format: {HINT})"
+    if kind in ("missing_argument", "missing"):
+        parent, _, key = path.rpartition(".")
+        return f"{parent or 'profile'}: missing key {key!r}; {HINT}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return f"{path}: {msg}" if loc else msg
+    return f"{path}: {msg.replace('Input should be', 'must be')}, got {err.get('input')!r}; {HINT}"

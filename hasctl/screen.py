@@ -8,7 +8,8 @@ has no media); with co-location e >= 1 and p >= 0.
 
 Capacity model (per stage, from the profile alone; demand = rate x the workload's mean per request):
 - encode: e x C_E, C_E = the profile's best items/s over batch sizes <= max_batch at share 1.0
-  (for `modality`, scaled from the reference media by `Profile.encode_latency`);
+  (batch size 1 for the `request_at_a_time` batch mode; for `modality`, scaled from the
+  reference media by `Profile.encode_latency`);
   demand = rate x items per request.
 - prefill: p x C_P + (co-located: e x C_P x (1 - rho_E)), C_P = the profile's best prompt
   tokens/s at the workload's prompt length, rho_E = encode demand / (e x C_E) the fraction of
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from easerve.policy.batcher import MODES as BATCH_MODES, batch_limit
 from hasctl.profile_format import Profile, load
 
 
@@ -98,11 +100,12 @@ def enumerate_allocations(devices: int, media: bool = True) -> list[Allocation]:
 
 
 def check(profile: Profile, demand: Demand, a: Allocation, max_batch: int | None = None,
-          max_running: int | None = None, max_utilization: float = 1.0) -> Verdict:
+          max_running: int | None = None, max_utilization: float = 1.0, batch_mode: str = "adaptive") -> Verdict:
     u = max_utilization
     checks = []
     enc_need = demand.rate * demand.items
-    c_e = profile.encode_capacity(1.0, demand.modality, max_batch) if enc_need > 0 else 0.0
+    largest = batch_limit(batch_mode, max_batch)
+    c_e = profile.encode_capacity(1.0, demand.modality, largest) if enc_need > 0 else 0.0
     if enc_need > 0:
         checks.append(StageCheck("encode", a.encode * c_e * u, enc_need, "items/s", a.encode * c_e * u >= enc_need))
     c_p = profile.prefill_capacity(max(1, round(demand.prompt_tokens)))
@@ -120,11 +123,12 @@ def check(profile: Profile, demand: Demand, a: Allocation, max_batch: int | None
 
 
 def screen(profile: Profile, demand: Demand, devices: int, max_batch: int | None = None,
-           max_running: int | None = None, max_utilization: float = 1.0) -> list[Verdict]:
+           max_running: int | None = None, max_utilization: float = 1.0,
+           batch_mode: str = "adaptive") -> list[Verdict]:
     """Every allocation over `devices`, each with its stage checks (kept or removed)."""
     if not 0 < max_utilization <= 1:
         raise ValueError(f"max_utilization must be in (0, 1], got {max_utilization}")
-    return [check(profile, demand, a, max_batch, max_running, max_utilization)
+    return [check(profile, demand, a, max_batch, max_running, max_utilization, batch_mode)
             for a in enumerate_allocations(devices, media=demand.items > 0)]
 
 
@@ -152,6 +156,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=float, default=None, help="default: the profile's unloaded request")
     p.add_argument("--output-tokens", type=float, default=None, help="default: the profile's unloaded request")
     p.add_argument("--max-batch", type=int, default=None, help="encode B: the largest batch counted")
+    p.add_argument("--batch-mode", default="adaptive", choices=BATCH_MODES,
+                   help="encode batch mode (request_at_a_time counts batches of one)")
     p.add_argument("--max-running", type=int, default=None, help="decode batch cap")
     p.add_argument("--max-utilization", type=float, default=1.0, help="headroom: count capacity x this")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -163,7 +169,8 @@ def run(args) -> int:
     demand = demand_from(prof, args.rate, args.modality, args.items_per_request, args.prompt_tokens,
                          args.output_tokens)
     devices = args.devices or len(prof.hardware.devices)
-    verdicts = screen(prof, demand, devices, args.max_batch, args.max_running, args.max_utilization)
+    verdicts = screen(prof, demand, devices, args.max_batch, args.max_running, args.max_utilization,
+                      args.batch_mode)
     if not verdicts:
         raise ValueError(f"{devices} device(s) hold no allocation (one instance per device; the smallest is "
                          f"encode with co-located prefill + decode); pass --devices N (GPUs, or core groups "

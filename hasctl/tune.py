@@ -1,4 +1,4 @@
-"""`hasctl tune`: search allocation x B x s for the most goodput at a rate, on real deployments.
+"""`hasctl tune`: search allocation x batch mode x B x s for the most goodput at a rate, on real deployments.
 
 Optuna TPE (seeded, ask/tell) over `hasctl.tune_space`. Each trial builds the Deployment, starts
 it with `hasctl.launch.Stack`, sends a few warm-up requests, replays the same seeded workload
@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from easerve.policy.batcher import MODES as BATCH_MODES
 from hasctl.bench_metrics import SLO
 from hasctl.deployment import Deployment, GatewaySpec
 from hasctl.tune_space import (BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations,
                                suggest, warm_starts)
 from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
 
+EVALUATORS = ("live", "sim")
 INTERRUPTED = "interrupted (SIGINT/SIGTERM) while running; its parameters are queued for the next run"
 
 
@@ -55,8 +57,11 @@ class TuneConfig:
     bench_timeout_s: float = 600.0
     run_dir: str = ""
     ignore_eos: bool = False  # every request decodes its full output_tokens (as vllm bench serve --ignore-eos)
+    evaluator: str = "live"   # live: real launches; sim: the discrete-event simulator on a profile
 
     def __post_init__(self) -> None:
+        if self.evaluator not in EVALUATORS:
+            raise ValueError(f"evaluator must be one of {EVALUATORS} (--evaluator), got {self.evaluator!r}")
         if not self.model:
             raise ValueError("model must be a checkpoint folder (--model DIR)")
         if not (math.isfinite(self.rate) and self.rate > 0):
@@ -71,7 +76,9 @@ class TuneConfig:
         return {"model": self.model, "rate": self.rate, "num_requests": self.num_requests, "seed": self.seed,
                 "workload": json_safe(dataclasses.asdict(self.workload)), "slo": self.slo.to_dict(),
                 "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
-                "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos}
+                "batch_modes": list(space.batch_modes),
+                "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos,
+                **({"evaluator": self.evaluator} if self.evaluator != "live" else {})}  # old live studies resume
 
 
 def json_safe(v: Any) -> Any:
@@ -132,7 +139,7 @@ def evaluate(d: Deployment, cfg: TuneConfig, run_dir: Path, on_up: Callable[[Any
     from hasctl.bench import BenchConfig, run_bench
     from hasctl.launch import Stack, StageExited
 
-    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "sm-profiles")
+    d = shared_partition_profiles(d, Path(cfg.run_dir).resolve() / "encode-profiles")
     stack = Stack(d, run_dir=run_dir, env={"EASERVE_TUNE_RUN": str(Path(cfg.run_dir).resolve())})
     try:
         try:
@@ -192,6 +199,38 @@ def _clip(text: str, n: int = 3000) -> str:
 Evaluate = Callable[[Deployment, int], dict]  # (deployment, trial number) -> metrics; raises TrialFailed
 
 
+def evaluate_sim(d: Deployment, cfg: TuneConfig, profile) -> dict:
+    """Score `d` in the simulator on the trial's workload (what `evaluate` measures live)."""
+    from hasctl.bench import BenchConfig
+    from hasctl.simulate import run_simulation
+    bench = BenchConfig(url="http://simulated.invalid", rate=cfg.rate, num_requests=cfg.num_requests, seed=cfg.seed,
+                        workload=cfg.workload, slo=cfg.slo, ignore_eos=cfg.ignore_eos, label=d.name, progress=False)
+    try:
+        result, sim = run_simulation(d, profile, bench)
+    except ValueError as e:
+        raise TrialFailed(f"the simulator cannot run it: {e}") from None
+    return {**result.metrics, "sim_seconds_per_wall_second": sim.speed}
+
+
+def prescreen(space: Space, cfg: TuneConfig, profile, n_trials: int, keep: int, seed: int) -> list[tuple[dict, float]]:
+    """Search `n_trials` points in the simulator (an in-memory TPE study); the `keep` distinct
+    parameter sets of most simulated goodput, best first."""
+    import optuna
+    from optuna.samplers import TPESampler
+    study = optuna.create_study(direction="maximize", sampler=TPESampler(seed=seed))
+    for params in warm_starts(space):
+        study.enqueue_trial(dict(params))
+    sim_cfg = dataclasses.replace(cfg, evaluator="sim")
+    run_trials(study, space, sim_cfg, n_trials, lambda d, _n: evaluate_sim(d, sim_cfg, profile), say=lambda _m: None)
+    ranked, seen = [], set()
+    for t in sorted((t for t in study.trials if t.value is not None), key=lambda t: (-t.value, t.number)):
+        key = tuple(sorted(t.params.items()))
+        if key not in seen:
+            seen.add(key)
+            ranked.append((dict(t.params), t.value))
+    return ranked[:keep]
+
+
 def run_trials(study, space: Space, cfg: TuneConfig, n_trials: int, evaluate_fn: Evaluate,
                say: Callable[[str], None] = print) -> None:
     """Ask, evaluate, tell `n_trials` times. KeyboardInterrupt: the trial is failed, its params
@@ -205,6 +244,7 @@ def run_trials(study, space: Space, cfg: TuneConfig, n_trials: int, evaluate_fn:
             params = suggest(trial, space)
             d = deployment_for(space, params, cfg.model, name=f"{study.study_name}-t{trial.number}")
             trial.set_user_attr("deployment", d.to_dict())
+            trial.set_user_attr("evaluator", cfg.evaluator)
             say(f"trial {trial.number}: {_describe(params)}")
             try:
                 metrics = evaluate_fn(d, trial.number)
@@ -260,7 +300,7 @@ def best_deployment(study) -> Deployment | None:
 
 # ---- command line ------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="search allocation x B x s for the most goodput (Optuna TPE, real launches)")
+    p = sub.add_parser("tune", help="search allocation x batch mode x B x s for the most goodput (Optuna TPE, real launches)")
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--rate", type=float, required=True, help="arrival rate every trial replays, requests/s")
     p.add_argument("--trials", type=int, default=30, help="trials to run now (a resumed study adds these)")
@@ -286,6 +326,8 @@ def add_parser(sub) -> None:
     p.add_argument("--instances", type=int, default=None,
                    help="most E+P+D instances per allocation (default: max(3, number of devices))")
     p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="B values to try")
+    p.add_argument("--batch-modes", default=",".join(BATCH_MODES),
+                   help=f"encode batch modes to try, a subset of {','.join(BATCH_MODES)}")
     p.add_argument("--no-monolith", action="store_true", help="leave the monolith candidate out")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help="placements to try: split (instances round-robin over the devices), shared (all on all "
@@ -298,6 +340,11 @@ def add_parser(sub) -> None:
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds for a trial's bench")
     p.add_argument("--run-dir", default=None, help="folder of the trials' logs (default: a new temp folder)")
     p.add_argument("--out", default=None, help="write the best deployment here (.yaml / .json)")
+    p.add_argument("--evaluator", default="live", choices=list(EVALUATORS),
+                   help="how a trial is scored: live (launch and bench it) or sim (the simulator, on --profile)")
+    p.add_argument("--prescreen", default=None, metavar="sim:K",
+                   help="with --evaluator live: search --trials points in the simulator first, then measure only "
+                        "the best K live (needs --profile)")
     p.set_defaults(func=run)
 
 
@@ -327,9 +374,10 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
         say(f"no --profile: all {len(allocs)} allocations of 2..{instances} instances are tried (no screening)")
     batch = tuple(_ints(args.batch_sizes, "--batch-sizes"))
     places = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    modes = tuple(m.strip() for m in args.batch_modes.split(",") if m.strip())
     if len(devices) == 1:  # one device: shared is split
         places = places[:1]
-    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places)
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes)
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> list:
@@ -359,19 +407,37 @@ def config_from_args(args, run_dir: str) -> TuneConfig:
     return TuneConfig(model=str(Path(args.model).resolve()), rate=args.rate, slo=slo, num_requests=args.requests,
                       warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
                       startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir,
-                      ignore_eos=args.ignore_eos)
+                      ignore_eos=args.ignore_eos, evaluator=args.evaluator)
+
+
+def _prescreen_k(text: str | None) -> int | None:
+    if text is None:
+        return None
+    kind, _, k = text.partition(":")
+    if kind != "sim" or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"--prescreen must be sim:K with K >= 1 (e.g. sim:3), got {text!r}")
+    return int(k)
 
 
 def run(args) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials must be >= 1, got {args.trials}")
+    keep = _prescreen_k(args.prescreen)
+    if keep is not None and args.evaluator != "live":
+        raise ValueError("--prescreen ranks candidates for live measurement; use it with --evaluator live")
+    if (keep is not None or args.evaluator == "sim") and not args.profile:
+        raise ValueError("the simulator needs --profile PROFILE.json (its service times)")
+    profile = None
+    if args.profile and (keep is not None or args.evaluator == "sim"):
+        from hasctl.profile_format import load
+        profile = load(args.profile)
     space = space_from_args(args)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"easerve-tune-{args.study}-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_from_args(args, str(run_dir))
     study, seed = open_study(args.storage, args.study, args.seed,
                              lambda s: dataclasses.replace(cfg, seed=s).fingerprint(space),
-                             warm=() if args.no_warm_start else warm_starts(space))
+                             warm=() if args.no_warm_start or keep is not None else warm_starts(space))
     cfg = dataclasses.replace(cfg, seed=seed)
     from optuna.trial import TrialState
     queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
@@ -385,12 +451,22 @@ def run(args) -> int:
         sys.stdout.flush()
 
     def one(d: Deployment, number: int) -> dict:
+        if cfg.evaluator == "sim":
+            return evaluate_sim(d, cfg, profile)
         return evaluate(d, cfg, run_dir / f"trial-{number}",
                         on_up=lambda st: say(f"trial {number}: up, gateway {st.endpoints.http}"))
 
+    n_trials = args.trials
+    if keep is not None:
+        ranked = prescreen(space, cfg, profile, args.trials, keep, seed)
+        for params, value in ranked:
+            study.enqueue_trial(params, user_attrs={"prescreen_sim_goodput": value})
+            print(f"prescreen (sim): goodput {value:.3f} req/s for {_describe(params)}", flush=True)
+        n_trials = len(ranked)
+
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
     try:
-        run_trials(study, space, cfg, args.trials, one, say)
+        run_trials(study, space, cfg, n_trials, one, say)
     except KeyboardInterrupt:
         print(f"interrupted: the stack is stopped; rerun the same command to continue study {args.study!r}",
               file=sys.stderr, flush=True)

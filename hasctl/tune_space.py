@@ -1,4 +1,4 @@
-"""The search space of `hasctl tune`: allocation x B x s -> a `Deployment`. Pure (no I/O).
+"""The search space of `hasctl tune`: allocation x batch mode x B x s -> a `Deployment`. Pure (no I/O).
 
 Candidates:
 - every allocation `hasctl.screen.enumerate_allocations(n)` lists for n = 2..instances whole
@@ -20,15 +20,16 @@ Placement (`place`, one of the space's `placements`):
   (the SM backend `auto`, on CPU a per-batch core split, with the dynamic partition policy).
 The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs.
 
-Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `B` (encode / monolith
-max-batch, from `batch_sizes`), for an allocation (not the monolith) `place` when the space
+Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `mode` (the encode /
+monolith batch mode, from `batch_modes`: by default every mode of `easerve.policy.batcher`),
+`B` (max-batch, from `batch_sizes`; not for `request_at_a_time`, which runs batches of one), for an allocation (not the monolith) `place` when the space
 has more than one placement (else its only one), `decode_threads` only for a shared placement
 on several CPU cores, and, only for a co-located allocation, `s` (the share of requests encode
-sends to remote prefill, 0..1 in steps of 0.05). Encode batches `adaptive`ly.
+sends to remote prefill, 0..1 in steps of 0.05).
 
 `warm_starts` names the points a new study tries first (Optuna's `enqueue_trial`), before TPE's
 random start-up draws: the `default` preset (remote prefill), the `colocated` preset and the
-monolith, each at B = 8, as they exist in the space. A tuned deployment is then never one the
+monolith, each at B = 8 with `adaptive` batching, as they exist in the space. A tuned deployment is then never one the
 search merely failed to stumble on; each is scored like any other trial.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from easerve.policy.batcher import MODES as BATCH_MODES, batch_limit
 from easerve.stages.common.configs import check_device, cpu_cores
 from hasctl.deployment import PRESETS, Deployment, Worker
 from hasctl.screen import Allocation, enumerate_allocations
@@ -55,6 +57,7 @@ class Space:
     devices: tuple[str, ...]
     batch_sizes: tuple[int, ...] = BATCH_SIZES
     monolith: bool = True
+    batch_modes: tuple[str, ...] = BATCH_MODES
     placements: tuple[str, ...] = ("split",)
 
     def __post_init__(self) -> None:
@@ -68,6 +71,8 @@ class Space:
         if bad:
             raise ValueError(f"allocations {bad} cannot run: a deployment needs >= 1 prefill and decode worker "
                              f"(and co-location an encode one)")
+        if not self.batch_modes or any(m not in BATCH_MODES for m in self.batch_modes):
+            raise ValueError(f"batch_modes must be a non-empty subset of {BATCH_MODES}, got {self.batch_modes!r}")
         if not self.placements or any(p not in PLACEMENTS for p in self.placements):
             raise ValueError(f"placements must be a non-empty subset of {PLACEMENTS}, got {self.placements!r}")
         if not self.allocations and not self.monolith:
@@ -118,10 +123,12 @@ class Trial(Protocol):  # what `suggest` uses of an optuna trial
 
 
 def suggest(trial: Trial, space: Space) -> dict[str, Any]:
-    """Draw one point: {'alloc': name, 'B': int, ['place': str, ['decode_threads': int, ['sm': str]]],
-    ['s': float]}."""
+    """Draw one point: {'alloc': name, 'mode': str, ['B': int], ['place': str, ['decode_threads': int,
+    ['sm': str]]], ['s': float]}."""
     params: dict[str, Any] = {"alloc": trial.suggest_categorical("alloc", list(space.choices)),
-                              "B": trial.suggest_categorical("B", list(space.batch_sizes))}
+                              "mode": trial.suggest_categorical("mode", list(space.batch_modes))}
+    if params["mode"] != "request_at_a_time":
+        params["B"] = trial.suggest_categorical("B", list(space.batch_sizes))
     a = space.allocation(params["alloc"])
     if a is not None and len(space.placements) > 1:
         params["place"] = trial.suggest_categorical("place", list(space.placements))
@@ -155,7 +162,7 @@ class _Preferred:
 def warm_starts(space: Space) -> list[dict[str, Any]]:
     """The presets' points in `space` (see the module docstring), without repeats."""
     b = max([x for x in space.batch_sizes if x <= WARM_B] or [min(space.batch_sizes)])
-    base = {"B": b, "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
+    base = {"B": b, "mode": "adaptive", "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
     plain = next((a.name for a in space.allocations if not a.colocated and a.encode), None)
     coloc = next((a.name for a in space.allocations if a.colocated), None)
     wanted = [n for n in (plain, coloc, MONOLITH if space.monolith else None) if n]
@@ -168,16 +175,22 @@ def warm_starts(space: Space) -> list[dict[str, Any]]:
 
 
 def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: str = "tuned") -> Deployment:
-    """The Deployment of one point of the space (gateway on ports 0: assigned at launch)."""
+    """The Deployment of one point of the space (gateway on ports 0: assigned at launch). A point
+    without 'mode' batches adaptively; request_at_a_time runs with max-batch 1, whatever 'B'."""
     a = space.allocation(params["alloc"])
-    b = int(params["B"])
+    mode = params.get("mode", "adaptive")
+    if mode not in space.batch_modes:
+        raise ValueError(f"mode {mode!r} is not in this search space; choose one of {list(space.batch_modes)}")
+    b = batch_limit(mode, int(params["B"]) if "B" in params else None)
+    if b is None:
+        raise ValueError(f"batch mode {mode!r} needs 'B' (max-batch) in the params")
     if a is None:
         mono = PRESETS[MONOLITH].monolith[0]
-        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b})
+        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b, "batch-mode": mode})
         return Deployment(name=name, model=model, prefill=(), decode=(), monolith=(w,)).with_gateway_ports(0, 0)
     if a.colocated and "s" not in params:
         raise ValueError(f"{a.name} co-locates prefill: params need 's' (remote fraction in [0, 1])")
-    enc_flags: dict[str, Any] = {"max-batch": b, "batch-mode": "adaptive", "remote-fraction": 1.0}
+    enc_flags: dict[str, Any] = {"max-batch": b, "batch-mode": mode, "remote-fraction": 1.0}
     if a.colocated:
         enc_flags |= {"colocate-prefill": True, "remote-fraction": float(params["s"])}
     place = params.get("place", space.placements[0])

@@ -148,12 +148,16 @@ def parse_size(text: str, what: str = "--image-size") -> tuple[int, int]:
     return w, h
 
 
+def modalities(spec: WorkloadSpec, n: int, seed: int = 0) -> list[str]:
+    """The modality of each of the n requests `synthesize(spec, n, seed)` makes (no media built)."""
+    rng = random.Random(seed)
+    return [rng.choice(spec.mix) if spec.modality == "mixed" else spec.modality for _ in range(n)]
+
+
 def synthesize(spec: WorkloadSpec, n: int, seed: int = 0) -> list[ChatRequest]:
     """n requests of `spec`; request i's media are seeded by (seed, i), so each is unique."""
-    rng = random.Random(seed)
     out = []
-    for i in range(n):
-        kind = rng.choice(spec.mix) if spec.modality == "mixed" else spec.modality
+    for i, kind in enumerate(modalities(spec, n, seed)):
         content = _media_parts(spec, kind, seed * 1_000_003 + i)
         content.append({"type": "text", "text": text_of(spec.input_tokens, seed * 1_000_003 + i)})
         out.append(ChatRequest(i, kind, ({"role": "user", "content": content},), spec.output_tokens))

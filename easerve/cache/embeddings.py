@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from easerve.cache.policy import HIT, MISS, CacheMiss, EncoderCachePolicy
-from easerve.errors import Internal
+from easerve.cache.policy import HIT, MISS, EncoderCachePolicy
+from easerve.errors import CacheMiss, Internal
 from easerve.types import MMItem
 
 
@@ -114,7 +114,7 @@ class EmbeddingCache:
                 if not items[i].pixels:
                     for b in began:
                         self._settle(b, _Abandoned())
-                    raise CacheMiss(f"item {i} ({items[i].modality}) is not held by this encode instance")
+                    raise CacheMiss.of_item(i, items[i].modality, "is not held by this encode instance")
                 self.policy.begin(k)
                 self._flights[k] = asyncio.get_running_loop().create_future()
                 began.append(k)

@@ -14,9 +14,9 @@ those hashes (`HolderMap`: where it sent them last, when that instance's load al
   without their pixels.
 
 If the instance no longer holds an item when the request comes (evicted since, or the request
-went to another instance) it answers NOT_FOUND "encoder cache miss"; the gateway then
-preprocesses the request in full if it had skipped that, and resends every item with its
-pixels (`GatewayCore._encode_call`).
+went to another instance) it answers a CacheMiss (NOT_FOUND + reason ENCODER_CACHE_MISS); the
+gateway then preprocesses the request in full if it had skipped that, and resends every item
+with its pixels (`GatewayCore._encode_call`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from easerve.cache.policy import HolderMap
 from easerve.cache.media_hash import assign_by_modality, media_hash, processor_fingerprint
-from easerve.rpc.errors import Unavailable
+from easerve.errors import Unavailable
 from easerve.types import MMItem, ProcessedPrompt
 from easerve.wire.v1 import encode_pb2
 

@@ -23,24 +23,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from easerve.errors import NotFound
-
 HIT, PENDING, MISS = "hit", "pending", "miss"
-MISS_PREFIX = "encoder cache miss"
-
-
-class CacheMiss(NotFound):
-    """A media item came without its inputs (pixels) for a content hash this encode
-    instance does not hold (evicted, or another instance): resend the item with inputs."""
-
-    def __init__(self, what: str):
-        super().__init__(f"{MISS_PREFIX}: {what}; resend the item with its inputs")
-
-
-def is_cache_miss(err: BaseException) -> bool:
-    """True for a CacheMiss, also after it crossed gRPC (NOT_FOUND with its message, which a
-    caller may have prefixed with the instance it came from)."""
-    return isinstance(err, NotFound) and f"{MISS_PREFIX}: " in str(err)
 
 
 @dataclass(frozen=True)

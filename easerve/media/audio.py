@@ -8,7 +8,8 @@ import io
 
 import numpy as np
 
-from easerve.media.common import MediaError, to_bytes
+from easerve.media.common import to_bytes
+from easerve.errors import MediaError
 
 AUDIO_ACCEPTS = ("an audio file (WAV, FLAC, MP3, Ogg / Opus, M4A / AAC) or float samples "
                  "with a sample_rate")

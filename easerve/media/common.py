@@ -12,15 +12,11 @@ import re
 import threading
 from dataclasses import dataclass
 
-from easerve.errors import InvalidRequest
+from easerve.errors import MediaError
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
 URL_SCHEMES = ("http://", "https://", "file:")
-
-
-class MediaError(InvalidRequest):
-    """User media that cannot be used; the message says what is accepted instead."""
 
 
 def is_url(text: object) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
-from easerve.media.common import MediaError
+from easerve.errors import MediaError
 
 REDIRECTS = (301, 302, 303, 307, 308)
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import io
 
-from easerve.media.common import MediaError, PixelBudget, check_size, to_bytes
+from easerve.media.common import PixelBudget, check_size, to_bytes
+from easerve.errors import MediaError
 
 IMAGE_FORMATS = "PNG, JPEG, WebP, GIF, BMP or TIFF"
 

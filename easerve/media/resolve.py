@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easerve.media.audio import decode_audio
-from easerve.media.common import MediaError, MediaLimits, PixelBudget, is_url, to_bytes
+from easerve.media.common import MediaLimits, PixelBudget, is_url, to_bytes
+from easerve.errors import MediaError
 from easerve.media.fetch import FetchConfig, MediaFetcher
 from easerve.media.image import decode_image
 from easerve.media.video import VideoSampling, decode_video, decode_video_file, is_video_file

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from easerve.media.common import MediaError, PixelBudget, check_size, to_bytes
+from easerve.media.common import PixelBudget, check_size, to_bytes
+from easerve.errors import MediaError
 from easerve.media.image import decode_image, open_image, to_rgb
 
 VIDEO_ACCEPTS = ("an MP4 / MOV / WebM / MKV file (H.264, VP9, AV1, ...), an animated GIF / WebP / PNG, "

@@ -19,16 +19,20 @@ refused). Backends:
 - TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline, on
   one of the mechanisms above built with the single level 0.5).
 
-Selection (`select_backend`): a mechanism named explicitly (`--sm-backend green_contexts`, ...)
-that cannot run here raises `BackendUnavailable` naming the flag; "auto" walks the chain and,
-when nothing can split, time-slices with `degraded` saying why; "static" (or `exact=True`,
-the static policy) never degrades: no mechanism means `BackendUnavailable`.
+Selection (`select_backend`): a backend that cannot run here (no such device, library, driver
+support or daemon; a driver call refused) raises `BackendUnavailable` from its constructor,
+and only that: a mechanism named explicitly (`--sm-backend green_contexts`, ...) then fails
+the start naming the flag; "auto" walks the chain and, when nothing can split, time-slices
+with `degraded` saying why; "static" (or `exact=True`, the static policy) never degrades: no
+mechanism means `BackendUnavailable`. Any other error (a ValueError for bad levels, a bug)
+propagates under every preference: it is not a missing mechanism.
 
 torch is imported lazily, and only by the CUDA code paths.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -48,7 +52,8 @@ def _torch() -> Any:
 
 
 class BackendUnavailable(RuntimeError):
-    """The partition asked for cannot be realized here; the message names the flag to change."""
+    """The partition asked for cannot be realized here (the mechanism is missing or refused);
+    the message says why, and `select_backend` names the flag to change."""
 
 
 def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
@@ -197,7 +202,7 @@ class CpuAffinityBackend(SMBackend):
     def __init__(self, levels: Sequence[float] = DEFAULT_SHARES,
                  cores: Sequence[int] | None = None) -> None:
         if not hasattr(os, "sched_setaffinity"):
-            raise RuntimeError("os.sched_setaffinity is not available on this platform")
+            raise BackendUnavailable("os.sched_setaffinity is not available on this platform")
         self.cores = tuple(sorted(os.sched_getaffinity(0) if cores is None else cores))
         if not self.cores:
             raise ValueError("cores must not be empty")
@@ -279,7 +284,7 @@ class MPSBackend(SMBackend):
         env = os.environ if env is None else env
         ok, why = self.probe(env)
         if not ok:
-            raise RuntimeError(why)
+            raise BackendUnavailable(why)
         share = int(env[self.ENV]) / 100
         super().__init__((share,), f"mps: {why}; apply() cannot change it at run time")
         self.mismatches = 0  # allocations asked for that this process cannot realize
@@ -345,9 +350,9 @@ class PartitionController:
             yield level
 
     def describe(self) -> dict[str, Any]:
-        table = self.partitioner.table
+        grid = self.partitioner.grid
         return {**self.backend.describe(), "policy": self.partitioner.policy, "note": self.note,
-                "profile": None if table is None else table.to_json(),
+                "latency_grid": None if grid is None else dataclasses.asdict(grid),
                 "requested": None if self.requested is None else vars(self.requested),
                 "last": None if self.last is None else vars(self.last)}
 
@@ -358,10 +363,6 @@ class PartitionController:
 
 
 # ---- selection --------------------------------------------------------------------------
-# a missing library or driver, a refused driver call, a bad environment; not a bug (TypeError, ...)
-_MECHANISMS = (RuntimeError, ValueError, ImportError, OSError)
-
-
 def select_backend(preference: str = "auto", device: str = "cpu",
                    levels: Sequence[float] = DEFAULT_SHARES,
                    env: Mapping[str, str] | None = None, *, exact: bool = False) -> SMBackend:
@@ -383,15 +384,15 @@ def select_backend(preference: str = "auto", device: str = "cpu",
     if pref != "auto":
         try:
             return _build(pref, cuda, index, levels, env, exact)
-        except _MECHANISMS as e:
-            raise BackendUnavailable(f"--sm-backend {pref} is not available on {device}: {_why(e)}. "
+        except BackendUnavailable as e:
+            raise BackendUnavailable(f"--sm-backend {pref} is not available on {device}: {e}. "
                                      "Pick another --sm-backend (auto takes the best one available here)") from e
     notes: list[str] = []
     for name in ["green_contexts", "mps"] if cuda else ["cpu_affinity"]:
         try:
             backend = _build(name, cuda, index, levels, env, exact)
-        except _MECHANISMS as e:
-            notes.append(f"{name} unavailable: {_why(e)}")
+        except BackendUnavailable as e:
+            notes.append(f"{name} unavailable: {e}")
             continue
         if notes:
             backend.reason = f"{'; '.join(notes)} -> fell back to {name}: {backend.reason}"
@@ -409,31 +410,27 @@ def select_backend(preference: str = "auto", device: str = "cpu",
     return ts
 
 
-def _why(e: BaseException) -> str:
-    return str(e) if isinstance(e, (RuntimeError, ValueError)) else f"{type(e).__name__}: {e}"
-
-
 def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
            env: Mapping[str, str] | None, exact: bool = False) -> SMBackend:
     if name == "green_contexts":
         if not cuda:
-            raise RuntimeError("device is not CUDA")
+            raise BackendUnavailable("device is not CUDA")
         from easerve.partition.green_contexts import GreenContextBackend
         return GreenContextBackend(levels, index, rounding="nearest" if exact else "up", strict=exact)
     if name == "mps":
         if not cuda:
-            raise RuntimeError("device is not CUDA")
+            raise BackendUnavailable("device is not CUDA")
         backend = MPSBackend(env)
         if exact and backend.levels != _check_levels(levels):
             want = MPSBackend.env_for(levels[0])[MPSBackend.ENV]
-            raise RuntimeError(f"{MPSBackend.ENV}={round(backend.levels[0] * 100)} gives encode "
+            raise BackendUnavailable(f"{MPSBackend.ENV}={round(backend.levels[0] * 100)} gives encode "
                                f"{backend.levels[0]:g}; the split {list(levels)} needs "
                                f"{MPSBackend.ENV}={want} at launch")
         return backend
     if cuda:
-        raise RuntimeError("core affinity does not partition a GPU")
+        raise BackendUnavailable("core affinity does not partition a GPU")
     backend = CpuAffinityBackend(levels)
     if len(backend.cores) < 2:
-        raise RuntimeError(f"only {len(backend.cores)} allowed core: nothing to split")
+        raise BackendUnavailable(f"only {len(backend.cores)} allowed core: nothing to split")
     return backend
 

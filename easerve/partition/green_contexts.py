@@ -9,7 +9,7 @@ import math
 from typing import Any, ClassVar, ContextManager, Sequence
 
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
-from easerve.partition.backends import SMBackend, _check_levels, _stream_scope
+from easerve.partition.backends import BackendUnavailable, SMBackend, _check_levels, _stream_scope
 
 
 def _torch() -> Any:
@@ -84,7 +84,7 @@ class GreenContextBackend(SMBackend):
         self.rounding, self.strict = rounding, strict
         ok, why = self.probe(device_index)
         if not ok:
-            raise RuntimeError(why)
+            raise BackendUnavailable(why)
         torch = _torch()
         self.device_index = device_index
         props = torch.cuda.get_device_properties(device_index)
@@ -93,14 +93,20 @@ class GreenContextBackend(SMBackend):
         lv = _check_levels(levels)
         with torch.cuda.device(device_index):
             torch.empty(1, device=f"cuda:{device_index}")  # primary context current on this thread
-            self._dev, self._sm = self._device_sm_resource()
-            self.total_sms = self._sm.sm.smCount
-            fallback = 8 if props.major >= 9 else 2  # for drivers that leave the fields 0
-            self.granularity = int(getattr(self._sm.sm, "smCoscheduledAlignment", 0)) or fallback
-            self.min_sms = max(int(getattr(self._sm.sm, "minSmPartitionSize", 0)), self.granularity)
             try:
+                self._dev, self._sm = self._device_sm_resource()
+                self.total_sms = self._sm.sm.smCount
+                fallback = 8 if props.major >= 9 else 2  # for drivers that leave the fields 0
+                self.granularity = int(getattr(self._sm.sm, "smCoscheduledAlignment", 0)) or fallback
+                self.min_sms = max(int(getattr(self._sm.sm, "minSmPartitionSize", 0)), self.granularity)
                 pairs = [self._make_level(s) for s in lv]
-            except Exception:
+            except BackendUnavailable:
+                self.close()
+                raise
+            except RuntimeError as e:  # what the CUDA bindings' check raises: the driver refused a call
+                self.close()
+                raise BackendUnavailable(f"the CUDA driver refused a green-context call ({e})") from e
+            except BaseException:
                 self.close()
                 raise
         self._enc = tuple(p[0] for p in pairs)
@@ -153,13 +159,13 @@ class GreenContextBackend(SMBackend):
         check, drv = _driver()
         groups, n_groups, remaining = check(drv.cuDevSmResourceSplitByCount(1, self._sm, 0, n))
         if n_groups != 1:
-            raise RuntimeError(f"SM split of {n} SMs returned {n_groups} groups")
+            raise BackendUnavailable(f"SM split of {n} SMs returned {n_groups} groups")
         enc = self._green_stream(self._dev, groups[0])
         try:
             pre, pre_sms = self._green_stream(self._dev, remaining), remaining.sm.smCount
         except RuntimeError as e:  # remainder the driver will not turn into a context
             if self.strict:
-                raise RuntimeError(f"share {share:g}: the driver refused the prefill remainder of "
+                raise BackendUnavailable(f"share {share:g}: the driver refused the prefill remainder of "
                                    f"{remaining.sm.smCount} SMs ({e})") from e
             self.notes.append(f"share {share:g}: prefill time-slices ({e})")
             pre, pre_sms = torch.cuda.Stream(f"cuda:{self.device_index}"), self.total_sms

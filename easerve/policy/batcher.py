@@ -3,11 +3,22 @@
 Pure policy: no clock reads, no I/O, no torch. The caller passes `now` (from an injected
 `Clock`) to every call and executes the `Dispatch` plans it gets back.
 
-A batch is dispatched when
-- it reaches `max_batch` (at once, from `add`)                          -> reason "size"
-- the time since the last arrival reaches the gap threshold             -> reason "gap"
-- its oldest request has waited `safety_cap_s`                          -> reason "cap"
-`request_at_a_time` dispatches every request alone ("single"); `fixed` only uses size and cap.
+Work-conserving: the batcher batches for ONE worker and knows whether it is busy. Handing
+out a `Dispatch` marks the worker busy; the caller says `on_free(now)` when that batch has
+finished. While the worker is busy nothing is dispatched and arrivals accumulate; once it is
+free, whatever is due leaves as one batch of up to `max_batch`, oldest first, so no batch
+ever waits in a queue behind a running one (a dispatch decided by the clock alone and
+queued behind a busy worker turns into batches of one under load). A caller modelling an
+always-free worker calls `on_free(now)` right after each dispatch.
+
+With the worker free, a batch is dispatched when
+- it reaches `max_batch`                                               -> reason "size"
+- the time since the last arrival reaches the gap threshold (adaptive) -> reason "gap"
+- its oldest request has waited `safety_cap_s` (adaptive, fixed)       -> reason "cap"
+Modes: `adaptive` (size, gap, cap); `fixed` (size and cap only); `request_at_a_time` (the
+Dynamo-like baseline: the oldest request alone as soon as the worker is free, "single");
+`continuous` (no timer at all: a free worker takes whatever is pending at once, "idle").
+An item that waited past the cap while the worker was busy leaves the moment it frees.
 
 Rate estimate: an EWMA of inter-arrival gaps, weighted per arrival with a half-life of
 RATE_HALFLIFE arrivals; lambda = 1 / EWMA(gap) and the threshold is
@@ -23,11 +34,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Literal
 
-BatchMode = Literal["adaptive", "request_at_a_time", "fixed"]
-DispatchReason = Literal["size", "gap", "cap", "single", "flush"]
-MODES: tuple[str, ...] = ("adaptive", "request_at_a_time", "fixed")
+BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]
+DispatchReason = Literal["size", "gap", "cap", "single", "idle", "flush"]
+MODES: tuple[str, ...] = ("adaptive", "fixed", "request_at_a_time", "continuous")  # the --batch-mode choices
 RATE_HALFLIFE = 16.0  # arrivals: the rate estimate's EWMA half-life
 MIN_GAP_S = 0.001     # the gap threshold's floor (a 0 threshold would split simultaneous arrivals)
+
+
+def batch_limit(mode: str, max_batch: int | None) -> int | None:
+    """The largest batch `mode` ever runs: 1 for request_at_a_time, else `max_batch`
+    (None: no limit given)."""
+    if mode not in MODES:
+        raise ValueError(f"batch mode must be one of {MODES}, got {mode!r}")
+    return 1 if mode == "request_at_a_time" else max_batch
 
 
 @dataclass(frozen=True)
@@ -86,7 +105,13 @@ class Dispatch:
 
 
 class AdaptiveBatcher:
-    """Per-worker batcher. Not thread-safe: call it from the worker's event loop."""
+    """Per-worker batcher. Not thread-safe: call it from the worker's event loop.
+
+        d = b.add(item_id, now)     # a Dispatch only while the worker is free
+        d = b.poll(now)             # the batch due at `now`, if the worker is free
+        b.next_deadline(now)        # when to poll next (None: wait for an arrival or on_free)
+        b.on_free(now)              # the dispatched batch finished: poll at once
+    Every Dispatch returned marks the worker busy until `on_free`."""
 
     def __init__(self, config: BatcherConfig | None = None) -> None:
         self.config = config or BatcherConfig()
@@ -98,12 +123,18 @@ class AdaptiveBatcher:
         self._last_arrival: float | None = None
         self._last_now = -math.inf
         self._threshold = self._compute_threshold()
+        self._busy = False
         self.dispatched = 0  # batches handed out so far
 
     # ---- read-only state -------------------------------------------------------------
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        """True from a handed-out Dispatch until `on_free`."""
+        return self._busy
 
     @property
     def rate(self) -> float | None:
@@ -125,40 +156,48 @@ class AdaptiveBatcher:
 
     # ---- decisions ---------------------------------------------------------------------
     def add(self, item_id: Hashable, now: float) -> Dispatch | None:
-        """Enqueue one arrival. Returns a dispatch if one is due at `now`: a full batch, the
-        item alone in request_at_a_time mode, or a batch whose gap/cap timer had already
-        expired before this arrival (the caller polled late; the new item joins it)."""
+        """Enqueue one arrival. With the worker free, returns a dispatch if one is due at
+        `now`: a full batch, the item alone (request_at_a_time), all that is pending
+        (continuous), or a batch whose gap/cap timer had already expired before this arrival
+        (the caller polled late; the new item joins it). With the worker busy, None."""
         self._tick(now)
-        due = self._due(now)
+        expired = self._due(now)  # before this arrival restarts the gap timer
         self._observe_arrival(now)
-        if self.config.mode == "request_at_a_time":
-            self.dispatched += 1
-            return Dispatch((item_id,), "single", now, 0.0)
         self._queue.append((item_id, now))
-        if len(self._queue) >= self.config.max_batch:
-            return self._take("size", now)
-        return None if due is None else self._take(due, now)
+        reason = self._due(now) or expired
+        return None if reason is None else self._take(reason, now)
 
     def poll(self, now: float) -> Dispatch | None:
-        """The next batch due at `now`, if any. Call again until it returns None."""
+        """The batch due at `now`, if any (None while the worker is busy)."""
         self._tick(now)
         reason = self._due(now)
         return None if reason is None else self._take(reason, now)
 
+    def on_free(self, now: float) -> None:
+        """The worker finished the batch last dispatched: `poll(now)` hands out what is due."""
+        self._tick(now)
+        if not self._busy:
+            raise RuntimeError("on_free() without a dispatched batch: call it once per Dispatch, "
+                               "when the worker has finished that batch")
+        self._busy = False
+
     def next_deadline(self, now: float) -> float | None:
         """Absolute time at which `poll` next has something to do (<= now: poll at once);
-        None while nothing is pending."""
-        if not self._queue:
+        None while nothing is pending or the worker is busy (on_free ends that)."""
+        q = self._queue
+        if not q or self._busy:
             return None
-        if len(self._queue) >= self.config.max_batch:
+        mode = self.config.mode
+        if mode in ("request_at_a_time", "continuous") or len(q) >= self.config.max_batch:
             return now
-        cap_at = self._queue[0][1] + self.config.safety_cap_s
-        if self.config.mode != "adaptive":
+        cap_at = q[0][1] + self.config.safety_cap_s
+        if mode != "adaptive":
             return cap_at
         return min(cap_at, self._last_arrival + self._threshold)
 
     def flush(self, now: float) -> Dispatch | None:
-        """Dispatch up to max_batch pending items regardless of timers (drain on shutdown)."""
+        """Dispatch up to max_batch pending items regardless of timers and of the worker
+        (drain on shutdown)."""
         self._tick(now)
         return self._take("flush", now) if self._queue else None
 
@@ -172,22 +211,27 @@ class AdaptiveBatcher:
 
     # ---- internals ---------------------------------------------------------------------
     def _due(self, now: float) -> DispatchReason | None:
-        q = self._queue
-        if not q:
+        q, c = self._queue, self.config
+        if not q or self._busy:
             return None
-        if len(q) >= self.config.max_batch:
+        if c.mode == "request_at_a_time":
+            return "single"
+        if len(q) >= c.max_batch:
             return "size"
-        if now >= q[0][1] + self.config.safety_cap_s:
+        if c.mode == "continuous":
+            return "idle"
+        if now >= q[0][1] + c.safety_cap_s:
             return "cap"
-        if self.config.mode == "adaptive" and now >= self._last_arrival + self._threshold:
+        if c.mode == "adaptive" and now >= self._last_arrival + self._threshold:
             return "gap"
         return None
 
     def _take(self, reason: DispatchReason, now: float) -> Dispatch:
-        n = min(len(self._queue), self.config.max_batch)
+        n = 1 if reason == "single" else min(len(self._queue), self.config.max_batch)
         oldest = self._queue[0][1]
         ids = tuple(self._queue.popleft()[0] for _ in range(n))
         self.dispatched += 1
+        self._busy = True
         return Dispatch(ids, reason, now, now - oldest)
 
     def _observe_arrival(self, now: float) -> None:

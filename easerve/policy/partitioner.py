@@ -1,9 +1,11 @@
 """Per-micro-batch compute partitioning between encode and co-located prefill.
 
-At start-up `profile()` measures encode latency over batch sizes x share levels through an
-injected `measure_fn(batch_size, share) -> seconds` (a GPU timing in the service, a formula in
-tests and the simulator). `SMPartitioner.choose(batch_size)` then returns, per batch, the
-`Allocation` that the backend in `sm_backends` realizes:
+A `LatencyGrid` holds encode latency over batch sizes x share levels. It comes from an
+`easerve.profile/v1` file's encode grid (`LatencyGrid.from_points`), or from `measure_grid()`,
+which measures every cell through an injected `measure_fn(batch_size, share) -> seconds` (the
+encode profiler in the service, a formula in tests and benchmarks).
+`SMPartitioner.choose(batch_size)` then returns, per batch, the `Allocation` that the backend
+in `easerve.partition.backends` realizes:
 
 - "dynamic":   the smallest share whose latency <= (1 + tolerance) x exclusive (share 1.0)
                latency; prefill gets the rest (0 at share 1.0: prefill then only time-slices)
@@ -12,24 +14,21 @@ tests and the simulator). `SMPartitioner.choose(batch_size)` then returns, per b
                rather than the nearest profiled level
 - "timeslice": no partition; both sides may use the whole device (uncontrolled baseline)
 
-The two baselines need no profile (`SMPartitioner(None, config)`). `FixedPartitioner` is for a
+The two baselines need no grid (`SMPartitioner(None, config)`). `FixedPartitioner` is for a
 backend whose split is fixed at launch (MPS, the static backend): it has nothing to choose.
 
-Pure: no torch, no I/O (`to_json`/`from_json` work on strings; the caller stores them).
+Pure: no torch, no I/O.
 """
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 DEFAULT_SHARES: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
 POLICIES: tuple[str, ...] = ("dynamic", "static", "timeslice")
-FORMAT = "easerve.sm_profile"
-VERSION = 1
 
 Policy = Literal["dynamic", "static", "timeslice"]
 MeasureFn = Callable[[int, float], float]
@@ -37,7 +36,7 @@ MeasureFn = Callable[[int, float], float]
 
 @dataclass(frozen=True)
 class Allocation:
-    """Compute shares for the next micro-batch. `level_index` indexes the profile's shares
+    """Compute shares for the next micro-batch. `level_index` indexes the grid's shares
     (None when the share is not a profiled level, e.g. the baselines)."""
 
     encode_share: float
@@ -57,56 +56,46 @@ TIMESLICE = Allocation(1.0, 1.0, None)
 
 
 @dataclass(frozen=True)
-class ProfileTable:
+class LatencyGrid:
     """latency_s[i][j]: encode latency at batch_sizes[i] and shares[j] (seconds)."""
 
     batch_sizes: tuple[int, ...]
     shares: tuple[float, ...]
     latency_s: tuple[tuple[float, ...], ...]
-    device: str = ""
 
     def __post_init__(self) -> None:
         _check_batch_sizes(self.batch_sizes)
         _check_shares(self.shares)
         if len(self.latency_s) != len(self.batch_sizes):
             raise ValueError(f"latency_s has {len(self.latency_s)} rows, expected one per batch "
-                             f"size ({len(self.batch_sizes)}); re-run the profile")
+                             f"size ({len(self.batch_sizes)})")
         for b, row in zip(self.batch_sizes, self.latency_s):
             if len(row) != len(self.shares):
                 raise ValueError(f"latency_s row for batch {b} has {len(row)} values, expected "
-                                 f"one per share ({len(self.shares)}); re-run the profile")
+                                 f"one per share ({len(self.shares)})")
             for v in row:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                     raise ValueError(f"latency for batch {b} must be finite seconds > 0, got {v!r}")
 
+    @classmethod
+    def from_points(cls, points: Iterable[tuple[int, float, float]]) -> "LatencyGrid":
+        """The grid of (batch_size, share, latency_s) points; every batch size must have been
+        measured at every share (ValueError naming the first missing cell)."""
+        cells = {(b, float(s)): lat for b, s, lat in points}
+        bs = tuple(sorted({b for b, _ in cells}))
+        sh = tuple(sorted({s for _, s in cells}))
+        missing = next(((b, s) for b in bs for s in sh if (b, s) not in cells), None)
+        if missing is not None:
+            raise ValueError(f"the encode grid has no point at batch {missing[0]}, share {missing[1]:g}: "
+                             "every batch size needs every share")
+        return cls(bs, sh, tuple(tuple(cells[b, s] for s in sh) for b in bs))
+
+    def points(self) -> list[tuple[int, float, float]]:
+        """(batch_size, share, latency_s) of every cell, batch-major."""
+        return [(b, s, lat) for b, row in zip(self.batch_sizes, self.latency_s) for s, lat in zip(self.shares, row)]
+
     def latency(self, batch_size: int, share: float) -> float:
         return self.latency_s[self.batch_sizes.index(batch_size)][self.shares.index(share)]
-
-    def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "version": VERSION, "device": self.device,
-                           "batch_sizes": list(self.batch_sizes), "shares": list(self.shares),
-                           "latency_s": [list(r) for r in self.latency_s]},
-                          allow_nan=False, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ProfileTable":
-        """Parse and validate a saved profile; ValueError says what is wrong."""
-        try:
-            d = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"SM profile is not valid JSON ({e}); re-run the profile") from e
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"not an SM profile: expected an object with format={FORMAT!r}")
-        if d.get("version") != VERSION:
-            raise ValueError(f"SM profile version {d.get('version')!r} is not supported "
-                             f"(expected {VERSION}); re-run the profile")
-        missing = [k for k in ("batch_sizes", "shares", "latency_s") if not isinstance(d.get(k), list)]
-        if missing:
-            raise ValueError(f"SM profile lacks list field(s) {missing}; re-run the profile")
-        if not all(isinstance(r, list) for r in d["latency_s"]):
-            raise ValueError("SM profile latency_s must be a list of lists (one row per batch size)")
-        return cls(tuple(d["batch_sizes"]), tuple(d["shares"]),
-                   tuple(tuple(r) for r in d["latency_s"]), str(d.get("device", "")))
 
 
 def _check_batch_sizes(bs: Sequence[int]) -> None:
@@ -129,9 +118,8 @@ def _check_shares(shares: Sequence[float]) -> None:
         raise ValueError(f"shares must end with 1.0 (the exclusive baseline), got {list(shares)}")
 
 
-def profile(measure_fn: MeasureFn, batch_sizes: Sequence[int],
-            shares: Sequence[float] = DEFAULT_SHARES, *, repeats: int = 1,
-            device: str = "") -> ProfileTable:
+def measure_grid(measure_fn: MeasureFn, batch_sizes: Sequence[int],
+                 shares: Sequence[float] = DEFAULT_SHARES, *, repeats: int = 1) -> LatencyGrid:
     """Measure every (batch size, share) cell; a cell is the median of `repeats` calls."""
     bs, sh = tuple(sorted(set(batch_sizes))), tuple(float(s) for s in shares)
     _check_batch_sizes(bs)
@@ -140,7 +128,7 @@ def profile(measure_fn: MeasureFn, batch_sizes: Sequence[int],
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = tuple(tuple(float(statistics.median(measure_fn(b, s) for _ in range(repeats)))
                        for s in sh) for b in bs)
-    return ProfileTable(bs, sh, rows, device)
+    return LatencyGrid(bs, sh, rows)
 
 
 @dataclass(frozen=True)
@@ -169,14 +157,14 @@ def policy_levels(config: PartitionerConfig) -> tuple[float, ...]:
 
 class SMPartitioner:
     """Maps a micro-batch size to an `Allocation`; O(log n) per call, decisions precomputed.
-    `table` may be None for the baselines (static, timeslice): they read no latencies."""
+    `grid` may be None for the baselines (static, timeslice): they read no latencies."""
 
-    def __init__(self, table: ProfileTable | None, config: PartitionerConfig | None = None) -> None:
-        self.table = table
+    def __init__(self, grid: LatencyGrid | None, config: PartitionerConfig | None = None) -> None:
+        self.grid = grid
         self.config = config or PartitionerConfig()
-        if table is None and self.config.policy == "dynamic":
-            raise ValueError("the dynamic policy needs a profile table (profile() or ProfileTable.from_json)")
-        rows = table.latency_s if table is not None else ((1.0,),)
+        if grid is None and self.config.policy == "dynamic":
+            raise ValueError("the dynamic policy needs a LatencyGrid (measure_grid() or LatencyGrid.from_points)")
+        rows = grid.latency_s if grid is not None else ((1.0,),)
         self._per_size = tuple(self._decide(row) for row in rows)
 
     @property
@@ -185,12 +173,12 @@ class SMPartitioner:
 
     @property
     def levels(self) -> tuple[float, ...]:
-        return self.table.shares if self.table is not None else policy_levels(self.config)
+        return self.grid.shares if self.grid is not None else policy_levels(self.config)
 
     def choose(self, batch_size: int) -> Allocation:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if self.table is None:
+        if self.grid is None:
             return self._per_size[0]
         return self._per_size[self._nearest(batch_size)]
 
@@ -202,11 +190,11 @@ class SMPartitioner:
             return _allocation(c.static_share, self.levels)
         limit = (1.0 + c.tolerance) * row[-1]
         j = next(j for j, lat in enumerate(row) if lat <= limit)  # share 1.0 always qualifies
-        return _allocation(self.table.shares[j], self.table.shares)
+        return _allocation(self.grid.shares[j], self.grid.shares)
 
     def _nearest(self, b: int) -> int:
         """Index of the nearest profiled batch size (ties go to the larger one)."""
-        bs = self.table.batch_sizes
+        bs = self.grid.batch_sizes
         i = bisect.bisect_left(bs, b)
         if i == len(bs):
             return i - 1
@@ -219,7 +207,7 @@ class FixedPartitioner:
     """For a backend whose split was fixed at launch: every batch gets `allocation`.
     `policy` names what runs ("static", "timeslice" or "fixed"); `note` says why."""
 
-    table = None
+    grid = None
 
     def __init__(self, allocation: Allocation, policy: str, note: str = "") -> None:
         self.allocation, self.policy, self.note = allocation, policy, note

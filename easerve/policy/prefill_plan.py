@@ -9,6 +9,11 @@ take requests from the head of the queue, in arrival order, while the batch stay
 the prompts end to end, so the sum is what one forward computes). The first request that
 does not fit ends the batch: nothing behind it jumps ahead. A request larger than the
 whole budget runs alone when it reaches the head (`oversized`), so it is never starved.
+
+Work-conserving, like the encode batcher (`easerve.policy.batcher`): a plan handed out
+marks the worker busy until `on_free(now)`; meanwhile `next_batch` returns None and
+arrivals accumulate, and once it is free the next batch is whatever is queued (within
+the budget), at once: no timer, the encode batcher's `continuous` mode.
 """
 from __future__ import annotations
 
@@ -75,10 +80,16 @@ class PrefillBatcher:
         self._queue: deque[tuple[Hashable, int, float]] = deque()
         self._ids: set[Hashable] = set()
         self._last_now = float("-inf")
+        self._busy = False
 
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        """True from a handed-out plan until `on_free`."""
+        return self._busy
 
     @property
     def pending_tokens(self) -> int:
@@ -104,15 +115,26 @@ class PrefillBatcher:
         return True
 
     def next_batch(self, now: float) -> PrefillBatchPlan | None:
-        """Take the next batch off the queue (None while it is empty)."""
+        """Take the next batch off the queue (None while it is empty or the worker is busy)."""
         self._tick(now)
+        if self._busy:
+            return None
         n = take_fcfs((tokens for _, tokens, _ in self._queue), self.config)
         if n == 0:
             return None
         taken = [self._queue.popleft() for _ in range(n)]
         self._ids.difference_update(rid for rid, _, _ in taken)
+        self._busy = True
         return PrefillBatchPlan(tuple(rid for rid, _, _ in taken), tuple(t for _, t, _ in taken), now,
                                 now - taken[0][2])
+
+    def on_free(self, now: float) -> None:
+        """The worker finished the batch last handed out: `next_batch` gives the next one."""
+        self._tick(now)
+        if not self._busy:
+            raise RuntimeError("on_free() without a planned batch: call it once per plan, "
+                               "when the worker has finished that batch")
+        self._busy = False
 
     def _tick(self, now: float) -> None:
         if not now >= self._last_now:  # also rejects NaN

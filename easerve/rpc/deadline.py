@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from easerve.rpc.errors import DeadlineExceeded
+from easerve.errors import DeadlineExceeded
 
 Clock = Callable[[], float]
 DEFAULT_FLOOR_S = 0.005

@@ -1,8 +1,11 @@
-"""Domain errors and their gRPC / HTTP status codes, in one table.
+"""Domain errors (`easerve.errors`) on the wire: gRPC status codes, trailing metadata and
+HTTP statuses, in one table.
 
 Servicer methods wrap themselves with `@grpc_errors`; clients turn an `AioRpcError` back
 into a domain error with `from_rpc_error`; the HTTP front end maps with `domain_error`
-(its `.http` status and `.retry_after_s`).
+(its `.http` status and `.retry_after_s`). An error class with a `reason` travels as that
+reason code in trailing metadata (`REASON_KEY`) and comes back as the same class, so a
+caller acts on the code, never on the words of the message.
 """
 from __future__ import annotations
 
@@ -15,12 +18,10 @@ from typing import Any, Callable
 
 import grpc
 
+from easerve.errors import (CacheMiss, Cancelled, DeadlineExceeded, EAServeError, Internal, InvalidRequest,
+                            MessageTooLarge, NotFound, Overloaded, Unauthenticated, Unavailable)
+
 log = logging.getLogger(__name__)
-
-
-from easerve.errors import (Cancelled, DeadlineExceeded, EAServeError, Internal, InvalidRequest,  # noqa: F401
-                            MessageTooLarge, NotFound, Overloaded, RequestTooLarge, Unauthenticated,
-                            Unavailable)
 
 
 def status_code(err: EAServeError) -> grpc.StatusCode:
@@ -37,6 +38,8 @@ _BY_CODE: dict[grpc.StatusCode, type[EAServeError]] = {
     grpc.StatusCode[c.code]: c for c in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded,
                                          Cancelled, Internal, Unauthenticated)
 }
+# the classes a reason code in trailing metadata stands for
+_BY_REASON: dict[str, type[EAServeError]] = {c.reason: c for c in (CacheMiss,)}
 # gRPC core's words for a message over a channel's or server's max message length
 _TOO_LARGE = re.compile(r"(Received|Sent) message larger than max \((\d+) vs\. (\d+)\)")
 
@@ -63,29 +66,35 @@ def is_unexpected(exc: BaseException) -> bool:
 
 
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal: when to try again
+REASON_KEY = "easerve-reason"       # trailing metadata: the error's reason code (EAServeError.reason)
 
 
-def retry_metadata(err: EAServeError) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata that carries `err.retry_after_s` (none when it is unset)."""
-    if err.retry_after_s is None:
-        return ()
-    return ((RETRY_AFTER_KEY, str(max(0, round(err.retry_after_s * 1000)))),)
+def status_metadata(err: EAServeError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries `err.retry_after_s` and `err.reason` (each when set)."""
+    meta: list[tuple[str, str]] = []
+    if err.retry_after_s is not None:
+        meta.append((RETRY_AFTER_KEY, str(max(0, round(err.retry_after_s * 1000)))))
+    if err.reason is not None:
+        meta.append((REASON_KEY, err.reason))
+    return tuple(meta)
 
 
-def _retry_after_s(err: grpc.RpcError) -> float | None:
+def _trailing(err: grpc.RpcError) -> dict[str, str]:
     meta = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
-    for key, value in meta or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(0.0, int(value) / 1000)
-            except ValueError:
-                return None  # a peer's malformed hint: the class default stands
-    return None
+    return {key: value for key, value in meta or () if isinstance(value, str)}
+
+
+def _retry_after_s(meta: dict[str, str]) -> float | None:
+    try:
+        return max(0.0, int(meta[RETRY_AFTER_KEY]) / 1000)
+    except (KeyError, ValueError):
+        return None  # none sent, or a peer's malformed hint: the class default stands
 
 
 def from_rpc_error(err: grpc.RpcError) -> EAServeError:
-    """Client side: a downstream status becomes the matching domain error (with the
-    peer's retry hint, when it sent one)."""
+    """Client side: a downstream status becomes the matching domain error (the class its
+    reason code names, else the one of its status code; with the peer's retry hint, when
+    it sent one)."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
     big = _TOO_LARGE.search(details or "") if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -93,14 +102,18 @@ def from_rpc_error(err: grpc.RpcError) -> EAServeError:
         return MessageTooLarge(f"a message of {big[2]} bytes is over the gRPC limit of {big[3]} bytes "
                                f"(--max-message-mb of the process that {big[1].lower()} it); "
                                "send smaller media or raise that limit")
-    return _BY_CODE.get(code, Internal)(details or code.name, retry_after_s=_retry_after_s(err))
+    meta = _trailing(err)
+    cls = _BY_REASON.get(meta.get(REASON_KEY, ""))
+    if cls is None or grpc.StatusCode[cls.code] != code:  # a reason sent with another code means nothing
+        cls = _BY_CODE.get(code, Internal)
+    return cls(details or code.name, retry_after_s=_retry_after_s(meta))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     err = domain_error(exc)
     if is_unexpected(exc):
         log.error("unhandled error in servicer", exc_info=exc)
-    await context.abort(status_code(err), str(err), trailing_metadata=retry_metadata(err))
+    await context.abort(status_code(err), str(err), trailing_metadata=status_metadata(err))
 
 
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:

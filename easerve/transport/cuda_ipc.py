@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from easerve.errors import CodecError
 from easerve.wire import codec
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import CudaIpcHandle, CudaTensorRef, Handle
@@ -108,7 +109,7 @@ def _to_ref(t: torch.Tensor) -> CudaTensorRef:
 
 def _from_ref(r: CudaTensorRef) -> torch.Tensor:
     if r.dtype not in codec.DTYPES:
-        raise codec.CodecError(f"unknown dtype {r.dtype!r} in a CUDA IPC handle")
+        raise CodecError(f"unknown dtype {r.dtype!r} in a CUDA IPC handle")
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(r.shape), r.stride, r.storage_offset, torch.storage.TypedStorage,
         codec.DTYPES[r.dtype], r.device, r.storage_handle or None, r.storage_size_bytes,

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from easerve.wire import codec
-from easerve.rpc.errors import (DeadlineExceeded, InvalidRequest, NotFound, Overloaded, Unavailable,
-                                from_rpc_error, grpc_errors)
+from easerve.rpc.errors import from_rpc_error, grpc_errors
+from easerve.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import GrpcHandle, Handle

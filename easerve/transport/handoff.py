@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from easerve.wire.codec import kv_from_parts, kv_to_parts
-from easerve.rpc.errors import InvalidRequest
+from easerve.errors import InvalidRequest
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer

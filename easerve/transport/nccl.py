@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from easerve.wire import codec
-from easerve.rpc.errors import DeadlineExceeded, NotFound, Unavailable
+from easerve.errors import DeadlineExceeded, NotFound, Unavailable
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, NcclHandle
 

@@ -28,7 +28,7 @@ import _posixshmem
 import torch
 
 from easerve.wire import codec
-from easerve.rpc.errors import InvalidRequest, NotFound, Overloaded
+from easerve.errors import InvalidRequest, NotFound, Overloaded
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import Handle, ShmHandle
 from easerve.transport.shm_reclaim import claim, reclaim_stale, release_claim, slab_name

@@ -37,7 +37,7 @@ from multiprocessing import resource_tracker
 import _posixshmem
 import numpy as np
 
-from easerve.rpc.errors import NotFound
+from easerve.errors import NotFound
 
 REGION_HDR = 64
 _HDR = struct.Struct("<B7xQ")  # state, (lease byte, padding), generation

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from easerve.errors import InvalidRequest
+from easerve.errors import CodecError
 from easerve.types import KVPayload, SamplingParams
 
 MAGIC = b"EASV"
@@ -39,11 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 KV_DTYPES = ("bfloat16", "float16", "float32")
 _NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class CodecError(InvalidRequest):
-    """A payload that cannot be encoded or decoded; the message says what is wrong
-    (an InvalidRequest, hence a ValueError: the bytes came from a caller)."""
 
 
 @dataclass(frozen=True)

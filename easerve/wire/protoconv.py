@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from easerve.wire.codec import CodecError, _parse_spec, _raw, _view, spec_of
-from easerve.rpc.errors import InvalidRequest
+from easerve.wire.codec import _parse_spec, _raw, _view, spec_of
+from easerve.errors import CodecError, InvalidRequest
 from easerve.wire.sampling_proto import sampling_from_proto, sampling_to_proto  # noqa: F401 (re-exported)
 from easerve.types import MMItem, PrefillRequest
 from easerve.wire.v1 import common_pb2 as cpb

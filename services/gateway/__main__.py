@@ -1,15 +1,9 @@
 """python -m services.gateway --model DIR --encode H:P --prefill H:P --decode H:P
 
-Entry point only: parse the gateway stage's config, set up the process, serve
-(`easerve.stages.gateway.app`)."""
-import sys
-
-from easerve.rpc.server import run
-from easerve.stages.common.cli import setup_process
-from easerve.stages.common.configs import GatewayConfig, from_argv
+Entry point only; the stage lives in easerve.stages.gateway.app."""
+from easerve.stages.common.cli import run_stage
+from easerve.stages.common.configs import GatewayConfig
 from easerve.stages.gateway.app import main
 
 if __name__ == "__main__":
-    cfg = from_argv(GatewayConfig, "gateway", sys.argv[1:])
-    setup_process(cfg)
-    run(main(cfg))
+    run_stage(GatewayConfig, "gateway", main)

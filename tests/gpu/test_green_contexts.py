@@ -12,7 +12,7 @@ import pytest
 
 from easerve.partition.backends import TimeSliceBackend
 from easerve.partition.green_contexts import GreenContextBackend
-from easerve.policy.partitioner import Allocation, PartitionerConfig, SMPartitioner, profile
+from easerve.policy.partitioner import Allocation, PartitionerConfig, SMPartitioner, measure_grid
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -112,7 +112,7 @@ def test_encode_and_prefill_partitions_are_disjoint(backend, weights) -> None:
     assert both < 0.85 * (a + p), "partitions overlap: concurrent work serialized"
 
 
-def test_profile_and_colocation_gain(backend, weights) -> None:
+def test_latency_grid_and_colocation_gain(backend, weights) -> None:
     w_enc, w_pre = weights
     sizes = (1, 2, 4, 8)
 
@@ -121,11 +121,11 @@ def test_profile_and_colocation_gain(backend, weights) -> None:
         encode_like(b, w_enc)
         return min(timed(lambda: encode_like(b, w_enc), s) for _ in range(3))
 
-    table = profile(measure, sizes, backend.levels, device=torch.cuda.get_device_name(0))
-    part = SMPartitioner(table, PartitionerConfig(tolerance=0.1))
+    grid = measure_grid(measure, sizes, backend.levels)
+    part = SMPartitioner(grid, PartitionerConfig(tolerance=0.1))
     chosen = {b: part.choose(b).encode_share for b in sizes}
-    print(f"[{table.device}] encode latency ms by share {table.shares}:")
-    for b, row in zip(table.batch_sizes, table.latency_s):
+    print(f"[{torch.cuda.get_device_name(0)}] encode latency ms by share {grid.shares}:")
+    for b, row in zip(grid.batch_sizes, grid.latency_s):
         print(f"  batch {b}: " + " ".join(f"{v * 1e3:.2f}" for v in row) + f" -> share {chosen[b]}")
 
     slicer = TimeSliceBackend(DEV)
@@ -134,7 +134,7 @@ def test_profile_and_colocation_gain(backend, weights) -> None:
     d, t = results["dynamic"], results["timeslice"]
     ratios = {"encode_p50_speedup_vs_timeslice": round(t["encode_p50_ms"] / d["encode_p50_ms"], 3),
               "makespan_ratio_vs_timeslice": round(t["makespan_ms"] / d["makespan_ms"], 3)}
-    print(f"[{table.device}] co-location " + json.dumps({**ratios, **results}))
+    print(f"[{torch.cuda.get_device_name(0)}] co-location " + json.dumps({**ratios, **results}))
     for r in results.values():
         assert r["encode_p50_ms"] > 0 and r["makespan_ms"] > 0
 

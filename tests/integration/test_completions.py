@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from easerve import Client
-from easerve.client import InvalidRequestError
+from easerve.errors import InvalidRequest
 from easerve.pipeline import InProcessPipeline
 from easerve.types import ProcessedPrompt, SamplingParams
 
@@ -89,7 +89,7 @@ def test_a_new_users_mistakes_are_400s(vl_stack, path, body, needle):
 
 
 def test_prompt_over_the_context_is_invalid_argument_on_grpc(vl_stack):
-    with pytest.raises(InvalidRequestError, match=r"the prompt has \d+ tokens but .* is \d+"):
+    with pytest.raises(InvalidRequest, match=r"the prompt has \d+ tokens but .* is \d+"):
         Client(vl_stack.endpoints.grpc, timeout=60).generate("dog " * 9000, max_tokens=4)
-    with pytest.raises(InvalidRequestError, match=r"prompt \(\d+ tokens\) \+ max_tokens \(4000\)"):
+    with pytest.raises(InvalidRequest, match=r"prompt \(\d+ tokens\) \+ max_tokens \(4000\)"):
         Client(vl_stack.endpoints.grpc, timeout=60).generate("dog " * 200, max_tokens=4000)

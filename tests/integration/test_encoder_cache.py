@@ -213,7 +213,7 @@ def test_a_late_miss_at_another_instance_is_preprocessed_in_full_and_resent(vl_m
     """Two monoliths decoding one request at a time each. A repeat is planned at the one holding
     its image (hit: no preprocessing, no pixels); while that one's decode is busy with a long
     request, the next repeat's reservation lands on the other monolith, which does not hold the
-    image: it answers "encoder cache miss", and the gateway preprocesses and resends."""
+    image: it answers a CacheMiss, and the gateway preprocesses and resends."""
     stack = _monoliths(vl_model, 2, max_running=1, max_waiting=0)
     stack.start(timeout=420)
     client = Client(stack.endpoints.grpc, timeout=180)

@@ -97,14 +97,14 @@ def test_bad_http_input_gets_400_and_stack_keeps_serving(vl_stack, case):
 
 
 def test_bad_grpc_input_gets_invalid_argument(vl_stack):
-    from easerve.client import InvalidRequestError
+    from easerve.errors import InvalidRequest
 
     client = Client(vl_stack.endpoints.grpc, timeout=60)
-    with pytest.raises(InvalidRequestError, match="image"):
+    with pytest.raises(InvalidRequest, match="image"):
         client.generate("hi", images=[b"definitely not an image"], max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="placeholder|image"):
+    with pytest.raises(InvalidRequest, match="placeholder|image"):
         client.generate(raw_prompt="no placeholders here", images=[png_bytes(32, 32, 2)], max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="not served"):
+    with pytest.raises(InvalidRequest, match="not served"):
         client.generate("hi", model="other-model", max_tokens=4)
     assert client.generate("hi", max_tokens=2).usage.completion_tokens >= 1
 

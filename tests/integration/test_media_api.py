@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from easerve import Client
-from easerve.client import InvalidRequestError
+from easerve.errors import InvalidRequest
 from easerve.wire.v1 import gateway_pb2 as gpb
 from tests.integration.conftest import data_uri, png_bytes
 from tests.models.media_clips import decode_all_frames, encode_video, smooth_frames
@@ -164,7 +164,7 @@ def test_refused_urls_get_400_and_the_gateway_keeps_serving(media_gw, url, needl
     with pytest.raises(openai.BadRequestError, match=needle):
         _chat(media_gw.http, {"type": "image_url", "image_url": {"url": url}})
     part = gpb.ContentPart(image=gpb.ImageInput(url=url))
-    with pytest.raises(InvalidRequestError, match=needle):  # INVALID_ARGUMENT
+    with pytest.raises(InvalidRequest, match=needle):  # INVALID_ARGUMENT
         Client(media_gw.grpc, timeout=60).generate(messages=[{"role": "user", "content": [part, PROMPT]}],
                                                    max_tokens=N)
     assert urllib.request.urlopen(media_gw.http + "/health", timeout=5).status == 200

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from easerve import Client
-from easerve.client import UnavailableError
+from easerve.errors import Unavailable
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
@@ -178,7 +178,7 @@ def test_killing_one_decode_lets_new_requests_flow_to_the_other(vl_multi):
         done = list(pool.map(_finish, streams, firsts, timeout=90))  # none hangs
     failed = [e for e in done if isinstance(e, Exception)]
     assert len(failed) == held[victim], done
-    assert all(isinstance(e, UnavailableError) for e in failed), failed
+    assert all(isinstance(e, Unavailable) for e in failed), failed
     assert [n for n in done if not isinstance(n, Exception)] == [200] * held[survivor], done
     after = [client.generate(f"Again {k}", images=[png_bytes(40, 40, k)] if k % 2 else (), max_tokens=4)
              for k in range(6)]

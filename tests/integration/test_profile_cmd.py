@@ -51,3 +51,14 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
     assert len(res["kept"]) + len(res["removed"]) == 4  # E1-P1-D1 (+coloc), E1-P0-D2, E2-P0-D1 (+coloc)
     slo = slo_from_args(Namespace(slo="tight", profile=str(out), ttft_ms=None, tpot_ms=None))
     assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
+
+    # revision 2: what the simulator reads besides the stage latencies, and hasctl simulate on it
+    assert p.revision == 2 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
+    assert p.link("same_host").gb_per_s > 0 and p.link("other_host") is None
+    assert {(g.modality, g.media) for g in p.gateway} == {("image", "56x56"), ("video", "2x56x56"), ("text", "")}
+    assert {(x.stage, x.by) for x in p.interference} == {("encode", "prefill"), ("prefill", "encode")}
+    sim_out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(out), "--preset", "default", "--rate", "2", "--requests", "20",
+                 "--slo", "loose", "--image-size", "56x56", "--out", str(sim_out)]) == 0
+    sim = json.loads(sim_out.read_text())
+    assert sim["completed"] == 20 and sim["endpoint"] == "simulated" and sim["median_ttft_ms"] > 0

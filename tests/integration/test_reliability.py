@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from easerve import Client
-from easerve.client import OverloadedError, UnavailableError
+from easerve.errors import Overloaded, Unavailable
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import preset
 from hasctl.launch import Stack
@@ -37,7 +37,7 @@ def test_overload_is_resource_exhausted_then_recovers(small_stack):
     it = iter(long)
     for _ in range(3):  # past prefill's first token: decode has admitted it, the one slot is taken
         next(it)
-    with pytest.raises(OverloadedError) as over:
+    with pytest.raises(Overloaded) as over:
         client.generate("me too", max_tokens=4)
     assert over.value.retry_after_s == 1.0  # the retry hint (retry-after-ms)
     body = json.dumps({"messages": [{"role": "user", "content": "me too"}], "max_tokens": 4}).encode()
@@ -60,7 +60,7 @@ def test_overload_is_resource_exhausted_then_recovers(small_stack):
         try:
             assert client.generate("now it fits", max_tokens=3).usage.completion_tokens >= 1
             break
-        except OverloadedError:
+        except Overloaded:
             assert time.monotonic() < deadline, "the cancelled request never left decode"
             time.sleep(0.1)
 
@@ -71,7 +71,7 @@ def test_dead_decode_is_unavailable_within_the_deadline(small_stack):
     small_stack._procs["decode-0"].popen.kill()
     small_stack._procs["decode-0"].popen.wait()
     t0 = time.monotonic()
-    with pytest.raises(UnavailableError):
+    with pytest.raises(Unavailable):
         client.generate("anyone there?", max_tokens=4, timeout=20)
     assert time.monotonic() - t0 < 20
     out: list = []

@@ -1,6 +1,6 @@
 """The static 50/50 baseline on live processes: two co-located encode workers, one with
 --partition-policy static and one with --sm-backend static (the spelling that failed on the
-profile table before), serve requests, and /partition, /trace and /metrics report share 0.5
+latency grid before), serve requests, and /partition, /trace and /metrics report share 0.5
 for encode and for its local prefill. An encode worker on one core with a named mechanism
 fails its start naming --sm-backend; with auto it starts and says it is degraded."""
 from __future__ import annotations

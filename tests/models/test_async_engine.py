@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from easerve.engine.engine import DecodeEngine, EngineConfig
-from easerve.errors import NotFound, Overloaded
-from easerve.stages.decode.async_engine import AsyncEngine, EngineFailed
+from easerve.errors import EngineFailed, NotFound, Overloaded
+from easerve.stages.decode.async_engine import AsyncEngine
 from easerve.types import SamplingParams
 from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
-from easerve.cache.policy import CacheMiss
-from easerve.errors import Internal
+from easerve.errors import CacheMiss, Internal
 from easerve.stages.common.metrics import new_registry
 from easerve.stages.encode.loop import EncodeLoop
 from easerve.types import MMItem, PrefillRequest

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from easerve.media import MediaError, PixelBudget, decode_audio, decode_image, decode_video, resample
+from easerve.media import PixelBudget, decode_audio, decode_image, decode_video, resample
+from easerve.errors import MediaError
 
 
 def png(w=12, h=8, mode="RGB", fmt="PNG") -> bytes:

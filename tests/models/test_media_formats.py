@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from easerve.media import (MediaError, MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio,
-                           decode_video_file)
+from easerve.media import MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio, decode_video_file
+from easerve.errors import MediaError
 from easerve.stages.gateway import openai_api as oa
 from tests.models.media_clips import (AUDIO_FORMATS, VIDEO_FORMATS, decode_all_frames, encode_audio, encode_video,
                                       smooth_frames, tone)

@@ -39,7 +39,7 @@ def _png() -> bytes:
 
 def generate(addr: str, image: bool) -> int:
     from easerve import Client
-    from easerve.rpc.errors import EAServeError
+    from easerve.errors import EAServeError
     try:
         with Client(addr, timeout=60) as c:
             out = c.generate("describe", images=[_png()] if image else [], max_tokens=6, ignore_eos=True)
@@ -52,7 +52,7 @@ def generate(addr: str, image: bool) -> int:
 
 def stream(addr: str, timeout: float, max_tokens: int) -> int:
     from easerve import Client
-    from easerve.rpc.errors import EAServeError
+    from easerve.errors import EAServeError
     t0, n = time.monotonic(), 0
     try:
         with Client(addr) as c:

@@ -19,7 +19,8 @@ import time
 import grpc
 import pytest
 
-from easerve.client import AsyncClient, Client, RequestCancelled
+from easerve.client import AsyncClient, Client
+from easerve.errors import Cancelled
 from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import preset
@@ -109,7 +110,7 @@ async def one(client: AsyncClient, rng: random.Random, image: bytes, counts: dic
                 if got >= want:
                     break
         counts[point] += 1
-    except RequestCancelled:
+    except Cancelled:
         counts[point] += 1
     finally:
         stream.close()

@@ -8,16 +8,17 @@ import asyncio
 import grpc
 import pytest
 
+from easerve.errors import InvalidRequest, Overloaded, Unavailable
 from easerve.rpc import errors
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 from tests.unit.test_rpc import _with_server
 
 
 @pytest.mark.parametrize("exc,code,ms", [
-    (errors.Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "1000"),
-    (errors.Overloaded("queue full", retry_after_s=2.5), grpc.StatusCode.RESOURCE_EXHAUSTED, "2500"),
-    (errors.Unavailable("restarting"), grpc.StatusCode.UNAVAILABLE, "1000"),
-    (errors.InvalidRequest("bad"), grpc.StatusCode.INVALID_ARGUMENT, None),
+    (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "1000"),
+    (Overloaded("queue full", retry_after_s=2.5), grpc.StatusCode.RESOURCE_EXHAUSTED, "2500"),
+    (Unavailable("restarting"), grpc.StatusCode.UNAVAILABLE, "1000"),
+    (InvalidRequest("bad"), grpc.StatusCode.INVALID_ARGUMENT, None),
 ])
 def test_refusals_carry_retry_after_ms_and_it_survives_the_hop(exc, code, ms):
     async def call(ch, servicer):

@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from easerve import Client, MessageTooLargeError, UnauthenticatedError
+from easerve import Client
+from easerve.errors import MessageTooLarge, Unauthenticated
 from easerve.healthcheck import check
 from easerve.models.tiny import cached_tiny
 from easerve.stages.common.configs import STAGE_CONFIGS, GatewayConfig, from_argv
@@ -155,9 +156,9 @@ def test_http_needs_a_valid_key_but_health_does_not(sec_stack):
 def test_grpc_needs_a_valid_key_but_health_does_not(sec_stack):
     addr = sec_stack.endpoints.grpc
     for key in ("", "sk-wrong"):
-        with Client(addr, timeout=30, api_key=key) as c, pytest.raises(UnauthenticatedError):
+        with Client(addr, timeout=30, api_key=key) as c, pytest.raises(Unauthenticated):
             c.list_models()
-        with Client(addr, timeout=30, api_key=key) as c, pytest.raises(UnauthenticatedError):
+        with Client(addr, timeout=30, api_key=key) as c, pytest.raises(Unauthenticated):
             c.generate("hi", max_tokens=2)
     with Client(addr, timeout=60, api_key=KEYS[0]) as c:
         assert c.generate("hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
@@ -178,7 +179,7 @@ def test_every_stage_refuses_a_message_over_its_limit_with_a_clear_error(sec_sta
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
         assert f"larger than max ({len(over)} vs. {LIMIT_MB << 20})" in e.value.details(), name
     with Client(sec_stack.endpoints.grpc, timeout=60, api_key=KEYS[0]) as c:  # the gateway's limit: 64 MiB
-        with pytest.raises(MessageTooLargeError, match=r"over the gRPC limit of 67108864 bytes \(--max-message-mb"):
+        with pytest.raises(MessageTooLarge, match=r"over the gRPC limit of 67108864 bytes \(--max-message-mb"):
             c.generate("hi", images=[b"\x89PNG" + b"\0" * (64 << 20)], max_tokens=2)
         assert c.generate("hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
 
@@ -206,6 +207,6 @@ def test_a_message_over_a_stage_limit_maps_to_413_not_429():
             await asyncio.wait_for(task, 10)
 
     err = asyncio.run(main())
-    assert isinstance(err, MessageTooLargeError) and http_status(err) == 413
+    assert isinstance(err, MessageTooLarge) and http_status(err) == 413
     assert str(err) == (f"a message of {5 << 20} bytes is over the gRPC limit of {LIMIT_MB << 20} bytes "
                         "(--max-message-mb of the process that received it); send smaller media or raise that limit")

@@ -26,7 +26,7 @@ import uuid
 import _posixshmem
 import numpy as np
 
-from easerve.rpc.errors import NotFound
+from easerve.errors import NotFound
 from easerve.transport import shm_slab
 from easerve.transport.shm_slab import SlabReader, SlabWriter
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from easerve.wire import codec
-from easerve.rpc.errors import DeadlineExceeded, Unavailable
+from easerve.errors import DeadlineExceeded, Unavailable
 from easerve.stages.common.peers import Peers
 from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport, KVStreamServicer
 from easerve.transport.handles import GrpcHandle

@@ -13,7 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve import Client, UnavailableError
+from easerve import Client
+from easerve.errors import Unavailable
 from easerve.healthcheck import check
 from easerve.models.tiny import cached_tiny
 from easerve.rpc.server import ServerOptions, serve
@@ -124,7 +125,7 @@ def _model_id(stack, pki) -> str:
 def test_a_live_tls_stack_refuses_plaintext_and_strangers(tls_stack, pki, other_pki):
     grpc_addr = tls_stack.endpoints.grpc
     for tls in (Tls(), Tls(ca=pki.ca), Tls(other_pki.cert, other_pki.key, other_pki.ca)):
-        with Client(grpc_addr, timeout=10, tls=tls) as c, pytest.raises(UnavailableError):
+        with Client(grpc_addr, timeout=10, tls=tls) as c, pytest.raises(Unavailable):
             c.list_models()
     for name in ("decode-0", "prefill-0", "encode-0", "gateway"):
         addr = tls_stack.endpoints.stages[name]

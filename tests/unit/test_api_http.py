@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from easerve.errors import BadRequest
 from easerve.stages.gateway import openai_api as oa
 
 SERVED = "tiny"
@@ -36,12 +37,11 @@ def adapter(tmp_path_factory):
     return load_adapter(cached_tiny("qwen2.5-vl", root), role="processor")
 
 
-@pytest.fixture(scope="module")
-def client(loop, adapter):
-    """An aiohttp test client of HttpApi(GatewayCore(...)) on 127.0.0.1."""
+def _http_client(loop, adapter, core_cls):
+    """An aiohttp test client of HttpApi(core_cls(...)) on 127.0.0.1 (yields it, then closes)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from easerve.stages.gateway.core import GatewayConfig, GatewayCore
+    from easerve.stages.gateway.core import GatewayConfig
     from easerve.stages.gateway.http_api import HttpApi
     from easerve.stages.gateway.metrics import GatewayMetrics
 
@@ -49,7 +49,7 @@ def client(loop, adapter):
                         max_model_len=256)
 
     async def start():  # gRPC channels bind to the running loop
-        api = HttpApi(GatewayCore(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
+        api = HttpApi(core_cls(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
         c = TestClient(TestServer(api.app, host="127.0.0.1"), loop=loop)
         await c.start_server()
         return c
@@ -57,6 +57,13 @@ def client(loop, adapter):
     c = loop.run_until_complete(start())
     yield c
     loop.run_until_complete(c.close())
+
+
+@pytest.fixture(scope="module")
+def client(loop, adapter):
+    """HttpApi over a real GatewayCore whose stages are not there."""
+    from easerve.stages.gateway.core import GatewayCore
+    yield from _http_client(loop, adapter, GatewayCore)
 
 
 def post(loop, client, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
@@ -166,7 +173,7 @@ def test_any_json_body_is_never_a_server_error(loop, client, body, path):
         else:
             oa.parse_completion_request(body, SERVED, vocab_size=10_000)
         valid = True
-    except oa.BadRequest:
+    except BadRequest:
         valid = False
     assert status == (503 if valid else 400), (body, status, answer)
 
@@ -222,3 +229,37 @@ def test_valid_bodies_pass_validation_and_reach_the_pipeline(loop, client):
                        ("/v1/completions", {**COMPLETION, "prompt": ["Hello"], "stream": True, "n": 1})):
         status, answer = post(loop, client, path, body)
         assert status == 503, (path, answer)
+
+
+# ---- a stream that ends without a finish reason ----------------------------------------------
+@pytest.fixture(scope="module")
+def cut_short(loop, adapter):
+    """HttpApi over a GatewayCore whose stream breaks the contract: one token, then its end,
+    with no finish reason (what a pipeline bug would produce; the real stages cannot)."""
+    from easerve.stages.gateway.core import Delta, GatewayCore
+
+    class CutShort(GatewayCore):
+        async def generate(self, job):
+            yield Delta([5], "Hel")
+    yield from _http_client(loop, adapter, CutShort)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_a_stream_that_ends_without_a_finish_reason_ends_in_an_error_event_not_a_clean_done(loop, cut_short,
+                                                                                            path, body):
+    async def go():
+        async with cut_short.post(path, json={**body, "stream": True}) as r:
+            return r.status, await r.text()
+    status, text = loop.run_until_complete(go())
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert not any(c.get("choices") and c["choices"][0].get("finish_reason") for c in chunks)  # no fake finish
+    assert chunks[-1] == {"error": {"message": "the pipeline ended the stream without a finish reason; the answer "
+                                               "is cut short", "type": "server_error", "code": 502}}
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_a_unary_answer_without_a_finish_reason_is_a_502(loop, cut_short, path, body):
+    status, answer = post(loop, cut_short, path, body)
+    assert status == 502 and "without a finish reason" in answer["error"]["message"], answer

@@ -1,4 +1,6 @@
-"""AdaptiveBatcher: property tests driven by a ManualClock event loop."""
+"""AdaptiveBatcher: property tests driven by a ManualClock event loop (a worker that finishes
+every batch at once: `on_free` right after each dispatch), and the busy-worker rules.
+The properties against a worker with a cost per batch are in test_batcher_worker.py."""
 from __future__ import annotations
 
 import random
@@ -18,18 +20,22 @@ def run(cfg: BatcherConfig, gaps: list[float]) -> tuple[list[Dispatch], dict[int
     b, clock = AdaptiveBatcher(cfg), ManualClock()
     out, arrived, pending_after_add = [], {}, []
 
+    def took(x: Dispatch | None) -> None:
+        if x is not None:
+            out.append(x)
+            b.on_free(clock.now())
+
     def drain_until(t: float | None) -> None:
         while (d := b.next_deadline(clock.now())) is not None and (t is None or d <= t):
             clock.advance_to(max(d, clock.now()))
             while (x := b.poll(clock.now())) is not None:
-                out.append(x)
+                took(x)
 
     for i, g in enumerate(gaps):
         drain_until(clock.now() + g)
         clock.advance(g)
         arrived[i] = clock.now()
-        if (x := b.add(i, clock.now())) is not None:
-            out.append(x)
+        took(b.add(i, clock.now()))
         pending_after_add.append(b.pending)
     drain_until(None)
     assert b.pending == 0
@@ -38,7 +44,7 @@ def run(cfg: BatcherConfig, gaps: list[float]) -> tuple[list[Dispatch], dict[int
 
 gaps_st = st.lists(st.one_of(st.floats(0, 0.05), st.floats(0, 3.0), st.just(0.0)), min_size=1, max_size=120)
 cfg_st = st.builds(BatcherConfig, max_batch=st.integers(1, 12), safety_cap_s=st.floats(0.01, 2.0),
-                   gap_coef=st.floats(0.1, 5.0), mode=st.sampled_from(["adaptive", "fixed", "request_at_a_time"]),
+                   gap_coef=st.floats(0.1, 5.0), mode=st.sampled_from(["adaptive", "fixed", "request_at_a_time", "continuous"]),
                    max_gap_s=st.none() | st.floats(0.002, 2.0))
 
 
@@ -58,6 +64,8 @@ def test_dispatch_invariants(cfg: BatcherConfig, gaps: list[float]) -> None:
             assert d.reason == "single" and d.size == 1 and d.at == arrived[d.item_ids[0]]
         if cfg.mode == "fixed":
             assert d.reason in ("size", "cap")
+        if cfg.mode == "continuous":  # a free worker takes each arrival at once
+            assert d.reason in ("size", "idle") and d.at == arrived[d.item_ids[0]]
     assert max(pending_after_add) < cfg.max_batch  # a full batch never waits
 
 
@@ -67,26 +75,39 @@ def test_late_polling_loses_nothing(cfg: BatcherConfig, gaps: list[float], poll_
     """A caller that polls on its own coarse schedule still gets every item, <= B per batch,
     and nothing waits past the cap by more than the caller's own lateness."""
     b, t, out, arrived = AdaptiveBatcher(cfg), 0.0, [], {}
+
+    def took(x: Dispatch | None) -> None:
+        if x is not None:
+            out.append(x)
+            b.on_free(t)
+
     for i, g in enumerate(gaps):
         t += g
         arrived[i] = t
-        out += [x for x in (b.add(i, t),) if x]
+        took(b.add(i, t))
         if i % 3 == 0:
-            out += [x for x in (b.poll(t),) if x]
+            took(b.poll(t))
     while b.pending:
         t += poll_every
         while (x := b.poll(t)) is not None:
-            out.append(x)
+            took(x)
     assert sorted(i for d in out for i in d.item_ids) == list(range(len(gaps)))
     assert all(d.size <= cfg.max_batch for d in out)
+
+
+def drain(b: AdaptiveBatcher, now: float) -> None:
+    """Every batch due at `now`, each finished at once."""
+    if b.busy:
+        b.on_free(now)
+    while b.poll(now):
+        b.on_free(now)
 
 
 def feed(b: AdaptiveBatcher, clock: ManualClock, rate: float, n: int) -> None:
     for _ in range(n):
         clock.advance(1.0 / rate)
         b.add(object(), clock.now())
-        while b.poll(clock.now()):
-            pass
+        drain(b, clock.now())
 
 
 @settings(max_examples=60, deadline=None)
@@ -109,8 +130,7 @@ def test_rate_estimate_on_poisson_arrivals() -> None:
     for i in range(3000):
         clock.advance(rng.expovariate(40.0))
         b.add(i, clock.now())
-        while b.poll(clock.now()):
-            pass
+        drain(b, clock.now())
     assert b.rate == pytest.approx(40.0, rel=0.3)
     assert b.gap_threshold == pytest.approx(2.0 / b.rate)
 
@@ -140,6 +160,7 @@ def test_size_dispatch_is_immediate_and_cap_applies_in_fixed_mode() -> None:
     assert b.add(1, 0.0) is None and b.add(2, 0.1) is None
     d = b.add(3, 0.2)
     assert d == Dispatch((1, 2, 3), "size", 0.2, pytest.approx(0.2))
+    b.on_free(0.3)
     b.add(4, 1.0)
     assert b.next_deadline(1.0) == pytest.approx(1.5) and b.poll(1.49) is None
     assert b.poll(1.5).reason == "cap"
@@ -147,16 +168,28 @@ def test_size_dispatch_is_immediate_and_cap_applies_in_fixed_mode() -> None:
 
 def test_request_at_a_time_and_b1() -> None:
     b = AdaptiveBatcher(BatcherConfig(mode="request_at_a_time"))
-    assert [b.add(i, 0.0).item_ids for i in range(3)] == [(0,), (1,), (2,)] and b.pending == 0
+    assert b.add(0, 0.0) == Dispatch((0,), "single", 0.0, 0.0)
+    assert b.add(1, 0.1) is None and b.add(2, 0.2) is None  # behind the busy worker
+    b.on_free(0.5)
+    assert b.next_deadline(0.5) == 0.5
+    assert b.poll(0.5) == Dispatch((1,), "single", 0.5, pytest.approx(0.4)) and b.poll(0.5) is None
+    b.on_free(0.6)
+    assert b.poll(0.6).item_ids == (2,) and b.pending == 0
     b1 = AdaptiveBatcher(BatcherConfig(max_batch=1))
     assert b1.add("x", 0.0).reason == "size"
 
 
 def test_late_add_joins_expired_batch() -> None:
-    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=1.0))
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=1.0, safety_cap_s=2.0))
     b.add("a", 0.0)
-    d = b.add("b", 5.0)  # caller never polled: the gap had expired at 0.01
-    assert d is not None and d.item_ids == ("a", "b") and d.reason in ("gap", "cap")
+    d = b.add("b", 5.0)  # caller never polled: the cap (2 s) had expired, and the gap
+    assert d == Dispatch(("a", "b"), "cap", 5.0, 5.0)
+    b.on_free(5.0)
+    b.add("c", 6.0)
+    t = 6.0 + b.gap_threshold + 0.01
+    assert t < 6.0 + 2.0
+    d = b.add("d", t)  # only the gap after c had expired, not c's cap
+    assert d == Dispatch(("c", "d"), "gap", t, pytest.approx(t - 6.0))
 
 
 def test_simultaneous_burst_stays_together() -> None:
@@ -164,6 +197,52 @@ def test_simultaneous_burst_stays_together() -> None:
     assert all(b.add(i, 0.0) is None for i in range(5))
     assert b.poll(0.0) is None and b.gap_threshold == MIN_GAP_S
     assert b.poll(b.next_deadline(0.0)).item_ids == tuple(range(5))
+
+
+def test_busy_worker_accumulates_and_what_is_due_leaves_when_it_frees() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=1.0, safety_cap_s=1.0))
+    assert b.add("a", 0.0) is None and b.flush(0.01) == Dispatch(("a",), "flush", 0.01, pytest.approx(0.01))
+    assert b.busy
+    for i, t in enumerate((0.02, 0.03, 0.04, 0.05, 0.06)):  # 5 arrive while "a" encodes: full, not dispatched
+        assert b.add(i, t) is None
+    assert b.poll(0.5) is None and b.next_deadline(0.5) is None and b.pending == 5
+    b.on_free(0.5)
+    assert b.poll(0.5) == Dispatch((0, 1, 2, 3), "size", 0.5, pytest.approx(0.48))  # oldest first, up to B
+    assert b.add(9, 0.598) is None
+    b.on_free(0.6)  # 4 and 9 pending; 9 arrived 2 ms ago, less than the gap threshold: the idle worker waits
+    assert b.gap_threshold > 0.002
+    assert b.poll(0.6) is None and b.next_deadline(0.6) == pytest.approx(0.598 + b.gap_threshold)
+    assert b.poll(b.next_deadline(0.6)).item_ids == (4, 9)
+
+
+def test_cap_expired_while_busy_leaves_at_free() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, mode="fixed", safety_cap_s=0.5))
+    b.add("x", 0.0)
+    assert b.flush(0.0).item_ids == ("x",)  # the worker is now busy
+    b.add("y", 0.1)
+    b.add("z", 0.2)
+    assert b.poll(2.0) is None  # past y's cap, but the worker is still busy
+    b.on_free(2.0)
+    assert b.poll(2.0) == Dispatch(("y", "z"), "cap", 2.0, pytest.approx(1.9))
+
+
+def test_continuous_has_no_timer() -> None:
+    b = AdaptiveBatcher(BatcherConfig(max_batch=3, mode="continuous", safety_cap_s=5.0))
+    assert b.next_deadline(0.0) is None
+    assert b.add("a", 0.0) == Dispatch(("a",), "idle", 0.0, 0.0)  # an idle worker takes it at once
+    assert [b.add(i, 0.1 * i) for i in range(1, 5)] == [None] * 4  # busy: accumulate
+    assert b.next_deadline(0.4) is None
+    b.on_free(0.7)
+    assert b.next_deadline(0.7) == 0.7
+    assert b.poll(0.7) == Dispatch((1, 2, 3), "size", 0.7, pytest.approx(0.6))
+    b.on_free(0.8)
+    assert b.poll(0.8) == Dispatch((4,), "idle", 0.8, pytest.approx(0.4)) and b.pending == 0
+
+
+def test_on_free_needs_a_dispatch() -> None:
+    b = AdaptiveBatcher(BatcherConfig())
+    with pytest.raises(RuntimeError, match="once per Dispatch"):
+        b.on_free(0.0)
 
 
 def test_flush_remove_and_clock_checks() -> None:

@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 import easerve
-from easerve.client import (AsyncClient, Client, Completion, DeadlineExceededError, EAServeError, InternalError,
-                            InvalidRequestError, NotFoundError, OverloadedError, RequestCancelled, UnavailableError,
-                            from_rpc_error)
+from easerve.client import AsyncClient, Client, Completion, from_rpc_error
+from easerve.errors import (Cancelled, DeadlineExceeded, EAServeError, Internal, InvalidRequest, NotFound, Overloaded,
+                            Unavailable)
 from easerve.client_request import build_request
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import gateway_pb2 as gpb
@@ -113,7 +113,7 @@ def test_openai_style_messages():
     ({"prompt": "a", "stop": [""]}, "stop"),
 ])
 def test_bad_arguments_raise_invalid_request(kwargs, match):
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequest, match=match):
         build_request(**kwargs)
 
 
@@ -130,11 +130,11 @@ class _Err(grpc.RpcError):
 
 
 @pytest.mark.parametrize("code, cls", [
-    (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError), (grpc.StatusCode.NOT_FOUND, NotFoundError),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, OverloadedError), (grpc.StatusCode.UNAVAILABLE, UnavailableError),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError), (grpc.StatusCode.CANCELLED, RequestCancelled),
-    (grpc.StatusCode.INTERNAL, InternalError), (grpc.StatusCode.UNKNOWN, InternalError),
-    (grpc.StatusCode.PERMISSION_DENIED, InternalError),
+    (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest), (grpc.StatusCode.NOT_FOUND, NotFound),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded), (grpc.StatusCode.UNAVAILABLE, Unavailable),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded), (grpc.StatusCode.CANCELLED, Cancelled),
+    (grpc.StatusCode.INTERNAL, Internal), (grpc.StatusCode.UNKNOWN, Internal),
+    (grpc.StatusCode.PERMISSION_DENIED, Internal),
 ])
 def test_status_codes_map_to_typed_errors(code, cls):
     err = from_rpc_error(_Err(code))
@@ -142,8 +142,8 @@ def test_status_codes_map_to_typed_errors(code, cls):
 
 
 def test_error_types_are_exported_lazily_and_subclass_builtins():
-    assert easerve.OverloadedError is OverloadedError and easerve.Client is Client
-    assert issubclass(InvalidRequestError, ValueError) and issubclass(DeadlineExceededError, TimeoutError)
+    assert easerve.OverloadedError is Overloaded and easerve.Client is Client
+    assert issubclass(InvalidRequest, ValueError) and issubclass(DeadlineExceeded, TimeoutError)
     with pytest.raises(AttributeError):
         easerve.NoSuchThing  # noqa: B018
 
@@ -206,17 +206,17 @@ def test_client_completion_stream_and_models(gateway):
 def test_client_errors_and_break_cancels(gateway):
     fake, addr = gateway
     with Client(addr) as c:
-        with pytest.raises(OverloadedError, match="fake failure"):
+        with pytest.raises(Overloaded, match="fake failure"):
             c.generate("fail:RESOURCE_EXHAUSTED")
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequest):
             c.generate("fail:INVALID_ARGUMENT", stream=True).__next__()
-        with pytest.raises(DeadlineExceededError):
+        with pytest.raises(DeadlineExceeded):
             c.generate("slow", max_tokens=100, timeout=0.2)
         fake.cancelled.clear()
         for _ in c.generate("long", max_tokens=100, stream=True):
             break
         assert fake.cancelled.wait(5), "breaking out of the stream did not cancel the RPC"
-    with Client("127.0.0.1:1", timeout=2) as c, pytest.raises(UnavailableError):
+    with Client("127.0.0.1:1", timeout=2) as c, pytest.raises(Unavailable):
         c.list_models()
 
 
@@ -230,7 +230,7 @@ def test_async_client(gateway):
             texts = [ch.text async for ch in await c.generate("hi", max_tokens=2, stream=True)]
             assert texts == ["t0 ", "t1 "]
             assert (await c.list_models())[0].family == "qwen2_5_vl"
-            with pytest.raises(UnavailableError):
+            with pytest.raises(Unavailable):
                 await c.generate("fail:UNAVAILABLE")
             fake.cancelled.clear()
             async with await c.generate("long", max_tokens=100, stream=True) as stream:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from easerve.wire import codec, protoconv
-from easerve.wire.codec import CodecError
+from easerve.errors import CodecError
 from easerve.types import KVPayload, SamplingParams
 
 KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32]

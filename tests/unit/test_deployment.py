@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -80,13 +81,40 @@ def test_bad_files_say_what_to_change(tmp_path, text, match):
         Deployment.load(path)
 
 
-def test_bad_yaml_and_missing_file(tmp_path):
+@pytest.mark.parametrize("text, where", [
+    ("decode: [device: cpu\n", r"line 2, column 1: expected ',' or '\]'"),
+    ("name: x\n\tdecode: []\n", r"line 2, column 1: found character '\\t'"),
+])
+def test_a_yaml_syntax_error_says_so_with_the_line(tmp_path, text, where):
     path = tmp_path / "bad.yaml"
-    path.write_text("decode: [device: cpu\n")
-    with pytest.raises(ValueError, match="not valid YAML"):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad.yaml is not valid YAML \({where}.*\); fix it"):
         Deployment.load(path)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("decode: [{flags: {max-running: abc}}]\n", r"decode\[0\]\.flags\.max-running must be an integer, got 'abc'"),
+    ("decode: [{device: cpu, port: 99999}]\n", r"decode\[0\]\.port must be an int in 0\.\.65535"),
+    ("encode: [{flags: {max-batch: 0}}]\n", r"encode\[0\]: --max-batch \(B\) must be >= 1, got 0"),
+    ("decoder: []\n", r"top level: unknown key\(s\) \['decoder'\]; allowed: \['decode'"),
+    ("gateway: {grpc_port: 50051, flags: {max-runing: 1}}\n", r"gateway\.flags: unknown flag 'max-runing'"),
+    ("model: 2024-13-45\ndecode: []\n", "at least one decode"),  # a date-like value is a plain string
+])
+def test_a_yaml_file_that_parses_but_breaks_a_rule_names_the_key_not_the_syntax(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*{match}") as e:
+        Deployment.load(path)
+    assert "not valid" not in str(e.value)
+
+
+def test_unreadable_files_say_why(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         Deployment.load(tmp_path / "missing.yaml")
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.yaml is not UTF-8 text \(byte 9\); save it as UTF-8"):
+        Deployment.load(path)
 
 
 def test_frozen_and_derived_copies():

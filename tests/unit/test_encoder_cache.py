@@ -7,9 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from easerve.cache.policy import (HIT, MISS, PENDING, CacheMiss, EncoderCachePolicy, HolderMap,
-                                   is_cache_miss)
-from easerve.errors import NotFound
+from easerve.cache.policy import HIT, MISS, PENDING, EncoderCachePolicy, HolderMap
 from easerve.cache.media_hash import assign_by_modality, media_hash
 from easerve.types import MMItem
 
@@ -116,15 +114,7 @@ def test_eviction_takes_the_least_recently_used(capacity, ops):
         assert c.keys() == order
 
 
-# ---- the miss error, the holder map --------------------------------------------------------
-
-
-def test_cache_miss_is_recognised_after_crossing_the_wire():
-    e = CacheMiss("item 0 (image) is not held")
-    assert isinstance(e, NotFound) and is_cache_miss(e)
-    assert is_cache_miss(NotFound(str(e)))          # what from_rpc_error rebuilds
-    assert is_cache_miss(NotFound(f"easerve.v1.Encode at 127.0.0.1:1: {e}"))  # as Peers.start_call names it
-    assert not is_cache_miss(NotFound("no such model"))
+# ---- the holder map (the miss error crossing gRPC: tests/unit/test_rpc.py) -----------------
 
 
 def test_holder_map_prefers_the_instance_holding_most_and_stays_bounded():

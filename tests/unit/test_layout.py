@@ -68,3 +68,25 @@ def test_architecture_doc_names_only_existing_modules():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     for path in set(re.findall(r"`((?:easerve|services|hasctl)/[\w/.]+)`", doc)):
         assert (ROOT / path.rstrip("/")).exists(), f"docs/architecture.md names {path}, which does not exist"
+
+
+def test_hasctl_commands_register_their_own_names():
+    import argparse
+    import importlib
+
+    from hasctl.cli import COMMANDS
+
+    for name, module in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"hasctl.{module}").add_parser(sub)
+        assert list(sub.choices) == [name], f"hasctl/{module}.py registers {list(sub.choices)}, cli.py expects {name}"
+
+
+def test_simulate_command_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from hasctl.cli import build_parser; build_parser(['simulate', '--help']); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

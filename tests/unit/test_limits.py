@@ -1,6 +1,7 @@
 import pytest
 
-from easerve.rpc.errors import Overloaded, http_status
+from easerve.rpc.errors import http_status
+from easerve.errors import Overloaded
 from easerve.stages.common.limits import InflightLimit
 
 

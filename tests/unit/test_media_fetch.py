@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from easerve.media import FetchConfig, MediaConfig, MediaError, MediaFetcher, MediaRef, MediaResolver
+from easerve.media import FetchConfig, MediaConfig, MediaFetcher, MediaRef, MediaResolver
+from easerve.errors import MediaError
 
 LOCAL = ("127.0.0.1",)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from easerve.errors import BadRequest
 from easerve.media import MediaConfig, MediaRef, MediaResolver
 from easerve.stages.gateway import openai_api as oa
 
@@ -112,7 +113,7 @@ M = [{"role": "user", "content": "x"}]
     ({"messages": M, "stop": ["\udfff"]}, r"^stop\[0\]: invalid unicode"),
 ])
 def test_bad_requests_say_what_to_change(body, needle):
-    with pytest.raises(oa.BadRequest, match=needle):
+    with pytest.raises(BadRequest, match=needle):
         parse(body)
 
 
@@ -158,7 +159,7 @@ def test_completion_prompt_forms(prompt, expected):
     ({"prompt": "x\ud800"}, r"^prompt: invalid unicode"),
 ])
 def test_bad_completion_requests_name_the_field(body, needle):
-    with pytest.raises(oa.BadRequest, match=needle):
+    with pytest.raises(BadRequest, match=needle):
         parse_completion(body)
 
 
@@ -195,7 +196,7 @@ def test_neutral_values_of_unsupported_options_are_accepted():
 
 
 def test_bad_media_is_refused_when_the_request_is_resolved():
-    from easerve.media import MediaError
+    from easerve.errors import MediaError
 
     req = parse({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]})

@@ -1,12 +1,10 @@
-"""SMPartitioner: profile table, per-batch choice, baselines, JSON round trip and validation."""
+"""SMPartitioner: the latency grid (measured, or from profile points), per-batch choice, baselines, validation."""
 from __future__ import annotations
-
-import json
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.policy.partitioner import DEFAULT_SHARES, Allocation, PartitionerConfig, ProfileTable, SMPartitioner, profile
+from easerve.policy.partitioner import DEFAULT_SHARES, Allocation, LatencyGrid, PartitionerConfig, SMPartitioner, measure_grid
 
 
 def saturating(b: int, share: float) -> float:
@@ -15,7 +13,7 @@ def saturating(b: int, share: float) -> float:
     return 0.01 * b / min(1.0, share / need)
 
 
-def test_profile_calls_measure_fn_per_cell_and_takes_median() -> None:
+def test_measure_grid_calls_measure_fn_per_cell_and_takes_median() -> None:
     calls: list[tuple[int, float]] = []
     values = iter([3.0, 1.0, 2.0] * 100)
 
@@ -23,13 +21,13 @@ def test_profile_calls_measure_fn_per_cell_and_takes_median() -> None:
         calls.append((b, s))
         return next(values)
 
-    t = profile(measure, [4, 1, 2], repeats=3, device="fake")
-    assert t.batch_sizes == (1, 2, 4) and t.shares == DEFAULT_SHARES and t.device == "fake"
+    t = measure_grid(measure, [4, 1, 2], repeats=3)
+    assert t.batch_sizes == (1, 2, 4) and t.shares == DEFAULT_SHARES
     assert len(calls) == 3 * 5 * 3 and all(v == 2.0 for row in t.latency_s for v in row)
 
 
 def test_dynamic_small_batches_release_sms_large_ones_reclaim() -> None:
-    p = SMPartitioner(profile(saturating, [1, 2, 4, 8]), PartitionerConfig(tolerance=0.05))
+    p = SMPartitioner(measure_grid(saturating, [1, 2, 4, 8]), PartitionerConfig(tolerance=0.05))
     got = {b: p.choose(b) for b in (1, 2, 4, 8)}
     assert got[1] == Allocation(0.2, 0.8, 0)     # needs 0.15
     assert got[2] == Allocation(0.4, 0.6, 1)     # needs 0.30
@@ -39,7 +37,7 @@ def test_dynamic_small_batches_release_sms_large_ones_reclaim() -> None:
 
 
 def test_baseline_policies() -> None:
-    t = profile(saturating, [1, 8])
+    t = measure_grid(saturating, [1, 8])
     assert SMPartitioner(t, PartitionerConfig(policy="static")).choose(8) == Allocation(0.5, 0.5, None)
     assert SMPartitioner(t, PartitionerConfig(policy="timeslice")).choose(1) == Allocation(1.0, 1.0, None)
 
@@ -55,7 +53,7 @@ tables = st.integers(1, 6).flatmap(lambda nb: st.integers(1, 5).flatmap(lambda n
 @given(tab=tables, tol=st.floats(0.0, 1.0), b=st.integers(1, 300))
 def test_choice_is_smallest_share_within_tolerance(tab, tol: float, b: int) -> None:
     bs, shares, lat = tab
-    t = ProfileTable(tuple(bs), tuple(shares), tuple(map(tuple, lat)))
+    t = LatencyGrid(tuple(bs), tuple(shares), tuple(map(tuple, lat)))
     p = SMPartitioner(t, PartitionerConfig(tolerance=tol))
     a = p.choose(b)
     nearest = min(bs, key=lambda x: (abs(x - b), -x))
@@ -64,27 +62,31 @@ def test_choice_is_smallest_share_within_tolerance(tab, tol: float, b: int) -> N
     assert shares[j] == a.encode_share and a.prefill_share == pytest.approx(1 - a.encode_share)
     assert row[j] <= (1 + tol) * row[-1]
     assert all(row[k] > (1 + tol) * row[-1] for k in range(j))
-    assert ProfileTable.from_json(t.to_json()) == t
+    assert LatencyGrid.from_points(reversed(t.points())) == t  # the profile file's points, in any order
+
+
+@pytest.mark.parametrize("points, match", [
+    ([(1, 1.0, 0.1), (8, 0.5, 0.2), (8, 1.0, 0.1)], r"no point at batch 1, share 0.5"),
+    ([(1, 0.5, 0.2), (8, 0.5, 0.1)], "must end with 1.0"),
+    ([(1, 1.0, -0.1)], "> 0"),
+    ([], "must not be empty"),
+])
+def test_from_points_rejects_incomplete_or_bad_grids(points, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LatencyGrid.from_points(points)
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda d: "not json{", "valid JSON"),
-    (lambda d: {**d, "format": "other"}, "not an SM profile"),
-    (lambda d: {**d, "version": 99}, "version"),
-    (lambda d: {k: v for k, v in d.items() if k != "shares"}, "shares"),
-    (lambda d: {**d, "shares": [0.5, 0.2, 1.0, 0.8, 0.6]}, "increasing"),
-    (lambda d: {**d, "shares": [0.2, 0.4, 0.6, 0.8, 0.9]}, "1.0"),
-    (lambda d: {**d, "batch_sizes": [1, 1]}, "increasing"),
-    (lambda d: {**d, "latency_s": d["latency_s"][:1]}, "rows"),
-    (lambda d: {**d, "latency_s": [[-1.0] * 5, d["latency_s"][1]]}, "> 0"),
-    (lambda d: {**d, "latency_s": [[0.1] * 4, d["latency_s"][1]]}, "one per share"),
-    (lambda d: {**d, "latency_s": [1, 2]}, "list of lists"),
+    (lambda g: LatencyGrid(g.batch_sizes, (0.5, 0.2, 1.0, 0.8, 0.6), g.latency_s), "increasing"),
+    (lambda g: LatencyGrid(g.batch_sizes, (0.2, 0.4, 0.6, 0.8, 0.9), g.latency_s), "1.0"),
+    (lambda g: LatencyGrid((1, 1), g.shares, g.latency_s), "increasing"),
+    (lambda g: LatencyGrid(g.batch_sizes, g.shares, g.latency_s[:1]), "rows"),
+    (lambda g: LatencyGrid(g.batch_sizes, g.shares, ((-1.0,) * 5, g.latency_s[1])), "> 0"),
+    (lambda g: LatencyGrid(g.batch_sizes, g.shares, ((0.1,) * 4, g.latency_s[1])), "one per share"),
 ])
-def test_from_json_rejects_bad_profiles(mutate, match: str) -> None:
-    d = json.loads(profile(saturating, [1, 8]).to_json())
-    bad = mutate(d)
+def test_grid_rejects_bad_shapes(mutate, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        ProfileTable.from_json(bad if isinstance(bad, str) else json.dumps(bad))
+        mutate(measure_grid(saturating, [1, 8]))
 
 
 def test_configs_and_allocations_validate() -> None:
@@ -97,6 +99,6 @@ def test_configs_and_allocations_validate() -> None:
     with pytest.raises(ValueError, match="prefill_share"):
         Allocation(0.5, 1.5)
     with pytest.raises(ValueError, match="batch_size"):
-        SMPartitioner(profile(saturating, [1])).choose(0)
+        SMPartitioner(measure_grid(saturating, [1])).choose(0)
     with pytest.raises(ValueError, match="repeats"):
-        profile(saturating, [1], repeats=0)
+        measure_grid(saturating, [1], repeats=0)

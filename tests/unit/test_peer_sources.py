@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.rpc.errors import Unavailable
-from easerve.rpc.server import serve
+from easerve.errors import MessageTooLarge, Unavailable
+from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.common.configs import GatewayConfig, PrefillConfig
 from easerve.stages.common.peer_sources import PeerSource, PeersFile, resolve_addr, split_hostport, write_peers_file
@@ -129,18 +129,18 @@ def test_the_stage_configs_take_the_peer_flags():
 
 
 # ---- Peers applying new lists, with real servers -----------------------------------------------
-async def _server(stop: asyncio.Event, ports: list[int]) -> None:
+async def _server(stop: asyncio.Event, ports: list[int], options: ServerOptions) -> None:
     async def load():
         return stage_load.Load(0, 8)
     servicer = stage_load.StageServicer("prefill", local_identity("cpu"), load)
     await serve([stage_load.adder(servicer)], "127.0.0.1:0", health_services=["easerve.v1.Prefill"],
-                stop=stop, grace_s=0, on_bound=ports.append)
+                stop=stop, grace_s=0, on_bound=ports.append, options=options)
 
 
-async def _servers(n: int):
+async def _servers(n: int, options: ServerOptions = ServerOptions()):
     stops, ports, tasks = [asyncio.Event() for _ in range(n)], [], []
     for s in stops:
-        tasks.append(asyncio.ensure_future(_server(s, ports)))
+        tasks.append(asyncio.ensure_future(_server(s, ports, options)))
         while len(ports) < len(tasks):
             await asyncio.sleep(0.01)
     for port in ports:  # SERVING follows the bind (no warm-up): wait for it, by asking
@@ -150,6 +150,13 @@ async def _servers(n: int):
                     health_pb2.HealthCheckResponse.SERVING:
                 await asyncio.sleep(0.01)
     return stops, ports, tasks
+
+
+async def _stop(peers: Peers, stops: list[asyncio.Event], tasks: list) -> None:
+    await peers.close()
+    for s in stops:
+        s.set()
+    await asyncio.gather(*tasks)
 
 
 def test_peers_follow_the_file_added_gets_calls_removed_finishes_then_is_closed(tmp_path):
@@ -191,10 +198,7 @@ def test_peers_follow_the_file_added_gets_calls_removed_finishes_then_is_closed(
             with pytest.raises(Unavailable, match="no easerve.v1.Prefill instance is listed now"):
                 peers.pick()
         finally:
-            await peers.close()
-            for s in stops:
-                s.set()
-            await asyncio.gather(*tasks)
+            await _stop(peers, stops, tasks)
     asyncio.run(main())
 
 
@@ -246,4 +250,27 @@ def test_reach_of_waits_for_an_instance_that_started_listening_after_our_first_t
             await peers.close()
             stop.set()
             await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_a_message_over_the_size_limit_is_not_retried_on_another_instance():
+    """RESOURCE_EXHAUSTED "message larger than max" is refused by every instance alike: the
+    call is tried once and surfaces as MessageTooLarge, not as a retry (nor as Overloaded)."""
+    async def main():
+        stops, ports, tasks = await _servers(2, ServerOptions(max_message_bytes=4 << 20))  # 4 MiB each
+        peers = Peers(lambda ch: ch.unary_stream("/grpc.health.v1.Health/Watch"),  # a streaming method they serve
+                      [f"127.0.0.1:{p}" for p in ports], service="easerve.v1.Prefill")
+        opened: list[str] = []
+
+        def open_call(peer):
+            opened.append(peer.addr)
+            return peer.stub(b"\0" * (5 << 20), timeout=10)
+        try:
+            with pytest.raises(MessageTooLarge, match=r"easerve.v1.Prefill at 127.0.0.1:\d+: a message of 5242880 "
+                                                      r"bytes is over the gRPC limit of 4194304 bytes"):
+                await peers.start_call(open_call)
+            assert len(opened) == 1, opened  # not retried: it would not fit the other instance either
+            assert all(p.outstanding == 0 for p in map(peers.get, peers.addrs))
+        finally:
+            await _stop(peers, stops, tasks)
     asyncio.run(main())

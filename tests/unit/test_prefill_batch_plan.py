@@ -1,5 +1,6 @@
 """PrefillBatcher: FCFS batches under a token budget; property tests over random queues,
-interleaved arrivals, cancellations and draws, driven by a ManualClock."""
+interleaved arrivals, cancellations and draws, driven by a ManualClock; `take` runs each
+batch at once (on_free right after it), the busy-worker rule has its own test."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,14 @@ event_st = st.one_of(
 )
 
 
+def take(b: PrefillBatcher, now: float) -> PrefillBatchPlan | None:
+    """The next batch, its worker done with it at once."""
+    plan = b.next_batch(now)
+    if plan is not None:
+        b.on_free(now)
+    return plan
+
+
 def replay(cfg: PrefillBatchConfig, events) -> tuple[list[PrefillBatchPlan], dict[int, int], set[int], PrefillBatcher]:
     """Run the events, then drain. Returns the plans, tokens per id, cancelled ids, batcher."""
     b, clock = PrefillBatcher(cfg), ManualClock()
@@ -29,7 +38,7 @@ def replay(cfg: PrefillBatchConfig, events) -> tuple[list[PrefillBatchPlan], dic
             next_id += 1
         elif ev[0] == "take":
             was_pending = b.pending
-            plan = b.next_batch(clock.now())
+            plan = take(b, clock.now())
             assert (plan is None) == (was_pending == 0)
             plans += [plan] if plan else []
         elif ev[0] == "cancel":
@@ -38,7 +47,7 @@ def replay(cfg: PrefillBatchConfig, events) -> tuple[list[PrefillBatchPlan], dic
                 cancelled.add(rid)
         else:
             clock.advance(ev[1])
-    while (plan := b.next_batch(clock.now())) is not None:
+    while (plan := take(b, clock.now())) is not None:
         plans.append(plan)
     return plans, tokens, cancelled, b
 
@@ -67,7 +76,7 @@ def test_each_batch_is_maximal(cfg, sizes):
     for i, n in enumerate(sizes):
         b.add(i, n, 0.0)
     start = 0
-    while (plan := b.next_batch(0.0)) is not None:
+    while (plan := take(b, 0.0)) is not None:
         end = start + plan.size
         assert plan.request_ids == tuple(range(start, end))
         if end < len(sizes):
@@ -81,7 +90,7 @@ def test_oversized_request_runs_alone_when_it_reaches_the_head():
     b = PrefillBatcher(cfg)
     for rid, n in (("a", 60), ("big", 500), ("c", 30), ("d", 30)):
         b.add(rid, n, 0.0)
-    plans = [b.next_batch(1.0), b.next_batch(2.0), b.next_batch(3.0)]
+    plans = [take(b, 1.0), take(b, 2.0), take(b, 3.0)]
     assert [p.request_ids for p in plans] == [("a",), ("big",), ("c", "d")]
     assert [p.oversized(cfg) for p in plans] == [False, True, False]
     assert [p.oldest_wait_s for p in plans] == [1.0, 2.0, 3.0]
@@ -103,9 +112,26 @@ def test_remove_and_pending():
     b.add("b", 20, 0.0)
     assert (b.pending, b.pending_tokens) == (2, 30)
     assert b.remove("a") and not b.remove("a") and not b.remove("zzz")
-    assert b.next_batch(0.0).request_ids == ("b",)
+    assert take(b, 0.0).request_ids == ("b",)
     b.add("a", 5, 0.0)  # an id may come back once it has left the queue
-    assert b.next_batch(0.0).request_ids == ("a",)
+    assert take(b, 0.0).request_ids == ("a",)
+
+
+def test_a_busy_worker_lets_arrivals_accumulate_into_the_next_batch():
+    b = PrefillBatcher(PrefillBatchConfig(max_batched_tokens=100, max_batch_size=3))
+    b.add("a", 10, 0.0)
+    assert b.next_batch(0.0).request_ids == ("a",) and b.busy
+    for i in range(4):  # arrive while "a" runs
+        b.add(i, 10, 0.1 * (i + 1))
+    assert b.next_batch(1.0) is None and b.pending == 4
+    b.on_free(1.0)
+    plan = b.next_batch(1.0)
+    assert plan.request_ids == (0, 1, 2) and plan.oldest_wait_s == pytest.approx(0.9)
+    assert b.next_batch(1.0) is None  # busy again
+    b.on_free(2.0)
+    assert b.next_batch(2.0).request_ids == (3,)
+    with pytest.raises(RuntimeError, match="once per plan"):
+        b.on_free(3.0), b.on_free(3.0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.wire.codec import CodecError
+from easerve.errors import (CacheMiss, Cancelled, CodecError, DeadlineExceeded, InvalidRequest, NotFound, Overloaded,
+                            Unavailable)
 from easerve.rpc import errors
 from easerve.rpc.deadline import Deadline, downstream_timeout
 from easerve.rpc.server import ServerOptions, serve
@@ -37,7 +38,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     @errors.grpc_errors
     async def Open(self, request, context):
         yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[1])
-        raise errors.Overloaded("KV pool full and queue full")
+        raise Overloaded("KV pool full and queue full")
 
 
 async def _with_server(fn, *, warmup=None):
@@ -85,13 +86,13 @@ def test_health_not_serving_until_warmup_done():
 @pytest.mark.parametrize("exc, code", [
     (ValueError("an internal bug"), grpc.StatusCode.INTERNAL),  # only InvalidRequest blames the caller
     (CodecError("truncated: 3 bytes"), grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.InvalidRequest("bad image"), grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Unavailable("no prefill"), grpc.StatusCode.UNAVAILABLE),
-    (errors.DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (InvalidRequest("bad image"), grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable("no prefill"), grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
     (asyncio.TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.NotFound("no such request"), grpc.StatusCode.NOT_FOUND),
-    (errors.Cancelled("client went away"), grpc.StatusCode.CANCELLED),
+    (NotFound("no such request"), grpc.StatusCode.NOT_FOUND),
+    (Cancelled("client went away"), grpc.StatusCode.CANCELLED),
     (RuntimeError("secret detail"), grpc.StatusCode.INTERNAL),
 ])
 def test_error_mapping_over_grpc(exc, code):
@@ -125,8 +126,8 @@ def test_streaming_error_after_first_chunk_and_deadline_passed_on():
 
 def test_http_status_table():
     assert [errors.http_status(e) for e in (
-        errors.InvalidRequest("x"), errors.Overloaded(), errors.Unavailable(), errors.DeadlineExceeded(),
-        errors.NotFound(), KeyError("k"), ValueError("a bug"))] == [400, 429, 503, 504, 404, 500, 500]
+        InvalidRequest("x"), Overloaded(), Unavailable(), DeadlineExceeded(),
+        NotFound(), KeyError("k"), ValueError("a bug"))] == [400, 429, 503, 504, 404, 500, 500]
 
 
 def test_deadline_value_type():
@@ -141,7 +142,7 @@ def test_deadline_value_type():
     assert d.timeout(floor_s=0.05, clock=clock) == 0.05
     now[0] = 102.5
     assert d.expired(clock)
-    with pytest.raises(errors.DeadlineExceeded, match="500.0 ms ago"):
+    with pytest.raises(DeadlineExceeded, match="500.0 ms ago"):
         d.timeout(clock=clock)
     with pytest.raises(ValueError):
         Deadline(float("nan"))
@@ -226,10 +227,33 @@ def test_unparseable_request_bytes_are_invalid_argument_and_the_server_keeps_ser
 def test_an_error_named_where_it_came_from_keeps_its_class_and_retry_hint():
     from easerve.errors import MessageTooLarge
 
-    err = errors.Overloaded("queue full", retry_after_s=3.5).where("easerve.v1.Encode at 127.0.0.1:1")
-    assert type(err) is errors.Overloaded and err.retry_after_s == 3.5
+    err = Overloaded("queue full", retry_after_s=3.5).where("easerve.v1.Encode at 127.0.0.1:1")
+    assert type(err) is Overloaded and err.retry_after_s == 3.5
     assert str(err) == "easerve.v1.Encode at 127.0.0.1:1: queue full"
     assert type(MessageTooLarge("big").where("x")) is MessageTooLarge
+
+
+def test_an_encoder_cache_miss_is_known_by_its_reason_code_not_its_words():
+    """A CacheMiss crosses gRPC as NOT_FOUND + trailing metadata `easerve-reason`, and comes
+    back a CacheMiss however its message is worded or prefixed; a NotFound whose message
+    reads like a miss is not one."""
+    async def back_from(ch, servicer, exc):
+        servicer.raise_ = exc
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        return ei.value, errors.from_rpc_error(ei.value)
+
+    async def call(ch, servicer):
+        rpc, miss = await back_from(ch, servicer, CacheMiss("the instance was restarted; nothing here"))
+        assert dict(rpc.trailing_metadata())[errors.REASON_KEY] == "ENCODER_CACHE_MISS"
+        named = miss.where("easerve.v1.Encode at 127.0.0.1:1")   # as Peers.start_call names the instance
+        assert type(miss) is CacheMiss and type(named) is CacheMiss
+        assert str(named) == "easerve.v1.Encode at 127.0.0.1:1: the instance was restarted; nothing here"
+        _, look_alike = await back_from(ch, servicer, NotFound(
+            "encoder cache miss: item 0 (image) is not held by this encode instance; resend the item with its inputs"))
+        assert type(look_alike) is NotFound and not isinstance(look_alike, CacheMiss)
+    asyncio.run(_with_server(call))
 
 
 def test_the_drain_settles_first_taking_calls_while_not_serving_then_refuses_them():

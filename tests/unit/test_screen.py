@@ -91,3 +91,21 @@ def test_decode_capacity_is_read_at_the_requests_context():
     assert "E1-P1-D1" in names(short, True)
     assert {v.allocation.name: v.reason for v in long}["E1-P1-D1"].endswith(
         "decode: capacity 1000 tokens/s < demand 1500 tokens/s")
+
+
+def test_request_at_a_time_is_screened_at_batch_one():
+    import dataclasses
+    from hasctl.profile_format import EncodePoint
+    prof = make_profile()  # 0.1 s per image alone; below, a batch of 4 takes 0.2 s (20 items/s)
+    grid = tuple(EncodePoint(b, 1.0, 0.1 * (1 + (b - 1) / 3)) for b in (1, 2, 4))
+    prof = dataclasses.replace(prof, encode=dataclasses.replace(prof.encode, grid=grid))
+    demand = Demand(15, 1, 10, 10)
+    e1 = Allocation(1, 1, 2)
+    assert [v.kept for v in screen(prof, demand, 4) if v.allocation == e1] == [True]
+    for mode, kept in (("continuous", True), ("fixed", True), ("request_at_a_time", False)):
+        (v,) = [v for v in screen(prof, demand, 4, batch_mode=mode) if v.allocation == e1]
+        assert v.kept == kept, mode
+    (v,) = [v for v in screen(prof, demand, 4, batch_mode="request_at_a_time") if v.allocation == e1]
+    assert v.reason == "encode: capacity 10 items/s < demand 15 items/s"
+    with pytest.raises(ValueError, match="batch mode must be one of"):
+        screen(prof, demand, 4, batch_mode="greedy")

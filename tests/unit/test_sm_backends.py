@@ -10,7 +10,7 @@ import pytest
 
 from easerve.partition.backends import CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
 from easerve.partition.green_contexts import GreenContextBackend
-from easerve.policy.partitioner import Allocation, SMPartitioner, profile
+from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
 from easerve.partition.backends import BackendUnavailable
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
@@ -56,7 +56,7 @@ def fake_latency(b: int, share: float) -> float:
 def test_affinity_follows_every_batch() -> None:
     enc, pre = start_worker(), start_worker()
     backend = CpuAffinityBackend()
-    part = SMPartitioner(profile(fake_latency, [1, 2, 4, 8]))
+    part = SMPartitioner(measure_grid(fake_latency, [1, 2, 4, 8]))
     try:
         backend.bind("encode", enc.tid)
         backend.bind("prefill", pre.tid)
@@ -181,7 +181,7 @@ def test_select_backend_falls_back_with_reason(tmp_path) -> None:
 def test_partition_controller_moves_an_unbound_encode_thread() -> None:
     if not hasattr(os, "sched_setaffinity") or len(ALLOWED) < 2:
         pytest.skip("needs Linux and >= 2 allowed cores")
-    part = SMPartitioner(profile(fake_latency, [1, 8]))
+    part = SMPartitioner(measure_grid(fake_latency, [1, 8]))
     ctl = PartitionController(part, CpuAffinityBackend())
     before = os.sched_getaffinity(0)
     with ctl.encode_scope(1) as lv:
@@ -199,6 +199,27 @@ def test_levels_validated() -> None:
         SMBackend((0.5, 0.2), "unsorted")
     with pytest.raises(ValueError, match="static share"):
         StaticSplitBackend(TimeSliceBackend(), share=1.0)
+
+
+@needs_affinity
+def test_auto_falls_back_only_when_a_mechanism_is_unavailable_and_a_bad_argument_propagates() -> None:
+    """A ValueError in a backend's constructor is not a missing mechanism: under auto (and
+    under a named backend) it reaches the caller instead of turning into time-slicing."""
+    bad = (0.7, 0.3)  # not increasing: CpuAffinityBackend's constructor refuses them
+    with pytest.raises(ValueError, match=r"levels must be strictly increasing shares in \(0, 1\], got \[0.7, 0.3\]"):
+        select_backend("auto", "cpu", bad)
+    with pytest.raises(ValueError, match="levels must be strictly increasing"):
+        select_backend("cpu_affinity", "cpu", bad)
+    out: dict = {}
+
+    def on_one_core() -> None:  # the mechanism really is missing: one core, nothing to split
+        os.sched_setaffinity(0, {ALLOWED[0]})
+        out["backend"] = select_backend("auto", "cpu")
+    t = threading.Thread(target=on_one_core)
+    t.start()
+    t.join(30)
+    ts = out["backend"]
+    assert ts.name == "timeslice" and "cpu_affinity unavailable: only 1 allowed core: nothing to split" in ts.degraded
 
 
 class _FakeStream(tuple):

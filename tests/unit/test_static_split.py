@@ -14,7 +14,7 @@ from easerve.partition.backends import CpuAffinityBackend, MPSBackend, select_ba
 from easerve.policy.partitioner import Allocation
 from easerve.partition.green_contexts import sm_split
 from easerve.policy.partitioner import (
-    DEFAULT_SHARES, FixedPartitioner, PartitionerConfig, SMPartitioner, policy_levels, profile)
+    DEFAULT_SHARES, FixedPartitioner, PartitionerConfig, SMPartitioner, measure_grid, policy_levels)
 from easerve.partition.backends import BackendUnavailable, PartitionController
 from easerve.stages.encode.colocate import build_controller
 from easerve.stages.encode.metrics import EncodeMetrics
@@ -28,11 +28,11 @@ HALF = Allocation(0.5, 0.5, 0)
 def test_static_policy_asks_exactly_half_at_every_batch_size() -> None:
     assert policy_levels(STATIC) == (0.5,)
     bare = SMPartitioner(None, STATIC)
-    profiled = SMPartitioner(profile(fake_latency, [1, 2, 4, 8]), STATIC)  # 0.5 is not a profiled level
+    profiled = SMPartitioner(measure_grid(fake_latency, [1, 2, 4, 8]), STATIC)  # 0.5 is not a profiled level
     for b in range(1, 65):
         assert bare.choose(b) == HALF
         assert profiled.choose(b) == Allocation(0.5, 0.5, None)
-    with pytest.raises(ValueError, match="the dynamic policy needs a profile table"):
+    with pytest.raises(ValueError, match="the dynamic policy needs a LatencyGrid"):
         SMPartitioner(None, PartitionerConfig())
 
 
@@ -66,7 +66,7 @@ def test_static_on_the_live_cores_moves_both_workers_at_every_batch_size() -> No
             e, p = seen(enc_pool), seen(pre_pool)
             assert len(e) == len(p) == len(ALLOWED) // 2 and e.isdisjoint(p)
         assert ctl.describe()["last"] == {"encode_share": 0.5, "prefill_share": 0.5, "level_index": 0}
-        assert ctl.describe()["profile"] is None and ctl.describe()["degraded"] == ""
+        assert ctl.describe()["latency_grid"] is None and ctl.describe()["degraded"] == ""
     finally:
         enc_pool.shutdown()
         pre_pool.shutdown()

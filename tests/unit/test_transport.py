@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from easerve.wire import codec
-from easerve.rpc.errors import DeadlineExceeded
+from easerve.errors import DeadlineExceeded
 from easerve.transport.base import (CudaIpcHandle, CudaTensorRef, GrpcHandle, InlineHandle,
                                     NcclHandle, ShmHandle, handle_from_proto, handle_to_proto)
 from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport, KVStreamServicer

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from easerve.wire import codec
-from easerve.rpc.errors import NotFound
+from easerve.errors import CodecError, NotFound
 from easerve.transport.base import ShmHandle, handle_from_proto, handle_to_proto
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.types import KVPayload, SamplingParams
@@ -83,7 +83,7 @@ def test_failed_write_frees_everything():
         for slab in (0, 1 << 20):
             t = ShmTransport(ShmConfig(prefix=PREFIX, slab_bytes=slab))
             header, ts = codec.kv_to_parts(kv())
-            with pytest.raises(codec.CodecError):
+            with pytest.raises(CodecError):
                 await t.send("x", header, ts[:-1])
             assert t.pending == [] and (t._slab is None or t._slab.used_bytes == 0)
             await t.close()
@@ -169,7 +169,7 @@ def test_handle_to_a_closed_slab_is_not_found():
 
 
 def test_small_dev_shm_disables_slab_then_refuses(monkeypatch):
-    from easerve.rpc.errors import Overloaded
+    from easerve.errors import Overloaded
     from easerve.transport import shm
 
     async def main():

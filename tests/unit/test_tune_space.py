@@ -41,6 +41,21 @@ def test_disaggregated_point_sends_everything_to_remote_prefill():
     assert Deployment.from_dict(d.to_dict()) == d  # the file round-trips
 
 
+def test_the_batch_mode_is_part_of_the_point():
+    space = Space(tuple(runnable_allocations(3)), DEVS)
+    assert space.batch_modes == ("adaptive", "fixed", "request_at_a_time", "continuous")
+    d = deployment_for(space, {"alloc": "E1-P1-D1", "mode": "continuous", "B": 16}, "/m")  # flags checked by EncodeConfig
+    assert d.encode[0].flag("batch-mode") == "continuous" and d.encode[0].flag("max-batch") == 16
+    rat = deployment_for(space, {"alloc": MONOLITH, "mode": "request_at_a_time"}, "/m")
+    assert rat.monolith[0].flag("batch-mode") == "request_at_a_time" and rat.monolith[0].flag("max-batch") == 1
+    with pytest.raises(ValueError, match="not in this search space"):
+        deployment_for(Space((), DEVS, batch_modes=("adaptive",)), {"alloc": MONOLITH, "mode": "fixed", "B": 2}, "/m")
+    with pytest.raises(ValueError, match="needs 'B'"):
+        deployment_for(space, {"alloc": "E1-P1-D1", "mode": "fixed"}, "/m")
+    with pytest.raises(ValueError, match="batch_modes must be"):
+        Space((), DEVS, batch_modes=("greedy",))
+
+
 def test_monolith_point_takes_every_core():
     space = Space((), ("cpu:0", "cpu:1", "cpu:3"))
     d = deployment_for(space, {"alloc": MONOLITH, "B": 2}, "/m")
@@ -67,12 +82,15 @@ def test_space_rejects_what_cannot_run():
 def test_suggest_draws_s_only_for_colocated_allocations():
     space = Space(tuple(runnable_allocations(3)), DEVS)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
-    seen = set()
+    seen, modes = set(), set()
     for _ in range(30):
         t = study.ask()
         p = suggest(t, space)
         seen.add(p["alloc"])
-        assert p["B"] in space.batch_sizes
+        modes.add(p["mode"])
+        assert p["mode"] in space.batch_modes
+        assert ("B" in p) == (p["mode"] != "request_at_a_time")
+        assert p.get("B", 1) in space.batch_sizes
         assert ("s" in p) == p["alloc"].endswith("+coloc")
         if "s" in p:
             assert 0.0 <= p["s"] <= 1.0 and round(p["s"] / 0.05, 6) == round(p["s"] / 0.05)

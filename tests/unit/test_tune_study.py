@@ -47,14 +47,15 @@ def test_failed_start_is_recorded_with_its_reason_and_the_search_goes_on(tmp_pat
         assert t.params["alloc"] == "E1-P1-D1+coloc"
         assert t.user_attrs["error"] == f"did not start: encode-0 exited with code 1 (trial {t.number})"
     for t in done:
-        assert t.value == t.params["B"]
+        assert t.value == t.params.get("B", 1)  # request_at_a_time draws no B: it runs max-batch 1
         m = t.user_attrs["metrics"]
         assert m["p99_ttft_ms"] is None and m["by_modality"] == {"image": [1, 2]}  # JSON-safe
         assert Deployment.from_dict(t.user_attrs["deployment"]).name == f"s-t{t.number}"
     best = best_deployment(study)
     top = max(done, key=lambda t: (t.value, -t.number))
     assert best.name == f"tuned-s-t{top.number}" and (best.gateway.grpc_port, best.gateway.http_port) == (50051, 8000)
-    assert (best.encode or best.monolith)[0].flag("max-batch") == top.params["B"]
+    assert (best.encode or best.monolith)[0].flag("max-batch") == top.params.get("B", 1)
+    assert (best.encode or best.monolith)[0].flag("batch-mode") == top.params["mode"]
 
 
 def test_resume_continues_numbering_with_the_stored_seed(tmp_path):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
-from easerve.stages.common.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores
+from easerve.rpc.server import run
+from easerve.stages.common.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores, from_argv
 
 
 def default_max_len(text_config) -> int:
@@ -44,3 +46,10 @@ def dtype_of(name: str):
     """--dtype -> a torch dtype, or None for auto (the adapter's default for its device)."""
     from easerve.models.registry import torch_dtype
     return torch_dtype(name)
+
+
+def run_stage(cfg_cls, stage: str, main) -> None:
+    """A stage process's whole entry point: its config from argv, the process set up, `main(cfg)` served."""
+    cfg = from_argv(cfg_cls, stage, sys.argv[1:])
+    setup_process(cfg)
+    run(main(cfg))

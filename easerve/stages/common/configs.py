@@ -18,11 +18,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from easerve.policy.batcher import MODES as BATCH_MODES
 from easerve.rpc.tls import check_tls_flags
 
 DEFAULT_MAX_MODEL_LEN = 4096  # default per-request token limit (prompt + max_tokens) of a deployment
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BATCH_MODES = ("adaptive", "fixed", "request_at_a_time")
 KV_TRANSPORTS = ("auto", "inline", "shm", "grpc", "cuda_ipc")
 SM_BACKENDS = ("auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static")
 PARTITION_POLICIES = ("dynamic", "static", "timeslice")
@@ -190,7 +190,9 @@ class EncodeConfig(PrefillFields, StageConfig):
     colocate_prefill: bool = opt(False, "run a prefill in this process, on this device")
     remote_fraction: float = opt(1.0, "s: share of requests sent to remote prefill")
     max_batch: int = opt(8, "B: most requests per encode batch")
-    batch_mode: str = opt("adaptive", "encode batching", choices=BATCH_MODES)
+    batch_mode: str = opt("adaptive", "encode batching: adaptive (size, arrival gap, cap), fixed (size, cap), "
+                          "request_at_a_time (one at a time), continuous (a free encoder takes all pending at "
+                          "once); in every mode arrivals wait while the encoder is busy", choices=BATCH_MODES)
     safety_cap_s: float = opt(1.0, "longest a request waits for a batch")
     gap_coef: float = opt(2.0, "gap threshold = gap_coef / lambda")
     max_gap_s: float = opt(0.05, "ceiling of the gap threshold")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from easerve.rpc.errors import Overloaded
+from easerve.errors import Overloaded
 
 
 class InflightLimit:

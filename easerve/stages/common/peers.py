@@ -5,7 +5,8 @@
 `pick()` places a request by least outstanding work (`control.placement.LeastLoaded`),
 skipping instances that are down or NOT_SERVING; `start_call()` opens a streaming call
 and retries once on another instance when it fails before its first message (nothing was
-committed there yet). `relay()` turns a streaming call's failure into the domain error.
+committed there yet; never for a message over the size limit, which fits nowhere).
+`relay()` turns a streaming call's failure into the domain error.
 
 The set of instances may change while running (`easerve.stages.common.peer_sources`: DNS names
 looked up again, the launcher's peers file): the poll loop applies each new list. A new
@@ -27,7 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
-from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.rpc.errors import from_rpc_error
+from easerve.errors import MessageTooLarge, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
@@ -250,7 +252,8 @@ class Peers:
                          prefer: str | None = None) -> tuple[Peer, object, object]:
         """Open a server-streaming call on the least-loaded instance and read its first
         message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
-        once more on another instance. Returns (peer, call, first message); the caller
+        once more on another instance (not for MessageTooLarge: a message over the size
+        limit is refused everywhere). Returns (peer, call, first message); the caller
         must `finish(peer)` when done with the call."""
         tried: set[str] = set()
         while True:
@@ -265,10 +268,12 @@ class Peers:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     peer.up = False
                 tried.add(peer.addr)
-                if e.code() in _RETRYABLE and len(tried) < min(2, len(self._peers)):
+                err = from_rpc_error(e)
+                if e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge) \
+                        and len(tried) < min(2, len(self._peers)):
                     log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
                     continue
-                raise from_rpc_error(e).where(f"{self.service or 'peer'} at {peer.addr}") from None
+                raise err.where(f"{self.service or 'peer'} at {peer.addr}") from None
             except BaseException:
                 peer.outstanding -= 1
                 call.cancel()

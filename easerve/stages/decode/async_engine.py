@@ -23,15 +23,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from easerve.rpc.errors import NotFound, Unavailable
-from easerve.errors import InvalidRequest
+from easerve.errors import EngineFailed, InvalidRequest, NotFound
 from easerve.types import KVPayload
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailed(Unavailable):
-    """The decode engine's step raised: this instance cannot finish the request."""
 
 
 class _Stream:

@@ -12,7 +12,8 @@ import time
 
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import InvalidRequest, Unavailable, grpc_errors
+from easerve.rpc.errors import grpc_errors
+from easerve.errors import InvalidRequest, Unavailable
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 

@@ -23,7 +23,8 @@ from easerve.stages.common.warmup import prefill_once
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import encode_pb2_grpc, prefill_pb2_grpc
 from easerve.cache.embeddings import EmbeddingCache, model_fingerprint
-from easerve.stages.encode.colocate import build_controller, sample_items
+from easerve.stages.encode.colocate import build_controller
+from easerve.stages.encode.profiler import synthetic_item
 from easerve.stages.encode.metrics import CacheMetrics, EncodeMetrics
 from easerve.stages.encode.servicer import EncodeServicer
 
@@ -77,7 +78,7 @@ class Encoder:
         c = self.cfg
         return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partition_policy,
                                 c.partition_profile or None, c.batch_sizes, c.partition_tolerance,
-                                self.encode_pool, self.prefill_pool)
+                                self.encode_pool, self.prefill_pool, model=c.model)
 
     def _local_stage(self):
         if self.local_lm is None:
@@ -111,7 +112,7 @@ class Encoder:
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
-        await loop.run_in_executor(self.encode_pool, self.adapter.encode, sample_items(self.adapter, 1))
+        await loop.run_in_executor(self.encode_pool, self.adapter.encode, [synthetic_item(self.adapter)])
         if self.local_lm is not None:
             await loop.run_in_executor(self.prefill_pool, prefill_once, self.local_lm)
             self.local.start()

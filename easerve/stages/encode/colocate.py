@@ -1,10 +1,11 @@
 """Co-located prefill and the SM partition it runs under.
 
-At start-up the encode worker profiles its encode latency over batch sizes x share
-levels on the live backend (or loads a saved profile, so a restart reuses it), and
-the partitioner keeps, per batch size, the smallest share within tolerance of the
-exclusive latency. Each micro-batch then runs under its share; the co-located prefill
-runs concurrently, on its own thread, under the rest.
+At start-up the encode worker measures its encode latency over batch sizes x share
+levels on the live backend (`profiler.startup_profile`), or loads the encode grid of an
+`easerve.profile/v1` file (`--partition-profile`: the worker's own from an earlier start,
+or one `hasctl profile` wrote), and the partitioner keeps, per batch size, the smallest
+share within tolerance of the exclusive latency. Each micro-batch then runs under its
+share; the co-located prefill runs concurrently, on its own thread, under the rest.
 """
 from __future__ import annotations
 
@@ -13,50 +14,22 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
-from easerve.policy.partitioner import (
-    FixedPartitioner, PartitionerConfig, ProfileTable, SMPartitioner, policy_levels, profile)
 from easerve.partition.backends import PartitionController, select_backend
+from easerve.policy.partitioner import FixedPartitioner, LatencyGrid, PartitionerConfig, SMPartitioner, policy_levels
+from easerve.stages.encode.profiler import startup_profile
+from hasctl import profile_format as pf
 
 log = logging.getLogger("easerve.encode")
-
-
-def sample_items(adapter, n: int):
-    """n synthetic media items of the model's first modality, for profiling."""
-    rng = np.random.default_rng(0)
-    kind = adapter.modalities[0]
-    if kind == "audio":
-        part = {"type": "audio", "audio": (0.1 * rng.standard_normal(16000)).astype(np.float32)}
-    elif kind == "video":
-        part = {"type": "video", "video": rng.integers(0, 255, (4, 112, 112, 3), dtype=np.uint8)}
-    else:
-        from PIL import Image
-        part = {"type": "image", "image": Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))}
-    item = adapter.preprocess([{"role": "user", "content": [part, {"type": "text", "text": "x"}]}]).items[0]
-    return [item] * n
-
-
-def measure_fn(adapter, backend, repeats: int = 2):
-    def measure(batch_size: int, share: float) -> float:
-        items = sample_items(adapter, batch_size)
-        level = backend.level_for(share)
-        with backend.encode_context(level):
-            adapter.encode(items)  # warm
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                adapter.encode(items)
-        return (time.perf_counter() - t0) / repeats
-    return measure
 
 
 def build_controller(adapter, device: str, backend_pref: str, policy: str, profile_path: str | None,
                      batch_sizes: tuple[int, ...], tolerance: float,
                      encode_pool: concurrent.futures.Executor,
-                     prefill_pool: concurrent.futures.Executor) -> PartitionController:
+                     prefill_pool: concurrent.futures.Executor, *, model: str = "") -> PartitionController:
     """Pick the backend for the policy's levels, pin the two worker threads, then (dynamic
     policy on a backend that can switch) profile encode on the encode thread itself, so the
-    measured shares are the ones it will run under. A backend that cannot be had raises
+    measured shares are the ones it will run under (`model`: the checkpoint folder the
+    written profile records). A backend that cannot be had raises
     BackendUnavailable (start fails); "auto" that found none time-slices, logged as degraded."""
     config = PartitionerConfig(policy=policy, tolerance=tolerance)
     if policy == "timeslice" and backend_pref == "auto":
@@ -69,7 +42,7 @@ def build_controller(adapter, device: str, backend_pref: str, policy: str, profi
     if bind is not None:
         encode_pool.submit(bind, "encode").result()
         prefill_pool.submit(bind, "prefill").result()
-    part, note = _partitioner(adapter, backend, config, profile_path, batch_sizes, encode_pool)
+    part, note = _partitioner(adapter, (model, device), backend, config, profile_path, batch_sizes, encode_pool)
     if note:
         log.warning("%s", note)
     if part.policy == "static":
@@ -78,7 +51,8 @@ def build_controller(adapter, device: str, backend_pref: str, policy: str, profi
     return PartitionController(part, backend, note)
 
 
-def _partitioner(adapter, backend, config: PartitionerConfig, profile_path, batch_sizes, encode_pool):
+def _partitioner(adapter, where: tuple[str, str], backend, config: PartitionerConfig, profile_path, batch_sizes,
+                 encode_pool):
     """(partitioner, note): a backend fixed at launch gets a FixedPartitioner; `note` says
     when the policy asked for has nothing to choose there."""
     if not backend.dynamic:
@@ -89,18 +63,25 @@ def _partitioner(adapter, backend, config: PartitionerConfig, profile_path, batc
         return FixedPartitioner(backend.realized(0), policy, note), note
     if config.policy != "dynamic":
         return SMPartitioner(None, config), ""
-    table = encode_pool.submit(_load_or_profile, adapter, backend, profile_path, batch_sizes).result()
-    return SMPartitioner(table, config), ""
+    grid = encode_pool.submit(_load_or_measure, adapter, where, backend, profile_path, batch_sizes).result()
+    return SMPartitioner(grid, config), ""
 
 
-def _load_or_profile(adapter, backend, path: str | None, batch_sizes) -> ProfileTable:
+def _load_or_measure(adapter, where: tuple[str, str], backend, path: str | None, batch_sizes) -> LatencyGrid:
+    """The latency grid of the profile at `path` if it exists, else measured here (and written
+    to `path` as an encode-scope easerve.profile/v1 file, so a restart reuses it). `where`:
+    (model folder, torch device)."""
     if path and Path(path).is_file():
-        log.info("loading the encode partition profile from %s", path)
-        return ProfileTable.from_json(Path(path).read_text())
+        log.info("loading the encode grid of the profile %s", path)
+        enc = pf.load(path, require="encode").encode
+        if enc.backend != backend.name:
+            log.warning("the profile %s was measured on the %s backend; this worker runs %s", path,
+                        enc.backend, backend.name)
+        return LatencyGrid.from_points((p.batch_size, p.share, p.latency_s) for p in enc.grid)
     t0 = time.monotonic()
-    table = profile(measure_fn(adapter, backend), batch_sizes, backend.levels)
+    prof = startup_profile(adapter, backend, *where, batch_sizes)
     log.info("profiled encode over %d batch sizes x %d shares in %.1f s", len(batch_sizes),
              len(backend.levels), time.monotonic() - t0)
     if path:
-        Path(path).write_text(table.to_json())
-    return table
+        pf.dump(prof, path)
+    return LatencyGrid.from_points((p.batch_size, p.share, p.latency_s) for p in prof.encode.grid)

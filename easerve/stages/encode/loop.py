@@ -2,9 +2,11 @@
 
 Requests are the unit of batching: a dispatch encodes every media item of its
 requests in one `adapter.encode` call. One worker task runs batches one after
-another; the timer task asks the batcher when the next gap/cap decision is due.
-While a batch runs, arrivals queue in the batcher, so a busy encoder naturally
-gets fuller batches (never more than B).
+another and, between them, waits for the batcher's next gap/cap deadline or an
+arrival. The batcher hands out a batch only while the encoder is free (a Dispatch
+marks it busy, `on_free` after the batch ends): arrivals during a batch accumulate
+and leave together, up to B, when it finishes. Nothing waits in a queue of decided
+batches behind the running one.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class EncodeLoop:
         self.clock = clock or MonotonicClock()
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._pending: dict[str, _Pending] = {}
-        self._dispatches: asyncio.Queue[Dispatch] = asyncio.Queue()
+        self._ready: Dispatch | None = None  # handed out by `add`, for the worker to run next
         self._arrival = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -60,7 +62,7 @@ class EncodeLoop:
         return len(self._pending)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._timer()), asyncio.create_task(self._worker())]
+        self._tasks = [asyncio.create_task(self._worker())]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -76,8 +78,8 @@ class EncodeLoop:
         now = self.clock.now()
         self._pending[request_id] = _Pending(items, fut, now)
         d = self.batcher.add(request_id, now)
-        if d is not None:
-            self._dispatches.put_nowait(d)
+        if d is not None:  # the encoder was free: the batcher is now busy until the worker runs it
+            self._ready = d
         self._arrival.set()
         try:
             return await fut
@@ -85,13 +87,15 @@ class EncodeLoop:
             if self._pending.pop(request_id, None) is not None:  # cancelled while queued
                 self.batcher.remove(request_id)
 
-    async def _timer(self) -> None:
+    async def _next(self) -> Dispatch:
+        """The next batch: one `add` handed out, or the first the batcher has due."""
         while True:
+            if (d := self._ready) is not None:
+                self._ready = None
+                return d
             now = self.clock.now()
-            d = self.batcher.poll(now)
-            if d is not None:
-                self._dispatches.put_nowait(d)
-                continue
+            if (d := self.batcher.poll(now)) is not None:
+                return d
             due = self.batcher.next_deadline(now)
             self._arrival.clear()
             timeout = None if due is None else max(0.0, due - now)
@@ -102,15 +106,16 @@ class EncodeLoop:
 
     async def _worker(self) -> None:
         while True:
-            d = await self._dispatches.get()
+            d = await self._next()
             batch = {rid: self._pending.pop(rid) for rid in d.item_ids if rid in self._pending}
-            if not batch:
-                continue
             try:
-                await self._run(d, batch)
+                if batch:
+                    await self._run(d, batch)
             except Exception as e:  # noqa: BLE001 - never let one batch stop the worker
                 log.exception("encode batch failed")
                 _fail(batch, e)
+            finally:
+                self.batcher.on_free(self.clock.now())
 
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from easerve.cache.policy import CacheMiss
 from easerve.wire.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.errors import CacheMiss, InvalidRequest
+from easerve.rpc.errors import grpc_errors
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import Peers, relay
 from easerve.types import PrefillRequest
@@ -41,8 +41,8 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
             return await self.cache.encode(rid, items, self.loop.encode)
         for i, it in enumerate(items):
             if not it.pixels:
-                raise CacheMiss(f"item {i} ({it.modality}) came without inputs and this instance has no "
-                                "encoder cache (--encoder-cache-gb 0)")
+                raise CacheMiss.of_item(i, it.modality, "came without inputs and this instance has no "
+                                        "encoder cache (--encoder-cache-gb 0)")
         res = await self.loop.encode(rid, items)
         return CachedEncode(res.embeddings, res.queue_ms, res.encode_ms, 0)
 

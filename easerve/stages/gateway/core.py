@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from easerve.cache.policy import is_cache_miss
 from easerve.engine.logprobs import TokenLogprobs
-from easerve.errors import Internal, NotFound
+from easerve.errors import BadRequest, CacheMiss, Internal, Unavailable
 from easerve.media import MediaRef, MediaResolver, config_for
 from easerve.media.resolve import KINDS
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import Unavailable, from_rpc_error
+from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.server import ServerOptions
 from easerve.stages.common.cli import default_max_len
 from easerve.stages.common.configs import GatewayConfig
@@ -44,7 +43,6 @@ from easerve.types import ProcessedPrompt, SamplingParams
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from easerve.cache.gateway import MediaCache, MediaPlan
-from easerve.stages.gateway.openai_api import BadRequest
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
@@ -190,8 +188,8 @@ class GatewayCore:
         """Open the encode call on the instance the media plan chose (in a monolith: the one
         holding the reservation). Items it said it holds go without their pixels (all items,
         when preprocessing was skipped); if it no longer holds one when the request comes
-        (NOT_FOUND "encoder cache miss"), the request is preprocessed in full if it was not,
-        and resent with every item's pixels."""
+        (a CacheMiss: NOT_FOUND with its reason code), the request is preprocessed in full if
+        it was not, and resent with every item's pixels."""
         plan = job.media_plan
         target = decode_addr if decode_addr in self._enc.addrs else (plan.target if plan else None)
         held = self.cache.held_items(plan, prompt, target) if plan else [False] * len(prompt.items)
@@ -199,9 +197,7 @@ class GatewayCore:
             req = await self._encode_request(prompt, fields, held)
             try:
                 return await self._started(plan, req, deadline, target)
-            except NotFound as e:
-                if not is_cache_miss(e):
-                    raise
+            except CacheMiss as e:  # its reason code, not its words (the peer's name is in front)
                 log.info("request %s: late encoder cache miss at %s (%s); resending with pixels",
                          job.request_id, target, e)
                 self.cache.missed(plan, target)

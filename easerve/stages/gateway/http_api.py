@@ -3,7 +3,8 @@
 POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
 [DONE]), GET /v1/models, GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
 503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
-deadline; the server keeps serving.
+deadline, 502 when the pipeline's stream ends without a finish reason (an error event when
+the SSE headers are out); the server keeps serving.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from easerve.errors import BadRequest, BadUpstream
 from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
-from easerve.stages.gateway.core import GatewayCore, Job
+from easerve.stages.gateway.core import Delta, GatewayCore, Job
 
 log = logging.getLogger("easerve.gateway")
 
@@ -34,6 +37,20 @@ def _message(e: BaseException) -> str:
         log.error("unhandled error answering a request", exc_info=e)
         return f"internal error ({type(e).__name__}); the gateway's log has the traceback"
     return str(e) or type(e).__name__
+
+
+async def _finished(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """`deltas` up to the one with a finish reason; a stream that ends before it raises
+    BadUpstream (502), so a cut-short answer never reads as a complete one."""
+    try:
+        async for d in deltas:
+            yield d
+            if d.finish_reason is not None:
+                return
+        log.error("the pipeline ended a request's stream without a finish reason")
+        raise BadUpstream("the pipeline ended the stream without a finish reason; the answer is cut short")
+    finally:
+        await deltas.aclose()  # client gone or done: cancels every stage's work
 
 
 class HttpApi:
@@ -75,15 +92,15 @@ class HttpApi:
         try:
             raw = await req.read()
         except web.HTTPRequestEntityTooLarge:
-            raise oa.BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
+            raise BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
         try:
             return json.loads(raw)
         except RecursionError:
-            raise oa.BadRequest("request body is nested too deeply") from None
+            raise BadRequest("request body is nested too deeply") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
-            raise oa.BadRequest(f"request body is not valid JSON: {e}") from None
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
 
-    def _bad(self, e: oa.BadRequest) -> web.Response:
+    def _bad(self, e: BadRequest) -> web.Response:
         self.core.m.requests.inc(api="http", code="400")
         return _error(400, str(e))
 
@@ -93,7 +110,7 @@ class HttpApi:
             a = self.core.adapter
             chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
                                          self.core.cfg.default_max_tokens)
-        except oa.BadRequest as e:
+        except BadRequest as e:
             return self._bad(e)
         job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
         return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
@@ -108,7 +125,7 @@ class HttpApi:
             else:
                 self._check_ids(comp.prompt)
                 job.prompt_ids = comp.prompt
-        except oa.BadRequest as e:
+        except BadRequest as e:
             return self._bad(e)
         return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
 
@@ -120,7 +137,7 @@ class HttpApi:
         media = {tid: mod for mod, tid in getattr(self.core.adapter, "placeholder_ids", {}).items()}
         hit = next((t for t in ids if t in media), None)
         if hit is not None:
-            raise oa.BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
+            raise BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
                                 "take no media, send the media through /v1/chat/completions")
 
     async def _answer(self, req: web.Request, job: Job, shape, stream: bool, usage: bool) -> web.StreamResponse:
@@ -132,7 +149,7 @@ class HttpApi:
         text, last = [], None
         lps = []
         try:
-            async for d in self.core.generate(job):
+            async for d in _finished(self.core.generate(job)):
                 text.append(d.text)
                 lps += zip(d.token_ids, d.logprobs)
                 last = d
@@ -148,7 +165,7 @@ class HttpApi:
         return _error(err.http, _message(e), err.retry_after_s)
 
     async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
-        gen = self.core.generate(job)
+        gen = _finished(self.core.generate(job))
         created = int(time.time())
         try:  # fail before the 200 header when the request is bad or the pipeline refuses it
             first = await gen.__anext__()
@@ -170,7 +187,7 @@ class HttpApi:
                 usage = oa.usage_json(d.prompt_tokens, d.completion_tokens)
                 await self._sse(resp, {**shape.chunk(created, "", None, []), "choices": [], "usage": usage})
             self.core.m.requests.inc(api="http", code="200")
-        except (ConnectionResetError, StopAsyncIteration):
+        except ConnectionResetError:
             pass
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             await self._sse(resp, oa.error_json(_message(e), "server_error", domain_error(e).http))

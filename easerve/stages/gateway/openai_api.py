@@ -16,10 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from easerve import media
-from easerve.errors import InvalidRequest
+from easerve.errors import BadRequest, InvalidRequest
 from easerve.types import SamplingParams
 from easerve.stages.gateway import openai_schema as osc
-from easerve.stages.gateway.openai_schema import BadRequest
 
 
 @dataclass

@@ -11,13 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from easerve.rpc.errors import InvalidRequest
+from easerve.errors import BadRequest
 
 U32 = (1 << 32) - 1
-
-
-class BadRequest(InvalidRequest):
-    """Client error: HTTP 400 / INVALID_ARGUMENT, message says what to change."""
 
 
 # ---- lone surrogates / invalid unicode -----------------------------------------------------

@@ -8,7 +8,8 @@ import numpy as np
 
 from easerve import media
 from easerve.rpc.deadline import remaining_from_context
-from easerve.rpc.errors import InvalidRequest, grpc_errors
+from easerve.rpc.errors import grpc_errors
+from easerve.errors import InvalidRequest
 from easerve.wire.protoconv import FINISH_TO_PROTO, sampling_from_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.core import GatewayCore, Job

@@ -8,9 +8,10 @@
     await loop.stop()
 
 - Batching: requests queue in a `PrefillBatcher` (FCFS under the token budget, see
-  `easerve.policy.prefill_plan`). One worker task takes the next batch as soon as the
-  previous one has finished, with no waiting for more arrivals: requests that arrive while
-  a batch runs form the next batch.
+  `easerve.policy.prefill_plan`), told when its worker is free (`on_free` after each
+  batch). One worker task takes the next batch as soon as the previous one has finished,
+  with no waiting for more arrivals: requests that arrive while a batch runs form the next
+  batch.
 - Compute: a batch runs in `executor` (default: one thread of its own) as ONE
   `adapter.prefill(batch)` forward, then `easerve.engine.sampler.sample` draws each
   request's first token (its own SamplingParams, step 0); both run under `scope()` when
@@ -151,6 +152,7 @@ class PrefillLoop:
                 await self._run(self._running)
             finally:
                 self._running = []
+                self.batcher.on_free(self.clock.now())
 
     async def _run(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()

@@ -20,7 +20,8 @@ from easerve.engine.stops import StopRules
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import InvalidRequest, from_rpc_error
+from easerve.rpc.errors import from_rpc_error
+from easerve.errors import InvalidRequest
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import Peers, peers_of
 from easerve.stages.prefill.loop import PrefillLoop

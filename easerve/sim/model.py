@@ -1,0 +1,113 @@
+"""Service times from a profile (`hasctl.profile_format.Profile`, duck-typed: this package
+imports nothing of hasctl).
+
+- gateway: `profile.gateway_latency(modality, media)` per request (0 in a revision-1 profile);
+- encode: `profile.encode_latency(batch, share, modality, media)`;
+- prefill of a batch: `profile.prefill_latency(mean prompt length, batch size)`;
+- decode step: `profile.decode_step_s(batch, mean context)`;
+- transfers: `latency_s + bytes / GB/s` of the link kind between the two devices (0 when the
+  profile has no `transfer` section); links are not modelled as contended;
+- interference: a stage's latency times `profile.slowdown(stage, by)` while a stage of kind
+  `by` runs on a device that shares compute with it (1.0 when not profiled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from easerve.stages.common.configs import cpu_cores
+
+DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists no by_size point for it
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`devices_per_host`: GPUs per node (cuda:N lives on node N // devices_per_host); CPU
+    devices are all on node 0."""
+    devices_per_host: int = 8
+
+    def __post_init__(self) -> None:
+        if self.devices_per_host < 1:
+            raise ValueError(f"devices_per_host must be >= 1, got {self.devices_per_host}")
+
+
+class ServiceModel:
+    def __init__(self, profile: Any, config: ModelConfig | None = None) -> None:
+        self.profile = profile
+        self.config = config or ModelConfig()
+        self._cache: dict[tuple, float] = {}
+        enc = profile.encode
+        self._tokens = {(p.modality, p.media): p.tokens_per_item for p in (enc.by_size if enc else ())}
+
+    # ---- per stage --------------------------------------------------------------------------
+    def gateway_s(self, modality: str, media: str) -> float:
+        return self._memo(("g", modality, media), lambda: self.profile.gateway_latency(modality, media or None))
+
+    def encode_s(self, batch: int, share: float, modality: str, media: str) -> float:
+        def f() -> float:
+            try:
+                return self.profile.encode_latency(batch, share, modality, media)
+            except ValueError:  # no by_size point for this media: the reference grid as it is
+                return self.profile.encode_latency(batch, share)
+        return self._memo(("e", batch, share, modality, media), f)
+
+    def media_tokens(self, modality: str, media: str) -> int:
+        if modality == "text":
+            return 0
+        exact = self._tokens.get((modality, media))
+        if exact is not None:
+            return exact
+        same = [n for (m, _), n in self._tokens.items() if m == modality]
+        return max(same) if same else DEFAULT_MEDIA_TOKENS
+
+    def prefill_s(self, total_tokens: int, batch: int) -> float:
+        mean = max(1, round(total_tokens / batch))
+        return self._memo(("p", mean, batch), lambda: self.profile.prefill_latency(mean, batch))
+
+    def decode_step_s(self, batch: int, context: int) -> float:
+        ctx = 1 << max(0, int(context).bit_length() - 1)  # memo by power of two; nearest point is taken anyway
+        return self._memo(("d", batch, ctx), lambda: self.profile.decode_step_s(batch, context))
+
+    def slowdown(self, stage: str, by: str) -> float:
+        return self.profile.slowdown(stage, by)
+
+    # ---- transfers ----------------------------------------------------------------------------
+    def link_kind(self, a: str, b: str) -> str:
+        if a == b:
+            return "same_device"
+        return "same_host" if self.host(a) == self.host(b) else "other_host"
+
+    def host(self, device: str) -> int:
+        if device.startswith("cuda:"):
+            return int(device[5:]) // self.config.devices_per_host
+        return 0
+
+    def transfer_s(self, nbytes: int, kind: str) -> float:
+        link = self.profile.link(kind) if self.profile.transfer is not None else None
+        return 0.0 if link is None else link.latency_s + nbytes / (link.gb_per_s * 1e9)
+
+    def embed_bytes(self, tokens: int) -> int:
+        t = self.profile.transfer
+        return 0 if t is None else tokens * t.embed_bytes_per_token
+
+    def kv_bytes(self, tokens: int) -> int:
+        t = self.profile.transfer
+        return 0 if t is None else tokens * t.kv_bytes_per_token
+
+    def kv_bytes_per_token(self) -> int | None:
+        t = self.profile.transfer
+        return None if t is None else t.kv_bytes_per_token
+
+    def _memo(self, key: tuple, f) -> float:
+        v = self._cache.get(key)
+        if v is None:
+            v = self._cache[key] = float(f())
+        return v
+
+
+def shares_compute(a: str, b: str) -> bool:
+    """Two devices share compute: the same GPU, or overlapping CPU cores (plain `cpu` is all)."""
+    if a.startswith("cuda") or b.startswith("cuda"):
+        return a == b or {a, b} <= {"cuda", "cuda:0"}
+    ca, cb = cpu_cores(a), cpu_cores(b)
+    return ca is None or cb is None or bool(set(ca) & set(cb))

@@ -1,0 +1,162 @@
+"""Build the instances of a `Topology`, replay `SimRequest`s through them, collect what a
+client would have seen (per-request records in the fields of `hasctl bench`'s records) and
+each encode instance's utilization trace (the encode service's `/trace` format)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from easerve.sim.events import EventQueue
+from easerve.sim.model import ModelConfig, ServiceModel, shares_compute
+from easerve.sim.stages import DecodeInstance, EncodeInstance, Gateway, PrefillWorker
+from easerve.sim.topology import Topology
+from easerve.sim.workload import SimRequest
+
+GATEWAY_DEVICE = "cpu"
+
+
+class Req:
+    """One request's state while it is simulated."""
+    __slots__ = (
+        "at_gateway",
+        "decode",
+        "done",
+        "end",
+        "error",
+        "error_kind",
+        "media_tokens",
+        "prompt_tokens",
+        "spec",
+        "stage",
+        "tokens",
+    )
+
+    def __init__(self, spec: SimRequest, media_tokens: int) -> None:
+        self.spec = spec
+        self.media_tokens = media_tokens
+        self.prompt_tokens = spec.text_tokens + media_tokens
+        self.tokens: list[float] = []
+        self.end: float | None = None
+        self.error: str | None = None
+        self.error_kind: str | None = None
+        self.done = False
+        self.stage = None        # the instance holding it now (cancel(req) drops it there)
+        self.decode = None       # the decode instance holding its reservation
+        self.at_gateway = False
+
+    def record(self) -> dict:
+        """The fields of hasctl.bench_metrics.RequestRecord.to_dict()."""
+        s = self.spec
+        ok = self.error is None
+        return {"index": s.index, "modality": s.modality, "scheduled_s": s.arrival_s, "sent_s": s.arrival_s,
+                "chunk_s": list(self.tokens) if ok else [], "end_s": self.end,
+                "output_tokens": len(self.tokens) if ok else None, "prompt_tokens": self.prompt_tokens,
+                "error": self.error, "error_kind": self.error_kind}
+
+
+@dataclass
+class SimResult:
+    records: list[dict]
+    traces: dict[str, dict]              # encode instance -> {"now", "buckets", "spans"} as GET /trace
+    sim_seconds: float
+    wall_seconds: float
+    events: int
+    dispatches: dict[str, list] = field(default_factory=dict)   # encode instance -> its batcher's Dispatches
+    routes: dict[str, list[str]] = field(default_factory=dict)  # encode instance -> routes in order
+    admissions: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # decode -> admitted per step
+    busy_s: dict[str, float] = field(default_factory=dict)      # worker -> seconds busy
+
+    @property
+    def speed(self) -> float:
+        """Simulated seconds per wall second."""
+        return self.sim_seconds / max(self.wall_seconds, 1e-9)
+
+
+class Sim:
+    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None) -> None:
+        self.topology = topology
+        self.model = ServiceModel(profile, model_config or ModelConfig())
+        self.events = EventQueue()
+        self.gateway_device = GATEWAY_DEVICE
+        self.gateway = Gateway(self, topology.gateway)
+        self.encode = [EncodeInstance(self, c, f"encode-{i}") for i, c in enumerate(topology.encode)]
+        self.monolith = [EncodeInstance(self, c, f"monolith-{i}") for i, c in enumerate(topology.monolith)]
+        self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}") for i, c in enumerate(topology.prefill)]
+        self.decode = [DecodeInstance(self, c, f"decode-{i}") for i, c in enumerate(topology.decode)]
+        self.mono_decode = [DecodeInstance(self, c, f"monolith-{i}/decode") for i, c in enumerate(topology.monolith)]
+        self.encoders = self.encode + self.monolith
+        self.text_prefills = self.remote_prefills + [m.local for m in self.monolith]
+        self.decoders = self.decode + self.mono_decode
+        computes = ([e.compute for e in self.encoders] + [e.local.compute for e in self.encoders if e.local]
+                    + [p.compute for p in self.remote_prefills] + [d.compute for d in self.decoders])
+        for c in computes:
+            c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device)]
+        self._computes = computes
+        self.outcomes: list[Req] = []
+
+    # ---- request ends ----------------------------------------------------------------------------
+    def complete(self, req: Req) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.end = self.events.now()
+        self._release(req)
+
+    def fail(self, req: Req, kind: str, message: str) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.end = self.events.now()
+        req.error, req.error_kind = message, kind
+        if req.stage is not None:
+            req.stage.cancel(req)
+            req.stage = None
+        self._release(req)
+
+    def expire(self, req: Req) -> None:
+        self.fail(req, "timeout", "request timed out (the gateway's --request-timeout-s)")
+
+    def _release(self, req: Req) -> None:
+        if req.decode is not None:
+            req.decode.drop(req)
+        self.gateway.finished(req)
+        self.outcomes.append(req)
+
+    # ---- running -----------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        if not self.encoders and any(r.has_media for r in requests):
+            raise ValueError("the workload has media but the topology has no encode instance (or monolith)")
+        wall0 = time.perf_counter()
+        reqs = [Req(r, self.model.media_tokens(r.modality, r.media)) for r in requests]
+        for r in reqs:
+            self.events.at(r.spec.arrival_s, self.gateway.arrive, r)
+        self.events.run()
+        end = max((r.end for r in reqs if r.end is not None), default=0.0)  # not the last (stale) timeout
+        wall = time.perf_counter() - wall0
+        for r in reqs:  # nothing may stay open once the queue is empty
+            if not r.done:
+                raise RuntimeError(f"request {r.spec.index} neither completed nor failed; a simulator bug")
+        names = [e.name for e in self.encoders]
+        return SimResult(
+            records=[r.record() for r in reqs], traces={e.name: trace_of(e.trace, end) for e in self.encoders},
+            sim_seconds=end, wall_seconds=wall, events=self.events.processed,
+            dispatches={n: e.batching.dispatches for n, e in zip(names, self.encoders)},
+            routes={n: e.routes for n, e in zip(names, self.encoders)},
+            admissions={d.name: d.admissions for d in self.decoders},
+            busy_s={f"{c.kind}@{c.device}#{i}": c.busy_s for i, c in enumerate(self._computes)})
+
+
+def trace_of(trace, now: float, window: float | None = None) -> dict:
+    """An encode instance's trace as its service's GET /trace answers (window: the whole run)."""
+    window = max(now, 1e-3) if window is None else window
+    spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
+             for b in trace.spans(now - window)[-500:]]
+    return {"now": now, "buckets": trace.buckets(now - window, now, max(window / 120, 0.05)), "spans": spans}
+
+
+def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
+             model_config: ModelConfig | None = None) -> SimResult:
+    """Run `requests` through `topology` with service times from `profile`."""
+    return Sim(topology, profile, model_config).run(requests)

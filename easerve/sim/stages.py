@@ -1,0 +1,385 @@
+"""The simulated instances: gateway, encode (+ co-located prefill), prefill, decode.
+
+Each one drives the live policy objects (see topology.py) on the simulated clock and takes its
+service times from a `ServiceModel`. Per request the path is the services': gateway
+preprocessing (a pool of `--preprocess-threads`) -> a decode reservation (the engine
+`Scheduler.reserve`, least-loaded instance) -> encode (batcher, then the deficit router per
+request) -> local prefill on the encode's device or remote prefill over a link -> KV to the
+reserving decode instance -> one token per decode step until max_tokens. Rejections follow
+the services: a full gateway / encode / prefill (`--max-inflight`) or decode queue answers 429.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from easerve.policy.placement import Candidate, LeastLoaded
+from easerve.policy.prefill_plan import PrefillBatcher, PrefillBatchPlan
+from easerve.stages.encode.trace import UtilizationTrace
+from easerve.errors import Overloaded, RequestTooLarge
+from easerve.sim.encode import EncodeBatching
+from easerve.sim.topology import (
+    batcher_config,
+    partitioner,
+    prefill_batch_config,
+    router,
+    scheduler,
+)
+
+if TYPE_CHECKING:
+    from easerve.sim.run import Req, Sim
+
+
+class Compute:
+    """One worker's compute on a device; `factor()` is the interference slowdown it suffers
+    from the busy workers that share its device or cores."""
+
+    def __init__(self, sim: Sim, kind: str, device: str) -> None:
+        self.sim, self.kind, self.device = sim, kind, device
+        self.busy_kind: str | None = None
+        self.neighbours: list[Compute] = []
+        self.busy_s = 0.0
+
+    def factor(self, skip: Compute | None = None) -> float:
+        f = 1.0
+        for n in self.neighbours:
+            if n.busy_kind is not None and n is not skip:
+                f = max(f, self.sim.model.slowdown(self.kind, n.busy_kind))
+        return f
+
+
+def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
+    """The instance of least outstanding work (the live `Peers` placement)."""
+    cands = [Candidate(str(i), True, inst.outstanding, 0, inst.capacity) for i, inst in enumerate(instances)]
+    key = policy.choose(cands, exclude)
+    return None if key is None else instances[int(key)]
+
+
+class Gateway:
+    def __init__(self, sim: Sim, cfg) -> None:
+        self.sim, self.cfg = sim, cfg
+        self.free = cfg.preprocess_threads
+        self.queue: deque[Req] = deque()
+        self.inflight = 0
+        self.places = {role: LeastLoaded() for role in ("encode", "prefill", "decode")}
+
+    def arrive(self, req: Req) -> None:
+        if self.inflight >= self.cfg.max_inflight:
+            self.sim.fail(req, "http_429", "gateway: too many requests in flight")
+            return
+        self.inflight += 1
+        req.at_gateway = True
+        self.sim.events.after(self.cfg.request_timeout_s, self.sim.expire, req)
+        self.queue.append(req)
+        self._start()
+
+    def _start(self) -> None:
+        while self.free and self.queue:
+            req = self.queue.popleft()
+            if req.done:
+                continue
+            self.free -= 1
+            self.sim.events.after(self.sim.model.gateway_s(req.spec.modality, req.spec.media), self._preprocessed, req)
+
+    def _preprocessed(self, req: Req) -> None:
+        self.free += 1
+        self._start()
+        if req.done:
+            return
+        sim = self.sim
+        dec = pick(self.places["decode"], sim.decoders)
+        try:
+            dec.reserve(req)
+        except Overloaded as e:
+            sim.fail(req, "http_429", str(e))
+            return
+        except RequestTooLarge as e:
+            sim.fail(req, "http_400", str(e))
+            return
+        if req.spec.has_media:
+            pick(self.places["encode"], sim.encoders).submit(req)
+        else:
+            pick(self.places["prefill"], sim.text_prefills).submit(req, sim.gateway_device)
+
+    def finished(self, req: Req) -> None:
+        if req.at_gateway:
+            req.at_gateway = False
+            self.inflight -= 1
+
+
+class PrefillWorker:
+    """A remote prefill instance, or the prefill co-located in an encode process (`host`)."""
+
+    def __init__(self, sim: Sim, cfg, device: str, name: str, host: EncodeInstance | None = None) -> None:
+        self.sim, self.cfg, self.name, self.host = sim, cfg, name, host
+        self.planner = PrefillBatcher(prefill_batch_config(cfg))
+        self.compute = Compute(sim, "prefill", device)
+        self.capacity = cfg.max_inflight
+        self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
+        self.reqs: dict[int, Req] = {}   # queued or running
+        self.busy = False
+
+    @property
+    def device(self) -> str:
+        return self.compute.device
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.members)
+
+    def submit(self, req: Req, from_device: str) -> None:
+        """The request's embeddings leave `from_device` now; queue it when they arrive."""
+        if self.outstanding >= self.capacity:
+            self.sim.fail(req, "http_429", f"{self.name}: too many requests in flight")
+            return
+        self.members.add(req.spec.index)
+        req.stage = self
+        model = self.sim.model
+        delay = model.transfer_s(model.embed_bytes(req.media_tokens), model.link_kind(from_device, self.device))
+        self.sim.events.after(delay, self._arrived, req)
+
+    def _arrived(self, req: Req) -> None:
+        if req.done:
+            return
+        self.reqs[req.spec.index] = req
+        self.planner.add(req.spec.index, req.prompt_tokens, self.sim.events.now())
+        self._kick()
+
+    def cancel(self, req: Req) -> None:
+        self.members.discard(req.spec.index)
+        if self.reqs.pop(req.spec.index, None) is not None:
+            self.planner.remove(req.spec.index)
+
+    def _kick(self) -> None:
+        if self.busy:
+            return
+        now = self.sim.events.now()
+        plan = self.planner.next_batch(now)
+        if plan is None:
+            return
+        base = self.sim.model.prefill_s(plan.total_tokens, plan.size)
+        self.busy = True
+        self.compute.busy_kind = "prefill"
+        t = base * self._factor()
+        self.compute.busy_s += t
+        self.sim.events.after(t, self._done, plan, now)
+
+    def _factor(self) -> float:
+        h = self.host
+        if h is None or h.alloc is None or h.alloc.encode_share == 1.0 and h.alloc.prefill_share == 1.0:
+            return self.compute.factor()  # time-sliced with whatever shares the device
+        other = self.compute.factor(skip=h.compute)
+        if not h.busy:
+            return other
+        if h.alloc.prefill_share > 0:
+            return max(other, 1.0 / h.alloc.prefill_share)
+        return max(other, self.sim.model.slowdown("prefill", "encode"))
+
+    def _done(self, plan: PrefillBatchPlan, t0: float) -> None:
+        now = self.sim.events.now()
+        self.busy = False
+        self.planner.on_free(now)  # the live planner is work-conserving: it plans again once told
+        self.compute.busy_kind = None
+        if self.host is not None:
+            a = self.host.alloc
+            self.host.trace.record("prefill", t0, now, a.prefill_share if a is not None and a.prefill_share > 0 else 1.0,
+                                   plan.size)
+        model = self.sim.model
+        for rid in plan.request_ids:
+            req = self.reqs.pop(rid, None)
+            self.members.discard(rid)
+            if req is None or req.done:
+                continue
+            req.stage = None
+            req.tokens.append(now)  # the first token leaves prefill for the gateway at once
+            if req.spec.max_tokens == 1:
+                self.sim.complete(req)
+                continue
+            dec = req.decode
+            delay = model.transfer_s(model.kv_bytes(req.prompt_tokens), model.link_kind(self.device, dec.device))
+            req.stage = dec
+            self.sim.events.after(delay, dec.add, req)
+        self._kick()
+
+
+class EncodeInstance:
+    def __init__(self, sim: Sim, cfg, name: str) -> None:
+        self.sim, self.cfg, self.name = sim, cfg, name
+        self.batching = EncodeBatching(batcher_config(cfg))
+        self.router = router(cfg)
+        self.partitioner = partitioner(cfg, sim.model.profile)
+        self.compute = Compute(sim, "encode", cfg.device)
+        self.local = PrefillWorker(sim, cfg, cfg.device, f"{name}/prefill", host=self) if cfg.colocate_prefill else None
+        self.capacity = cfg.max_inflight
+        self.members: set[int] = set()   # requests it holds: queued or encoding
+        self.reqs: dict[int, Req] = {}   # queued in the batcher
+        self.busy = False
+        self.alloc = None          # the partition of the batch running now
+        self.trace = UtilizationTrace()
+        self.routes: list[str] = []
+        self._timer: float | None = None
+        self._remote = LeastLoaded()
+
+    def submit(self, req: Req) -> None:
+        if self.outstanding >= self.capacity:
+            self.sim.fail(req, "http_429", f"{self.name}: too many requests in flight")
+            return
+        self.members.add(req.spec.index)
+        req.stage = self
+        self.reqs[req.spec.index] = req
+        now = self.sim.events.now()
+        self.batching.arrive(req.spec.index, now)
+        self._kick()
+        self._arm(now)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.members)
+
+    def cancel(self, req: Req) -> None:
+        self.members.discard(req.spec.index)
+        if self.reqs.pop(req.spec.index, None) is not None:
+            self.batching.remove(req.spec.index)
+
+    def _arm(self, now: float) -> None:
+        due = self.batching.next_deadline(now)
+        if due is not None and (self._timer is None or due < self._timer):
+            self._timer = max(due, now)
+            self.sim.events.at(self._timer, self._on_timer)
+
+    def _on_timer(self) -> None:
+        now = self.sim.events.now()
+        if self._timer is not None and self._timer <= now:
+            self._timer = None
+        self.batching.poll(now)
+        self._kick()
+        self._arm(now)
+
+    def _kick(self) -> None:
+        if self.busy:
+            return
+        while True:
+            d = self.batching.next_for_worker()
+            if d is None:
+                return
+            reqs = [r for r in (self.reqs.pop(i, None) for i in d.item_ids) if r is not None]
+            if reqs:
+                break
+            self.batching.worker_free(self.sim.events.now())  # every item was cancelled: free at once
+        now = self.sim.events.now()
+        self.alloc = self.partitioner.choose(len(reqs)) if self.partitioner is not None else None
+        share = self.alloc.encode_share if self.alloc is not None else 1.0
+        groups: dict[tuple[str, str], int] = {}
+        for r in reqs:
+            groups[(r.spec.modality, r.spec.media)] = groups.get((r.spec.modality, r.spec.media), 0) + 1
+        base = sum(self.sim.model.encode_s(n, share, m, media) for (m, media), n in groups.items())
+        partitioned = self.alloc is not None and not (self.alloc.encode_share == 1.0 and self.alloc.prefill_share == 1.0)
+        t = base * self.compute.factor(skip=self.local.compute if partitioned else None)
+        self.busy = True
+        self.compute.busy_kind = "encode"
+        self.compute.busy_s += t
+        self.sim.events.after(t, self._done, reqs, now, share)
+
+    def _done(self, reqs: list[Req], t0: float, share: float) -> None:
+        now = self.sim.events.now()
+        self.busy = False
+        self.compute.busy_kind = None
+        self.trace.record("encode", t0, now, share, len(reqs))
+        self.batching.worker_free(now)
+        for req in reqs:
+            self.members.discard(req.spec.index)
+            if req.done:
+                continue
+            req.stage = None
+            route = self.router.route()
+            self.routes.append(route)
+            if route == "local":
+                self.local.submit(req, self.cfg.device)
+            else:
+                target = pick(self._remote, self.sim.remote_prefills)
+                if target is None:
+                    self.sim.fail(req, "http_503", f"{self.name}: no remote prefill instance")
+                else:
+                    target.submit(req, self.cfg.device)
+        self._kick()
+        self._arm(now)
+
+
+class DecodeInstance:
+    def __init__(self, sim: Sim, cfg, name: str) -> None:
+        self.sim, self.cfg, self.name = sim, cfg, name
+        self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb)
+        self.compute = Compute(sim, "decode", cfg.device)
+        self.capacity = 0
+        self.held: dict[int, Req] = {}
+        self.stepping = False
+        self.admissions: list[tuple[str, ...]] = []
+        self.steps = 0
+
+    @property
+    def device(self) -> str:
+        return self.compute.device
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.held)
+
+    def reserve(self, req: Req) -> None:
+        self.sched.reserve(str(req.spec.index), req.prompt_tokens, req.spec.max_tokens, self.sim.events.now(),
+                           self.sim.gateway.cfg.request_timeout_s)
+        self.held[req.spec.index] = req
+        req.decode = self
+
+    def drop(self, req: Req) -> None:
+        if self.held.pop(req.spec.index, None) is not None:
+            self.sched.abort(str(req.spec.index))
+
+    def cancel(self, req: Req) -> None:
+        self.drop(req)
+
+    def add(self, req: Req) -> None:
+        if req.done:
+            return
+        try:
+            self.sched.add(str(req.spec.index), req.prompt_tokens, req.spec.max_tokens)
+        except Overloaded as e:  # the reservation lapsed and the queue is full
+            self.held.pop(req.spec.index, None)
+            self.sim.fail(req, "http_429", str(e))
+            return
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.stepping or not self.sched.has_work:
+            return
+        plan = self.sched.schedule()
+        if plan.admitted:
+            self.admissions.append(plan.admitted)
+        n = plan.batch_size
+        if n == 0:
+            return
+        ctx = sum(self.held[int(r)].prompt_tokens + len(self.held[int(r)].tokens) for r in plan.request_ids) // n
+        t = self.sim.model.decode_step_s(n, ctx) * self.compute.factor()
+        self.stepping = True
+        self.compute.busy_kind = "decode"
+        self.compute.busy_s += t
+        self.steps += 1
+        self.sim.events.after(t, self._stepped, plan.request_ids)
+
+    def _stepped(self, rids: tuple[str, ...]) -> None:
+        now = self.sim.events.now()
+        self.stepping = False
+        self.compute.busy_kind = None
+        finished = []
+        for rid in rids:
+            req = self.held.get(int(rid))
+            if req is None:
+                continue
+            req.tokens.append(now)
+            if len(req.tokens) >= req.spec.max_tokens:
+                finished.append(rid)
+                del self.held[req.spec.index]
+                req.stage = None
+                self.sim.complete(req)
+        self.sched.update_from_output(finished)
+        self._kick()

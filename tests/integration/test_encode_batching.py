@@ -1,0 +1,94 @@
+"""Encode batches follow the encoder on a live stack: requests that arrive faster than one
+encode call, but further apart than the gap threshold, leave in batches of more than one
+once the encoder is busy (a push-based batcher sends each alone and queues it behind the
+running batch). Checked on the remote path, on the co-located path (encode + local prefill
+time-slicing the same cores) and across two encode instances at once: one stack holds an
+encode instance of each kind. Batch sizes come from each instance's Prometheus metrics.
+
+The bench-scale Qwen2.5-VL tower makes one 448x336 image cost about a second on one core,
+against arrivals ~60 ms apart (each instance sees about every other one), and the gap
+threshold is capped at 10 ms: by the gap rule alone requests would leave one by one (the
+gateway delivers some in clumps, which share a batch either way; hence the mean >= 2.5)."""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from easerve import Client
+from easerve.models.tiny import cached_tiny
+from hasctl.deployment import Deployment, Worker
+from hasctl.launch import Stack, free_port
+from tests.integration.conftest import png_bytes
+
+pytestmark = pytest.mark.slow
+ONE = {"threads": 1}
+N, SPACING_S = 24, 0.06
+
+
+def _metrics() -> dict:
+    return {"metrics-listen": f"127.0.0.1:{free_port()}"}
+
+
+@pytest.fixture(scope="module")
+def two_encoders(tiny_root):
+    model = str(cached_tiny("qwen2.5-vl", tiny_root, scale="bench"))
+    shared = {"sm-backend": "timeslice", "partition-policy": "timeslice"}  # no start-up partition profile
+    batching = {"max-batch": 8, "max-gap-s": 0.01}  # a 10 ms gap closes a batch: arrivals ~60 ms apart never share
+    # one by the gap rule alone; they do when the encoder is busy
+    d = Deployment(
+        model=model, name="encode-batching",
+        encode=(Worker(flags={**batching, "remote-fraction": 1.0, **ONE, **_metrics()}),
+                Worker(flags={**batching, "colocate-prefill": True, "remote-fraction": 0.0, **shared, **ONE,
+                              **_metrics()})),
+        prefill=(Worker(flags=ONE),),
+        decode=(Worker(flags={"num-slots": 32, **ONE}),)).with_gateway_ports(0, 0)
+    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+    stack.start(timeout=600)
+    yield stack
+    stack.stop()
+
+
+def batch_sizes(stack, name: str) -> dict[str, float]:
+    """The encode instance's batch-size histogram: {'count', 'sum', 'single'} (single: batches of one)."""
+    argv = stack._procs[name].cmd.argv
+    addr = argv[argv.index("--metrics-listen") + 1]
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "easerve:encode_batch_size"]
+    out = {}
+    for s in fam.samples:
+        if s.name.endswith("_count"):
+            out["count"] = s.value
+        elif s.name.endswith("_sum"):
+            out["sum"] = s.value
+        elif s.name.endswith("_bucket") and float(s.labels["le"]) == 1.0:
+            out["single"] = s.value
+    return out
+
+
+def test_requests_faster_than_one_encode_leave_together(two_encoders):
+    stack = two_encoders
+    client = Client(stack.endpoints.grpc, timeout=300)
+    client.generate("hi", images=[png_bytes(336, 448, 0)], max_tokens=1)  # both paths warm
+    client.generate("hi", images=[png_bytes(336, 448, 1)], max_tokens=1)
+    names = ("encode-0", "encode-1")  # remote path, co-located path
+    before = {n: batch_sizes(stack, n) for n in names}
+    t0 = time.monotonic() + 0.2
+
+    def one(i: int):
+        time.sleep(max(0.0, t0 + i * SPACING_S - time.monotonic()))
+        return client.generate("Describe it.", images=[png_bytes(336, 448, 100 + i)], max_tokens=1)
+
+    with concurrent.futures.ThreadPoolExecutor(N) as pool:
+        done = list(pool.map(one, range(N)))
+    assert len(done) == N and all(c.text is not None for c in done)
+    after = {n: batch_sizes(stack, n) for n in names}
+    delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in names}
+    assert sum(d["sum"] for d in delta.values()) == N, delta
+    for n, d in delta.items():
+        assert d["sum"] >= 4, f"{n} got too few requests to judge: {delta}"
+        assert d["count"] - d["single"] >= 1, f"{n}: every batch held one request: {delta}"
+        assert d["sum"] / d["count"] >= 2.5, f"{n}: mean batch {d['sum'] / d['count']:.2f}: {delta}"
