@@ -119,6 +119,7 @@ def engine_stepper(adapter, payloads, batch: int, args, total_steps: int):
 
 def engine_config(adapter, args, batch: int, per_req: int):
     """The decode service's way: KV sized from memory, layout chosen by the engine."""
+    from easerve.engine.config import GIB
     from easerve.engine.engine import EngineConfig
     from easerve.engine.kv_pool import KVLayout
     common = dict(max_running=batch, max_waiting=batch, max_seq_len=per_req, block_size=16,
@@ -126,9 +127,9 @@ def engine_config(adapter, args, batch: int, per_req: int):
     if args.kv_cache_memory_gb is None and args.device.startswith("cuda"):
         return EngineConfig(gpu_memory_utilization=0.9, **common)
     if args.kv_cache_memory_gb is not None:
-        return EngineConfig(kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)), **common)
+        return EngineConfig(kv_cache_memory_gb=args.kv_cache_memory_gb, **common)
     per_token = KVLayout.from_text_config(adapter.text_config, adapter.dtype, args.device).bytes_per_token
-    return EngineConfig(kv_cache_memory_bytes=batch * (per_req + 16) * per_token, **common)
+    return EngineConfig(kv_cache_memory_gb=batch * (per_req + 16) * per_token / GIB, **common)
 
 
 def hf_stepper(adapter, payload, batch: int, args):

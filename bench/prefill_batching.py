@@ -74,7 +74,7 @@ def requests(full, args):
     """args.n image requests, image sides and words of text cycled from --sides / --words."""
     from PIL import Image
 
-    from easerve.types import PrefillRequest
+    from easerve.types import PrefillRequest, items_meta
 
     rng = np.random.RandomState(args.seed)
     reqs = []
@@ -85,7 +85,7 @@ def requests(full, args):
         prompt = full.preprocess([{"role": "user", "content": [{"type": "image", "image": image},
                                                                {"type": "text", "text": text}]}])
         reqs.append(PrefillRequest(f"r{i}", prompt.input_ids, full.encode(prompt.items),
-                                   [(it.modality, it.meta) for it in prompt.items]))
+                                   items_meta(prompt.items)))
     return reqs
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,6 +26,8 @@ from easerve.client_request import build_request
 from easerve import errors as _errors
 from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel, sync_channel
+from easerve.types import Timings
+from easerve.wire.sampling_proto import timings_from_proto
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import gateway_pb2 as gpb
 from easerve.wire.v1 import gateway_pb2_grpc
@@ -54,31 +56,6 @@ FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "len
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Milliseconds measured along the chain; 0 = not measured (see common.proto)."""
-    ttft_ms: float = 0.0
-    queue_ms: float = 0.0
-    encode_ms: float = 0.0
-    prefill_ms: float = 0.0
-    kv_transfer_ms: float = 0.0
-    embed_transfer_ms: float = 0.0
-    tpot_ms: float = 0.0
-    encode_cache_hits: int = 0  # not a time: media items answered by the encoder cache
-    preprocess_ms: float = 0.0
-    preprocess_skipped: bool = False  # not a time: the gateway neither decoded the media nor ran the processor
-
-    @classmethod
-    def from_proto(cls, t: cpb.Timings) -> Timings:
-        return cls(**{f.name: getattr(t, f.name) for f in fields(cls)})
-
-    def merge(self, other: Timings | None) -> Timings:
-        """Fields measured in `other` win."""
-        if other is None:
-            return self
-        return Timings(**{f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -124,7 +101,7 @@ class ModelInfo:
 def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
     finish = FINISH_REASONS.get(m.finish_reason)
     usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if finish else None
-    timings = Timings.from_proto(m.timings) if m.HasField("timings") else None
+    timings = timings_from_proto(m.timings) if m.HasField("timings") else None
     lps = tuple(Logprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in m.logprobs)
     return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id, lps)
 

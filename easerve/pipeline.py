@@ -10,10 +10,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from easerve.engine.detok import prompt_tail
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
-from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams
+from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams, items_meta
 
 
 @dataclass
@@ -30,7 +30,7 @@ class InProcessPipeline:
     def __init__(self, model: str, device: str = "cpu", engine: EngineConfig | None = None):
         self.encoder = load_adapter(model, role="encode", device=device)
         self.lm = load_adapter(model, role="decode", device=device)
-        self.engine = DecodeEngine(self.lm, engine or EngineConfig())
+        self.engine = DecodeEngine(self.lm, engine or EngineConfig(kv_capacity_tokens=DEFAULT_KV_TOKENS))
         self._ids = itertools.count()
 
     def prepare(self, messages: list[dict]) -> ProcessedPrompt:
@@ -41,7 +41,7 @@ class InProcessPipeline:
         rid = f"req-{next(self._ids)}"
         embeds = self.encoder.encode(prompt.items) if prompt.items else []
         req = PrefillRequest(rid, prompt.input_ids, embeds,
-                             [(it.modality, it.meta) for it in prompt.items], sampling)
+                             items_meta(prompt.items), sampling)
         res = self.lm.prefill([req])[0]
         first = sample(res.last_logits[None], [sampling], [0])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,

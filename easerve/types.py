@@ -6,8 +6,8 @@ These are the typed objects that cross module boundaries (and, through
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from easerve.errors import InvalidRequest
 
@@ -83,6 +83,19 @@ class ProcessedPrompt:
     items: list[MMItem] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ItemMeta:
+    """What prefill needs of one media item besides its embedding rows: its modality and the
+    small meta tensors (`MMItem.meta`: grids, sizes, feature lengths)."""
+
+    modality: str
+    meta: dict[str, "torch.Tensor"]
+
+
+def items_meta(items: list[MMItem]) -> list[ItemMeta]:
+    return [ItemMeta(it.modality, it.meta) for it in items]
+
+
 @dataclass
 class PrefillRequest:
     """What prefill consumes: token ids, one embedding tensor per media item
@@ -91,7 +104,7 @@ class PrefillRequest:
     request_id: str
     input_ids: list[int]
     embeddings: list["torch.Tensor"]
-    items_meta: list[tuple[str, dict[str, "torch.Tensor"]]]  # (modality, meta)
+    items_meta: list[ItemMeta]
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
@@ -130,3 +143,123 @@ class KVPayload:
     @property
     def num_tokens(self) -> int:
         return int(self.keys[0].shape[-2]) if self.keys else 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds measured along a request's chain; 0 = not measured (common.proto's Timings)."""
+
+    ttft_ms: float = 0.0
+    queue_ms: float = 0.0
+    encode_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    embed_transfer_ms: float = 0.0
+    tpot_ms: float = 0.0
+    encode_cache_hits: int = 0  # not a time: media items answered by the encoder cache
+    preprocess_ms: float = 0.0
+    preprocess_skipped: bool = False  # not a time: the gateway neither decoded the media nor ran the processor
+
+    def merge(self, other: Timings | None) -> Timings:
+        """Fields measured in `other` win."""
+        if other is None:
+            return self
+        return Timings(**{f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)})
+
+
+# ---- chat messages: built once where a request enters (the gateway's fronts), read by the adapter ----
+@dataclass(frozen=True)
+class MediaRef:
+    """One media item as sent: bytes, base64, a data: URI, a URL, a frame list or samples.
+    `easerve.media.MediaResolver` fetches a URL into a new MediaRef holding the bytes."""
+
+    kind: str
+    source: Any
+    fps: float | None = None          # video: for files, frames per second to sample (None: the model's);
+                                      # for frame lists, their frame rate
+    sample_rate: int | None = None    # raw audio samples: their rate
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODALITIES:
+            raise ValueError(f"media kind must be one of {MODALITIES}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """An image, video or audio content part: as sent (`ref`), or decoded (`value`: a PIL image,
+    video frames as a list of images or a [T, H, W, C] array, mono float32 samples at the model's
+    rate; `fps`: the rate of decoded video frames, when known). `MediaResolver.resolve` returns
+    decoded parts; library callers may build them decoded."""
+
+    kind: str
+    ref: MediaRef | None = None
+    value: Any = None
+    fps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODALITIES:
+            raise ValueError(f"media kind must be one of {MODALITIES}, got {self.kind!r}")
+        if self.ref is None and self.value is None:
+            raise ValueError(f"a {self.kind} part needs a MediaRef or a decoded value")
+
+    @property
+    def decoded(self) -> bool:
+        return self.value is not None
+
+
+ContentPart = Union[TextPart, MediaPart]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: tuple[ContentPart, ...]
+
+    @property
+    def media(self) -> tuple[MediaPart, ...]:
+        return tuple(p for p in self.content if isinstance(p, MediaPart))
+
+
+def media_parts(messages: tuple[ChatMessage, ...]) -> list[MediaPart]:
+    """The media parts of `messages`, in request order."""
+    return [p for m in messages for p in m.media]
+
+
+def with_media(messages: tuple[ChatMessage, ...], parts: list[MediaPart]) -> tuple[ChatMessage, ...]:
+    """New messages whose media parts are `parts` (as many as `media_parts(messages)`, same order)."""
+    it = iter(parts)
+    return tuple(ChatMessage(m.role, tuple(next(it) if isinstance(p, MediaPart) else p for p in m.content))
+                 for m in messages)
+
+
+def as_messages(messages) -> tuple[ChatMessage, ...]:
+    """`ChatMessage`s as they are; HF-style dicts (library callers: {"role", "content": str or
+    [{"type": "text", "text"}, {"type": "image" | "video" | "audio", kind: value, "fps"?}]}) read once
+    into them, a `MediaRef` value as sent, any other value as decoded."""
+    if all(isinstance(m, ChatMessage) for m in messages):
+        return tuple(messages)
+    return tuple(m if isinstance(m, ChatMessage) else _message_from_hf(m) for m in messages)
+
+
+def _message_from_hf(m: dict) -> ChatMessage:
+    content = m.get("content", ())
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return ChatMessage(m.get("role", "user"), tuple(_part_from_hf(p) for p in parts))
+
+
+def _part_from_hf(p: dict) -> ContentPart:
+    kind = p.get("type")
+    if kind == "text":
+        return TextPart(p["text"])
+    if kind not in MODALITIES or kind not in p:
+        raise InvalidRequest(f"content part {p!r:.80}: expected {{'type': 'text', 'text': ...}} or "
+                             f"{{'type': kind, kind: value}} with kind one of {MODALITIES}")
+    value = p[kind]
+    if isinstance(value, MediaRef):
+        return MediaPart(kind, ref=value, fps=p.get("fps"))
+    return MediaPart(kind, value=value, fps=p.get("fps"))

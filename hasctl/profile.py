@@ -177,7 +177,7 @@ class Profiler:
 
     def _one_request(self, modality: str, size, seed: int) -> tuple[float, float, int]:
         from easerve.engine.sampler import sample
-        from easerve.types import KVPayload, PrefillRequest, SamplingParams
+        from easerve.types import KVPayload, PrefillRequest, SamplingParams, items_meta
         from hasctl.workload import text_of
         n_out = self.plan.output_tokens
         sp = SamplingParams(max_tokens=n_out, ignore_eos=True)
@@ -187,7 +187,7 @@ class Profiler:
         t0 = time.perf_counter()
         prompt = self.enc.preprocess([{"role": "user", "content": content}])
         embeds = self.enc.encode(prompt.items) if prompt.items else []
-        req = PrefillRequest("u", prompt.input_ids, embeds, [(it.modality, it.meta) for it in prompt.items], sp)
+        req = PrefillRequest("u", prompt.input_ids, embeds, items_meta(prompt.items), sp)
         res = self.lm.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
         self.sync()

@@ -30,7 +30,7 @@ import numpy as np
 from easerve.cache.policy import HolderMap
 from easerve.cache.media_hash import assign_by_modality, media_hash, processor_fingerprint
 from easerve.errors import Unavailable
-from easerve.types import MMItem, ProcessedPrompt
+from easerve.types import MediaPart, MMItem, ProcessedPrompt
 from easerve.wire.v1 import encode_pb2
 
 log = logging.getLogger("easerve.gateway")
@@ -110,17 +110,18 @@ class MediaCache:
         self.fingerprint = processor_fingerprint(adapter.processor, media_cfg, adapter.family)
 
     # ---- hashes ---------------------------------------------------------------------------
-    def hash_parts(self, slots: list[tuple[str, dict, object]]) -> list[tuple[str, bytes]]:
-        """(modality, content hash) of each media part (kind, part, MediaRef or None), from what
-        the request sent (fetched bytes for URLs), before any decoding. MediaError (a ValueError)
-        for a payload that is not valid base64."""
+    def hash_parts(self, parts: list[MediaPart]) -> list[tuple[str, bytes]]:
+        """(modality, content hash) of each media part, from what the request sent (fetched
+        bytes for URLs; a part without a ref: its decoded value), before any decoding.
+        MediaError (a ValueError) for a payload that is not valid base64."""
         pairs = []
-        for kind, part, ref in slots:
+        for part in parts:
+            ref = part.ref
             raw = getattr(ref, "source", None)
-            value = raw if isinstance(raw, (bytes, bytearray, str, list, np.ndarray)) else part[kind]
+            value = raw if isinstance(raw, (bytes, bytearray, str, list, np.ndarray)) else part.value
             settings = {"fps": getattr(ref, "fps", None), "sample_rate": getattr(ref, "sample_rate", None),
-                        "part_fps": part.get("fps")}
-            pairs.append((kind, media_hash(self.fingerprint, kind, value, settings)))
+                        "part_fps": part.fps}
+            pairs.append((part.kind, media_hash(self.fingerprint, part.kind, value, settings)))
         return pairs
 
     # ---- the plan ---------------------------------------------------------------------------

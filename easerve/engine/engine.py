@@ -16,20 +16,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from easerve.engine import attention as att
 from easerve.engine import cpu_gemv
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, gpu_kv_budget  # noqa: F401 (re-exported)
+from easerve.engine.config import (DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, default_max_len,  # noqa: F401
+                                   gpu_kv_budget)  # (DEFAULT_KV_TOKENS, EngineConfig, KVGeometry re-exported)
 from easerve.engine.logprobs import TokenLogprobs, token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
 from easerve.errors import InvalidRequest
+from easerve.models.base import ModelAdapter
 from easerve.types import KVPayload, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,17 +82,18 @@ class _Request:
 
 
 class DecodeEngine:
-    def __init__(self, adapter: Any, config: EngineConfig) -> None:
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig) -> None:
         self.adapter = adapter
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.torch_device)
         if torch.device(adapter.device).type != self.device.type:
             raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {adapter.device}; "
                              "load the adapter on the engine's device")
         layout = KVLayout.from_text_config(adapter.text_config, adapter.dtype, self.device)
         flashinfer = att.import_flashinfer() if self.device.type == "cuda" else None
         paged_kernel = att.paged_kernel_available(self.device.type, layout.dtype, flashinfer is not None)
-        self.geometry = config.kv_geometry(layout.bytes_per_token, self._gpu_budget(), paged_kernel)
+        self.geometry = config.kv_geometry(layout.bytes_per_token, self._gpu_budget(), paged_kernel,
+                                           model_len=default_max_len(adapter.text_config))
         self.backend = att.select_attention(self.geometry.layout, paged_kernel)
         g = self.geometry
         self.blocks = BlockManager(g.num_blocks, g.block_size, g.max_seq_tokens)
@@ -110,7 +113,7 @@ class DecodeEngine:
         self._pending: list[StepOutput] = []
         self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
 
-    def _choose_linear_layouts(self, adapter: Any) -> dict:
+    def _choose_linear_layouts(self, adapter: ModelAdapter) -> dict:
         """CPU: store the LM's linear weights in whichever layout decodes faster (cpu_gemv)."""
         if self.device.type != "cpu" or self.config.linear_layout != "auto":
             return {}
@@ -121,9 +124,9 @@ class DecodeEngine:
         return decision
 
     def _gpu_budget(self) -> int | None:
-        util = self.config.gpu_memory_utilization
-        if util is None:
+        if self.config.sizing != "gpu_memory_utilization":
             return None
+        util = self.config.gpu_memory_utilization
         free, total = torch.cuda.mem_get_info(self.device)
         return gpu_kv_budget(total, free, torch.cuda.memory_allocated(self.device), util)
 

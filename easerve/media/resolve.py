@@ -1,15 +1,15 @@
 """From what a request names (`MediaRef`) to what the HF processor takes, off the event loop.
 
-The API fronts turn content parts into `MediaRef`s (pure parsing); `MediaResolver.resolve_parts`
-then fetches the URLs among them concurrently (async, `MediaFetcher`) and decodes everything in
-one worker thread, charging one `PixelBudget` per request. `fetch_refs` alone fetches without
-decoding (the gateway hashes media as received, and may then need no decoding at all).
+The API fronts turn content parts into `MediaPart`s holding `MediaRef`s (pure parsing);
+`MediaResolver.resolve` then fetches the URLs among them concurrently (async, `MediaFetcher`) and
+decodes everything in one worker thread, charging one `PixelBudget` per request. `fetch` alone
+fetches without decoding (the gateway hashes media as received, and may then need no decoding at
+all). Both return new parts; the ones given are left as they are.
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from easerve.media.audio import decode_audio
 from easerve.media.common import MediaLimits, PixelBudget, is_url, to_bytes
@@ -17,23 +17,9 @@ from easerve.errors import MediaError
 from easerve.media.fetch import FetchConfig, MediaFetcher
 from easerve.media.image import decode_image
 from easerve.media.video import VideoSampling, decode_video, decode_video_file, is_video_file
+from easerve.types import ChatMessage, MediaPart, MediaRef, media_parts, with_media
 
-KINDS = ("image", "video", "audio")
-
-
-@dataclass
-class MediaRef:
-    """One media item as sent: bytes, base64, a data: URI, a URL, a frame list or samples."""
-
-    kind: str
-    source: Any
-    fps: float | None = None          # video: for files, frames per second to sample (None: the model's);
-                                      # for frame lists, their frame rate
-    sample_rate: int | None = None    # raw audio samples: their rate
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"media kind must be one of {KINDS}, got {self.kind!r}")
+__all__ = ["MediaConfig", "MediaRef", "MediaResolver", "config_for"]
 
 
 @dataclass(frozen=True)
@@ -56,51 +42,51 @@ class MediaResolver:
         self.cfg = cfg
         self.fetcher = fetcher or MediaFetcher(FetchConfig())
 
-    async def resolve_parts(self, parts: list[dict]) -> None:
-        """Replace, in place, each `MediaRef` value of HF-style parts ({"type": k, k: ref}) by its
-        decoded value; a video part also gets "fps", the frame rate of its frames, when known.
-        Raises MediaError (a ValueError) naming what to change."""
-        slots = [(p, p["type"]) for p in parts if isinstance(p.get(p.get("type")), MediaRef)]
-        if not slots:
-            return
-        refs = [p[k] for p, k in slots]
-        await self.fetch_refs(refs)
-        decoded = await asyncio.to_thread(self.decode_all, refs)
-        for (p, k), (value, extra) in zip(slots, decoded):
-            p[k] = value
-            p.update(extra)
+    async def resolve(self, parts: list[MediaPart]) -> list[MediaPart]:
+        """`parts` with every undecoded one decoded (a new part; a video's also says the rate
+        of its frames when known). Raises MediaError (a ValueError) naming what to change."""
+        todo = [i for i, p in enumerate(parts) if not p.decoded]
+        out = list(parts)
+        if not todo:
+            return out
+        refs = [p.ref for p in await self.fetch([parts[i] for i in todo])]
+        for i, part in zip(todo, await asyncio.to_thread(self.decode_all, refs)):
+            out[i] = part
+        return out
 
-    async def fetch_refs(self, refs: list[MediaRef]) -> None:
-        """Fetch the URLs among `refs` concurrently: each such source becomes the fetched bytes
-        (what the encoder cache hashes); nothing is decoded. Resolving them later fetches nothing."""
-        await asyncio.gather(*(self._fetch_ref(r) for r in refs))
+    async def resolve_messages(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        return with_media(messages, await self.resolve(media_parts(messages)))
 
-    async def resolve_messages(self, messages: list[dict]) -> None:
-        await self.resolve_parts([p for m in messages if isinstance(m.get("content"), list)
-                                  for p in m["content"]])
+    async def fetch(self, parts: list[MediaPart]) -> list[MediaPart]:
+        """`parts` with the URLs among their refs fetched concurrently: each such source becomes
+        the fetched bytes (what the encoder cache hashes); nothing is decoded. Resolving the
+        parts returned fetches nothing more."""
+        refs = await asyncio.gather(*(self._fetch_ref(p.ref) for p in parts if not p.decoded))
+        it = iter(refs)
+        return [p if p.decoded else replace(p, ref=next(it)) for p in parts]
 
-    async def _fetch_ref(self, ref: MediaRef) -> None:
+    async def _fetch_ref(self, ref: MediaRef) -> MediaRef:
         if is_url(ref.source):
-            ref.source = await self.fetcher.fetch(ref.source)
-        elif isinstance(ref.source, list):
-            ref.source = list(await asyncio.gather(*(self.fetcher.fetch(f) if is_url(f) else _same(f)
-                                                     for f in ref.source)))
+            return replace(ref, source=await self.fetcher.fetch(ref.source))
+        if isinstance(ref.source, list):
+            return replace(ref, source=list(await asyncio.gather(
+                *(self.fetcher.fetch(f) if is_url(f) else _same(f) for f in ref.source))))
+        return ref
 
-    def decode_all(self, refs: list[MediaRef]) -> list[tuple[Any, dict]]:
-        """Decode already-fetched refs with one request budget (call from a worker thread):
-        (value, extra part keys) per ref."""
+    def decode_all(self, refs: list[MediaRef]) -> list[MediaPart]:
+        """Decode already-fetched refs with one request budget (call from a worker thread)."""
         budget = PixelBudget(self.cfg.limits.max_request_pixels)
         return [self.decode(r, budget) for r in refs]
 
-    def decode(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
+    def decode(self, ref: MediaRef, budget: PixelBudget) -> MediaPart:
         lim = self.cfg.limits
         if ref.kind == "image":
-            return decode_image(ref.source, lim.max_side, budget=budget), {}
+            return MediaPart("image", ref, decode_image(ref.source, lim.max_side, budget=budget))
         if ref.kind == "video":
             return self._video(ref, budget)
-        return self._audio(ref), {}
+        return MediaPart("audio", ref, self._audio(ref))
 
-    def _video(self, ref: MediaRef, budget: PixelBudget) -> tuple[Any, dict]:
+    def _video(self, ref: MediaRef, budget: PixelBudget) -> MediaPart:
         lim, s = self.cfg.limits, self.cfg.sampling
         src = ref.source
         if isinstance(src, (bytes, bytearray, memoryview, str)):
@@ -108,9 +94,9 @@ class MediaResolver:
             if is_video_file(src):
                 sampling = VideoSampling(ref.fps, s.min_frames, s.max_frames, s.frame_multiple) if ref.fps else s
                 v = decode_video_file(src, sampling, lim.max_side, lim.max_frames, budget, lim.max_source_frames)
-                return v.frames, {"fps": v.sampled_fps}
+                return MediaPart("video", ref, v.frames, v.sampled_fps)
         frames = decode_video(src, lim.max_side, lim.max_frames, budget=budget)
-        return frames, ({"fps": float(ref.fps)} if ref.fps else {})
+        return MediaPart("video", ref, frames, float(ref.fps) if ref.fps else None)
 
     def _audio(self, ref: MediaRef):
         lim = self.cfg.limits

@@ -14,12 +14,13 @@ The engine (`easerve.engine`) drives decode through `lm_forward` and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from easerve.errors import InvalidRequest
-from easerve.types import MMItem, PrefillRequest, PrefillResult, ProcessedPrompt
+from easerve.types import ChatMessage, MMItem, PrefillRequest, PrefillResult, ProcessedPrompt
 
 
 class ModelAdapter(ABC):
@@ -34,13 +35,13 @@ class ModelAdapter(ABC):
 
     # ---- gateway side (role "processor" or any) -------------------------------------
     @abstractmethod
-    def preprocess(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
-        """HF-style chat messages -> token ids (with placeholders expanded) + media items.
+    def preprocess(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """Chat messages with decoded media -> token ids (with placeholders expanded) + media items.
 
-        Message content parts: {"type": "text", "text": str},
-        {"type": "image", "image": PIL.Image}, {"type": "video", "video": list[PIL.Image] | np.ndarray[T,H,W,C]},
-        {"type": "audio", "audio": np.ndarray float32 mono at `sampling_rate`}.
-        Raises ValueError with what to change on bad media / unsupported modality.
+        Media part values: an image a PIL.Image, a video list[PIL.Image] | np.ndarray[T,H,W,C],
+        audio an np.ndarray float32 mono at `sampling_rate`. HF-style dicts are accepted too
+        (`easerve.types.as_messages`). Raises ValueError with what to change on bad media /
+        unsupported modality.
         """
 
     @property

@@ -41,7 +41,8 @@ from easerve.models.base import ModelAdapter
 from easerve.models.weights import (fast_init, get_submodule, held_parameters, load_into,
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
 from easerve.errors import InvalidRequest
-from easerve.types import MMItem, PrefillRequest, PrefillResult, ProcessedPrompt
+from easerve.types import (ChatMessage, MMItem, PrefillRequest, PrefillResult, ProcessedPrompt, TextPart,
+                           as_messages)
 
 ROLES = ("processor", "encode", "prefill", "decode", "full")
 # processor argument name for each modality
@@ -252,13 +253,14 @@ class HFAdapter(ModelAdapter):
         if len(req.embeddings) != len(req.items_meta):
             raise InvalidRequest(f"request {req.request_id}: {len(req.embeddings)} embeddings for "
                              f"{len(req.items_meta)} media items; send one embedding per item")
-        unknown = {m for m, _ in req.items_meta} - set(self.placeholder_ids)
+        unknown = {m.modality for m in req.items_meta} - set(self.placeholder_ids)
         if unknown:
             raise InvalidRequest(f"{self.family} has no placeholder for {sorted(unknown)}; "
                              f"it accepts {list(self.modalities)}")
         hidden = self.text_config.hidden_size
-        for i, (emb, (mod, meta)) in enumerate(zip(req.embeddings, req.items_meta)):
-            want = self.expected_tokens(mod, meta)
+        for i, (emb, item) in enumerate(zip(req.embeddings, req.items_meta)):
+            mod = item.modality
+            want = self.expected_tokens(mod, item.meta)
             if emb.dim() != 2 or emb.shape[1] != hidden:
                 raise InvalidRequest(f"request {req.request_id}: item {i} embedding has shape "
                                  f"{tuple(emb.shape)}; expected [num_tokens, {hidden}]")
@@ -266,7 +268,7 @@ class HFAdapter(ModelAdapter):
                 raise InvalidRequest(f"request {req.request_id}: {mod} item {i} has {emb.shape[0]} "
                                  f"embedding rows but its meta needs {want} placeholder tokens")
         for mod, tid in self.placeholder_ids.items():
-            rows = sum(e.shape[0] for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod)
+            rows = sum(e.shape[0] for e, m in zip(req.embeddings, req.items_meta) if m.modality == mod)
             n = int((ids == tid).sum())
             if rows != n:
                 raise InvalidRequest(f"request {req.request_id}: the prompt has {n} {mod} placeholder "
@@ -284,7 +286,7 @@ class HFAdapter(ModelAdapter):
     def _place_items(self, embeds: torch.Tensor, ids: torch.Tensor, req: PrefillRequest) -> None:
         """Write each media item's rows at its placeholders of `ids`, in `embeds` (in place)."""
         for mod, tid in self.placeholder_ids.items():
-            rows = [e for e, (m, _) in zip(req.embeddings, req.items_meta) if m == mod]
+            rows = [e for e, m in zip(req.embeddings, req.items_meta) if m.modality == mod]
             if rows:
                 embeds[ids == tid] = torch.cat(rows).to(embeds.device, embeds.dtype)
 
@@ -368,13 +370,12 @@ class HFAdapter(ModelAdapter):
                 raise InvalidRequest(f"{mod} placeholders in the prompt ({int((ids == tid).sum())}) "
                                  f"do not match the processed {mod} items ({have} tokens)")
 
-    def preprocess(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
-        parts = [p.get("type") for m in messages if not isinstance(m.get("content"), str)
-                 for p in m.get("content", [])]
-        self._check_modalities([p for p in parts if p in MEDIA_KWARGS])
+    def preprocess(self, messages, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        messages = as_messages(messages)
+        self._check_modalities([p.kind for m in messages for p in m.media])
         kwargs = {"return_text_replacement_offsets": True, **_video_metadata(messages)}
         out = self.processor.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_tensors="pt",
+            hf_messages(messages), tokenize=True, return_dict=True, return_tensors="pt",
             add_generation_prompt=add_generation_prompt, processor_kwargs=kwargs)
         return self._to_prompt(out)
 
@@ -393,10 +394,10 @@ class HFAdapter(ModelAdapter):
         return self._to_prompt(out)
 
     # ---- gateway: media processed before (encoder-cache hits) ----------------------------
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def chat_text(self, messages, add_generation_prompt: bool = True) -> str:
         """The chat template's text of `messages`, placeholders not expanded: what `preprocess`
         hands the processor. Media values are not read (they may still be undecoded)."""
-        return self.processor.apply_chat_template(messages, tokenize=False,
+        return self.processor.apply_chat_template(hf_messages(as_messages(messages)), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def prompt_from_items(self, text: str, items: dict[str, list[MMItem]], chat: bool = True) -> ProcessedPrompt:
@@ -432,16 +433,34 @@ class HFAdapter(ModelAdapter):
 
 
 
-def _video_metadata(messages: list[dict]) -> dict:
+def hf_messages(messages: tuple[ChatMessage, ...]) -> list[dict]:
+    """The HF chat-template form of `messages`, built here only, where the processor reads it: a
+    media part holds its decoded value, or while undecoded its MediaRef (the template reads only
+    the part's type), and a video part the rate of its frames as "fps" when known."""
+    out = []
+    for m in messages:
+        content = []
+        for p in m.content:
+            if isinstance(p, TextPart):
+                content.append({"type": "text", "text": p.text})
+                continue
+            part = {"type": p.kind, p.kind: p.value if p.decoded else p.ref}
+            if p.fps is not None:
+                part["fps"] = p.fps
+            content.append(part)
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def _video_metadata(messages: tuple[ChatMessage, ...]) -> dict:
     """`video_metadata` for the processor when every video part says the rate of its frames
-    (`"fps"`: the media decoder's sampling rate). Without it HF assumes 24 fps for decoded
+    (`fps`: the media decoder's sampling rate). Without it HF assumes 24 fps for decoded
     frames, which squeezes Qwen2.5-VL's temporal positions (second_per_grid_ts)."""
-    videos = [p for m in messages if not isinstance(m.get("content"), str)
-              for p in m.get("content", []) if p.get("type") == "video"]
-    if not videos or any(not p.get("fps") for p in videos):
+    videos = [p for m in messages for p in m.media if p.kind == "video"]
+    if not videos or any(not p.fps for p in videos):
         return {}
     meta = []
     for p in videos:
-        n = len(p["video"])
-        meta.append({"total_num_frames": n, "fps": float(p["fps"]), "frames_indices": list(range(n))})
+        n = len(p.value)
+        meta.append({"total_num_frames": n, "fps": float(p.fps), "frames_indices": list(range(n))})
     return {"video_metadata": meta}

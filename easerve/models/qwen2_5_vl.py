@@ -83,7 +83,7 @@ class Qwen25VLAdapter(HFAdapter):
     # ---- positions --------------------------------------------------------------------
     def _grids(self, req: PrefillRequest, modality: str) -> torch.Tensor | None:
         gkey = KEYS[modality][1]
-        rows = [meta[gkey] for mod, meta in req.items_meta if mod == modality]
+        rows = [m.meta[gkey] for m in req.items_meta if m.modality == modality]
         return torch.stack(rows).to(self.device) if rows else None
 
     def prefill_positions(self, input_ids: torch.Tensor, req: PrefillRequest) -> tuple[torch.Tensor, int]:
@@ -95,8 +95,8 @@ class Qwen25VLAdapter(HFAdapter):
         types = torch.zeros_like(input_ids, dtype=torch.int)
         types[input_ids == self.placeholder_ids["image"]] = 1
         types[input_ids == self.placeholder_ids["video"]] = 2
-        secs = [meta["second_per_grid_ts"] for mod, meta in req.items_meta
-                if mod == "video" and "second_per_grid_ts" in meta]
+        secs = [m.meta["second_per_grid_ts"] for m in req.items_meta
+                if m.modality == "video" and "second_per_grid_ts" in m.meta]
         pos, delta = self._need_model().model.get_rope_index(
             input_ids, mm_token_type_ids=types, image_grid_thw=images, video_grid_thw=videos,
             second_per_grid_ts=torch.stack(secs) if secs and videos is not None else None)

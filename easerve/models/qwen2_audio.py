@@ -16,7 +16,7 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from easerve.models.common import HFAdapter
 from easerve.errors import InvalidRequest
-from easerve.types import MMItem, ProcessedPrompt
+from easerve.types import ChatMessage, MMItem, ProcessedPrompt, as_messages
 
 
 def check_audio(clips: list[Any]) -> None:
@@ -29,10 +29,9 @@ def check_audio(clips: list[Any]) -> None:
             raise InvalidRequest(f"audio clip {i} is empty; send at least a few samples of audio")
 
 
-def message_audio(messages: list[dict]) -> list[Any]:
-    """The audio arrays of HF-style chat messages, in prompt order."""
-    return [p.get("audio") for m in messages if not isinstance(m.get("content"), str)
-            for p in m.get("content", []) if p.get("type") == "audio"]
+def message_audio(messages: tuple[ChatMessage, ...]) -> list[Any]:
+    """The audio arrays of chat messages, in prompt order."""
+    return [p.value for m in messages for p in m.media if p.kind == "audio"]
 
 
 def check_items(items: list[MMItem], family: str) -> None:
@@ -44,7 +43,8 @@ def check_items(items: list[MMItem], family: str) -> None:
 class AudioPreprocess:
     """Mixin for `HFAdapter` subclasses: validate audio before the HF processor sees it."""
 
-    def preprocess(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
+    def preprocess(self, messages, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        messages = as_messages(messages)
         check_audio(message_audio(messages))
         return super().preprocess(messages, add_generation_prompt)
 

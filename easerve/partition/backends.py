@@ -36,13 +36,14 @@ import dataclasses
 import math
 import os
 import threading
-from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence
+from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence, get_args
 
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
 
 Worker = Literal["encode", "prefill"]
 WORKERS: tuple[str, ...] = ("encode", "prefill")
-PREFERENCES: tuple[str, ...] = ("auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static")
+Preference = Literal["auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static"]  # --sm-backend
+PREFERENCES: tuple[str, ...] = get_args(Preference)
 _ALIASES = {"dynamic": "auto", "green": "green_contexts", "cpu": "cpu_affinity"}
 
 

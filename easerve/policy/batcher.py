@@ -32,11 +32,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Literal
+from typing import Hashable, Literal, get_args
 
-BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]
+from easerve.fields import PosFloat, PosInt, check_fields
+
+BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]  # --batch-mode
+MODES: tuple[str, ...] = get_args(BatchMode)
 DispatchReason = Literal["size", "gap", "cap", "single", "idle", "flush"]
-MODES: tuple[str, ...] = ("adaptive", "fixed", "request_at_a_time", "continuous")  # the --batch-mode choices
 RATE_HALFLIFE = 16.0  # arrivals: the rate estimate's EWMA half-life
 MIN_GAP_S = 0.001     # the gap threshold's floor (a 0 threshold would split simultaneous arrivals)
 
@@ -55,21 +57,14 @@ class BatcherConfig:
     gap_coef / lambda clamped to [MIN_GAP_S, max_gap_s]; `max_gap_s=None` means
     `safety_cap_s`. Until two arrivals have been seen the threshold is max_gap_s."""
 
-    max_batch: int = 8
-    safety_cap_s: float = 1.0
-    gap_coef: float = 2.0
+    max_batch: PosInt = 8
+    safety_cap_s: PosFloat = 1.0
+    gap_coef: PosFloat = 2.0
     mode: BatchMode = "adaptive"
-    max_gap_s: float | None = None
+    max_gap_s: PosFloat | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        _positive("safety_cap_s", self.safety_cap_s)
-        _positive("gap_coef", self.gap_coef)
-        if self.max_gap_s is not None:
-            _positive("max_gap_s", self.max_gap_s)
+        check_fields(self)
         if self.gap_ceiling_s < MIN_GAP_S:
             raise ValueError(
                 f"max_gap_s ({self.gap_ceiling_s}) must be >= {MIN_GAP_S} s, the gap threshold's floor; "
@@ -83,11 +78,6 @@ class BatcherConfig:
     def alpha(self) -> float:
         """EWMA weight of one new gap sample."""
         return 1.0 - 0.5 ** (1.0 / RATE_HALFLIFE)
-
-
-def _positive(name: str, v: float) -> None:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

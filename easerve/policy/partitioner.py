@@ -25,12 +25,16 @@ import bisect
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Annotated, Callable, Iterable, Literal, Sequence, get_args
+
+from pydantic import Field
+
+from easerve.fields import NonNegFloat, check_fields
 
 DEFAULT_SHARES: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
-POLICIES: tuple[str, ...] = ("dynamic", "static", "timeslice")
 
-Policy = Literal["dynamic", "static", "timeslice"]
+Policy = Literal["dynamic", "static", "timeslice"]  # --partition-policy
+POLICIES: tuple[str, ...] = get_args(Policy)
 MeasureFn = Callable[[int, float], float]
 
 
@@ -134,16 +138,11 @@ def measure_grid(measure_fn: MeasureFn, batch_sizes: Sequence[int],
 @dataclass(frozen=True)
 class PartitionerConfig:
     policy: Policy = "dynamic"
-    tolerance: float = 0.10
-    static_share: float = 0.5
+    tolerance: NonNegFloat = 0.10           # e.g. 0.1: encode within 10% of its exclusive latency
+    static_share: Annotated[float, Field(gt=0, lt=1)] = 0.5
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
-            raise ValueError(f"tolerance must be finite and >= 0 (e.g. 0.1 = 10%), got {self.tolerance}")
-        if not 0 < self.static_share < 1:
-            raise ValueError(f"static_share must be in (0, 1), got {self.static_share}")
+        check_fields(self)
 
 
 def policy_levels(config: PartitionerConfig) -> tuple[float, ...]:

@@ -3,6 +3,7 @@ objects built from them exactly as the services build theirs (easerve/stages/enc
 easerve/stages/encode/colocate.py, easerve/stages/prefill/stage.py, easerve/stages/decode/app.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,14 +11,13 @@ from easerve.policy.batcher import BatcherConfig
 from easerve.policy.partitioner import (
     TIMESLICE,
     Allocation,
-    PartitionerConfig,
     SMPartitioner,
 )
 from easerve.policy.partitioner import measure_grid
 from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.policy.router import DeficitRouter
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.config import DEFAULT_CPU_KV_BYTES, GIB, EngineConfig
+from easerve.engine.config import GIB
 from easerve.engine.scheduler import Scheduler
 from easerve.stages.common.configs import (
     DEFAULT_MAX_MODEL_LEN,
@@ -55,8 +55,7 @@ class Topology:
 
 # ---- the live policies, from the configs -----------------------------------------------------------
 def batcher_config(cfg: EncodeConfig) -> BatcherConfig:
-    return BatcherConfig(max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
-                         gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s))
+    return cfg.batcher  # the encode service's own (easerve/stages/encode/app.py)
 
 
 def router(cfg: EncodeConfig) -> DeficitRouter:
@@ -81,7 +80,7 @@ def partitioner(cfg: EncodeConfig, profile: Any):
     (what the service measures at start-up); None without co-located prefill."""
     if not cfg.colocate_prefill:
         return None
-    config = PartitionerConfig(policy=partition_policy(cfg), tolerance=cfg.partition_tolerance)
+    config = dataclasses.replace(cfg.partitioner, policy=partition_policy(cfg))
     if config.policy != "dynamic":
         return SMPartitioner(None, config)
     shares = profile.encode.shares if profile.encode is not None else (1.0,)
@@ -93,26 +92,11 @@ def no_partition() -> Allocation:
     return TIMESLICE
 
 
-def engine_config(cfg: DecodeConfig | MonolithConfig, gpu_kv_gb: float) -> EngineConfig:
-    """As easerve/stages/decode/app.py's engine_config, with the model's length 4096 and, for a
-    GPU sized by --gpu-memory-utilization, a stated KV budget."""
-    common = dict(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
-                  max_seq_len=cfg.max_seq_len or DEFAULT_MAX_MODEL_LEN, block_size=cfg.block_size,
-                  device=cfg.torch_device)
-    if cfg.kv_capacity_tokens:
-        return EngineConfig(kv_capacity_tokens=cfg.kv_capacity_tokens, **common)
-    if cfg.num_slots:
-        return EngineConfig(num_slots=cfg.num_slots, **common)
-    if cfg.kv_cache_memory_gb:
-        return EngineConfig(kv_cache_memory_bytes=int(cfg.kv_cache_memory_gb * GIB), **common)
-    if cfg.torch_device.startswith("cpu"):
-        return EngineConfig(kv_cache_memory_bytes=DEFAULT_CPU_KV_BYTES, **common)
-    return EngineConfig(kv_cache_memory_bytes=int(gpu_kv_gb * GIB), **common)
-
-
 def scheduler(cfg: DecodeConfig | MonolithConfig, kv_bytes_per_token: int | None, gpu_kv_gb: float) -> Scheduler:
-    """The engine's Scheduler over a BlockManager of the geometry the engine would pick."""
-    ec = engine_config(cfg, gpu_kv_gb)
-    g = ec.kv_geometry(kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN)
+    """The engine's Scheduler over a BlockManager of the geometry the engine would pick (the
+    stage config is the engine's config), with the model's length DEFAULT_MAX_MODEL_LEN and, for
+    a GPU sized by --gpu-memory-utilization, the stated KV budget `gpu_kv_gb`."""
+    g = cfg.kv_geometry(kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN, memory_bytes=int(gpu_kv_gb * GIB),
+                        model_len=DEFAULT_MAX_MODEL_LEN)
     blocks = BlockManager(g.num_blocks, g.block_size, g.max_seq_tokens)
-    return Scheduler(blocks, ec.max_running, ec.max_waiting, compact=g.layout == "slots")
+    return Scheduler(blocks, cfg.max_running, cfg.max_waiting, compact=g.layout == "slots")

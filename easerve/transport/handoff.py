@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from easerve.transport import KINDS
 from easerve.wire.codec import kv_from_parts, kv_to_parts
 from easerve.errors import InvalidRequest
 from easerve.rpc.tls import NO_TLS, Tls
@@ -26,7 +27,6 @@ from easerve.types import KVPayload
 from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
-KINDS = ("auto", "inline", "shm", "grpc", "cuda_ipc")
 ReachLookup = Callable[[str], Awaitable[tuple[NodeIdentity | None, bool]]]
 
 

@@ -10,7 +10,7 @@ import torch
 from easerve.wire.codec import _parse_spec, _raw, _view, spec_of
 from easerve.errors import CodecError, InvalidRequest
 from easerve.wire.sampling_proto import sampling_from_proto, sampling_to_proto  # noqa: F401 (re-exported)
-from easerve.types import MMItem, PrefillRequest
+from easerve.types import ItemMeta, MMItem, PrefillRequest
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import encode_pb2 as epb
 
@@ -97,4 +97,4 @@ def prefill_request_from_proto(msg) -> PrefillRequest:
     if not msg.meta.request_id:
         raise InvalidRequest("meta.request_id is required")
     return PrefillRequest(msg.meta.request_id, list(msg.input_ids), embeds,
-                          [(mod, meta) for mod, _n, meta in items], sampling_from_proto(msg.sampling))
+                          [ItemMeta(mod, meta) for mod, _n, meta in items], sampling_from_proto(msg.sampling))

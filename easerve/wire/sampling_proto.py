@@ -1,10 +1,13 @@
-"""SamplingParams <-> `easerve.v1.SamplingParams`, torch-free (the SDK uses it too).
+"""SamplingParams <-> `easerve.v1.SamplingParams` and Timings <-> `easerve.v1.Timings`, torch-free
+(the SDK uses them too).
 
-`easerve.wire.protoconv` re-exports both functions with the rest of the proto <-> domain conversions.
+`easerve.wire.protoconv` re-exports the sampling functions with the rest of the proto <-> domain conversions.
 """
 from __future__ import annotations
 
-from easerve.types import SamplingParams
+from dataclasses import fields
+
+from easerve.types import SamplingParams, Timings
 from easerve.wire.v1 import common_pb2 as cpb
 
 
@@ -27,3 +30,13 @@ def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def timings_from_proto(msg: cpb.Timings) -> Timings:
+    return Timings(**{f.name: getattr(msg, f.name) for f in fields(Timings)})
+
+
+def timings_to_proto(t: Timings, msg: cpb.Timings) -> None:
+    """Write `t` into `msg` (a message's `timings` field)."""
+    for f in fields(Timings):
+        setattr(msg, f.name, getattr(t, f.name))

@@ -97,10 +97,10 @@ def split_greedy(enc, pre, prompt, new_tokens: int = 8) -> list[int]:
     """Encode -> prefill -> decode with a DynamicCache rebuilt from the prefill KV."""
     from transformers import DynamicCache
 
-    from easerve.types import PrefillRequest
+    from easerve.types import PrefillRequest, items_meta
 
     embeddings = enc.encode(prompt.items)
-    req = PrefillRequest("r0", prompt.input_ids, embeddings, [(i.modality, i.meta) for i in prompt.items])
+    req = PrefillRequest("r0", prompt.input_ids, embeddings, items_meta(prompt.items))
     res = pre.prefill([req])[0]
     cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(res.keys, res.values)],
                          config=pre.text_config)
@@ -195,7 +195,7 @@ def _media_part(rng, spec) -> dict:
 def mixed_requests(adapters):
     """`mixed_requests(family)` -> PrefillRequests of MIXED_PROMPTS[family] (embeddings from
     the family's encode adapter), built once per family."""
-    from easerve.types import PrefillRequest
+    from easerve.types import PrefillRequest, items_meta
 
     built: dict[str, list] = {}
 
@@ -207,7 +207,7 @@ def mixed_requests(adapters):
                 text = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(words))
                 prompt = full.preprocess(user(*[_media_part(rng, s) for s in media], text))
                 reqs.append(PrefillRequest(f"{family}-{k}", prompt.input_ids, enc.encode(prompt.items),
-                                           [(i.modality, i.meta) for i in prompt.items]))
+                                           items_meta(prompt.items)))
             built[family] = reqs
         return list(built[family])
 

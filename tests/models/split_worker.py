@@ -17,7 +17,7 @@ import torch
 
 from easerve.engine.detok import prompt_tail
 from easerve.wire.codec import check_parts, join_parts, kv_from_parts, kv_to_parts, make_header, split_parts
-from easerve.types import MMItem, PrefillRequest, SamplingParams
+from easerve.types import MMItem, PrefillRequest, SamplingParams, items_meta
 
 
 def encode_tensors(meta: dict, tensors: list) -> bytes:
@@ -73,7 +73,7 @@ def prefill(adapter, work: Path, n: int) -> None:
         items = _read_items(meta, tensors[:n_meta], with_pixels=False)
         sp = SamplingParams(max_tokens=8)
         req = PrefillRequest(f"r{k}", meta["input_ids"], tensors[n_meta:],
-                             [(it.modality, it.meta) for it in items], sp)
+                             items_meta(items), sp)
         res = adapter.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
         payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta,

@@ -12,7 +12,7 @@ from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.errors import CacheMiss, Internal
 from easerve.stages.common.metrics import new_registry
 from easerve.stages.encode.loop import EncodeLoop
-from easerve.types import MMItem, PrefillRequest
+from easerve.types import MMItem, PrefillRequest, items_meta
 from easerve.cache.embeddings import EmbeddingCache, model_fingerprint, tensor_nbytes
 from easerve.stages.encode.metrics import CacheMetrics
 
@@ -49,7 +49,7 @@ def _cache(capacity: int = 2**30) -> tuple[EmbeddingCache, CacheMetrics]:
 
 
 def _first_token(pre, prompt, embeddings) -> int:
-    req = PrefillRequest("r", prompt.input_ids, embeddings, [(i.modality, i.meta) for i in prompt.items])
+    req = PrefillRequest("r", prompt.input_ids, embeddings, items_meta(prompt.items))
     return int(pre.prefill([req])[0].last_logits.argmax())
 
 

@@ -153,11 +153,10 @@ def test_overloaded_when_waiting_queue_is_full(llama):
 
 
 def test_bad_payload_and_config_are_rejected(llama):
-    assert EngineConfig().geometry() == (1024, 16, None)
-    with pytest.raises(ValueError, match="only one"):
-        EngineConfig(kv_capacity_tokens=64, num_slots=2, max_seq_len=32)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        EngineConfig(num_slots=2)
+    assert EngineConfig(kv_capacity_tokens=16384).geometry() == (1024, 16, None)
+    assert EngineConfig(kv_capacity_tokens=64, num_slots=2, max_seq_len=32).sizing == "kv_capacity_tokens"
+    with pytest.raises(ValueError, match="--max-seq-len"):
+        EngineConfig(num_slots=2).kv_geometry(1)   # the engine passes the model's context as model_len
     engine = DecodeEngine(llama, EngineConfig(kv_capacity_tokens=64))
     p = payload_for(llama, "x", [3, 4, 5], GREEDY())
     p.keys = p.keys[:1]

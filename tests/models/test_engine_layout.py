@@ -10,6 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
 
 from easerve.engine import attention as att
+from easerve.engine.config import GIB
 from easerve.engine.engine import DecodeEngine, EngineConfig
 from easerve.errors import Overloaded, RequestTooLarge
 from easerve.engine.kv_pool import KVLayout
@@ -114,7 +115,7 @@ def test_paged_layout_still_matches_generate(llama, ref):
 
 def test_memory_sized_engine(llama, ref):
     per_token = KVLayout.from_text_config(llama.text_config, llama.dtype, "cpu").bytes_per_token
-    cfg = EngineConfig(max_running=8, kv_cache_memory_bytes=3 * 40 * per_token + 7, max_seq_len=40)
+    cfg = EngineConfig(max_running=8, kv_cache_memory_gb=(3 * 40 * per_token + 7) / GIB, max_seq_len=40)
     engine = DecodeEngine(llama, cfg)
     s = engine.stats()
     assert engine.backend == "slots" and s.kv_capacity_tokens == 120 and s.kv_bytes == 120 * per_token
@@ -126,7 +127,7 @@ def test_memory_sized_engine(llama, ref):
         got += [o.token_id for o in engine.step()]
     assert got == greedy_ignore_eos(ref, [3] * 10, 30)
     with pytest.raises(ValueError, match="raise --kv-cache-memory-gb"):
-        DecodeEngine(llama, EngineConfig(kv_cache_memory_bytes=39 * per_token, max_seq_len=40))
+        DecodeEngine(llama, EngineConfig(kv_cache_memory_gb=39 * per_token / GIB, max_seq_len=40))
 
 
 def test_first_token_finish_gives_back_its_reservation(llama):

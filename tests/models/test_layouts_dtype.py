@@ -26,7 +26,7 @@ def half(tiny_checkpoint):
                                            ("qwen2-audio", "bfloat16"), ("ultravox", "bfloat16"),
                                            ("qwen2.5-vl", "float16")])
 def test_half_precision_split_prefill_on_cpu_gives_finite_logits(half, mm, family, dtype):
-    from easerve.types import PrefillRequest
+    from easerve.types import PrefillRequest, items_meta
 
     want = getattr(torch, dtype)
     enc, pre = half(family, "encode", dtype), half(family, "prefill", dtype)
@@ -34,7 +34,7 @@ def test_half_precision_split_prefill_on_cpu_gives_finite_logits(half, mm, famil
     prompt = enc.preprocess(messages_for(family, mm, np.random.RandomState(0)))
     embeddings = enc.encode(prompt.items)
     assert embeddings and all(e.dtype == want for e in embeddings)
-    res = pre.prefill([PrefillRequest("r", prompt.input_ids, embeddings, [(i.modality, i.meta) for i in prompt.items])])[0]
+    res = pre.prefill([PrefillRequest("r", prompt.input_ids, embeddings, items_meta(prompt.items))])[0]
     assert res.keys[0].dtype == want and res.last_logits.dtype == torch.float32
     assert torch.isfinite(res.last_logits).all() and res.last_logits.abs().max() > 0
 

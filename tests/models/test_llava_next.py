@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from easerve.models.registry import UnsupportedModelError, load_adapter
-from easerve.types import PrefillRequest
+from easerve.types import ItemMeta, PrefillRequest
 
 FAMILY = "llava-next"
 # (height, width) lists: tall, wide, tiny, square, two images of different sizes in one prompt
@@ -103,7 +103,7 @@ def test_unsupported_modality_is_rejected(mm, rng, full):
 def test_prefill_rejects_embeddings_that_do_not_fit(mm, rng, full, enc, pre):
     prompt = full.preprocess(prompt_of(mm, rng, [(60, 90)]))
     emb = enc.encode(prompt.items)[0]
-    meta = [("image", prompt.items[0].meta)]
+    meta = [ItemMeta("image", prompt.items[0].meta)]
     with pytest.raises(ValueError, match=rf"{emb.shape[0] - 1} embedding rows.*needs {emb.shape[0]}"):
         pre.prefill([PrefillRequest("bad", prompt.input_ids, [emb[:-1]], meta)])
     with pytest.raises(ValueError, match="1 embeddings for 2 media items"):

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from easerve.media import MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio, decode_video_file
 from easerve.errors import MediaError
+from easerve.media import MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio, decode_video_file
+from easerve.models.common import hf_messages
 from easerve.stages.gateway import openai_api as oa
+from easerve.types import ChatMessage, MediaPart, TextPart
 from tests.models.media_clips import (AUDIO_FORMATS, VIDEO_FORMATS, decode_all_frames, encode_audio, encode_video,
                                       smooth_frames, tone)
 
@@ -30,12 +32,12 @@ def png_uri(arr: np.ndarray) -> str:
     return uri(buf.getvalue(), "image/png")
 
 
-def chat_tokens(full, parts: list[dict], mm) -> tuple[list[dict], list[int]]:
+def chat_tokens(full, parts: list[dict], mm) -> tuple[tuple[ChatMessage, ...], list[int]]:
     """Greedy tokens of the unsplit model for OpenAI content parts, resolved like the gateway does."""
     body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe it."}]}]}
     req = oa.parse_chat_request(body, "m", full.modalities, full.sampling_rate)
-    asyncio.run(MediaResolver(config_for(full)).resolve_messages(req.messages))
-    return req.messages, mm.reference_greedy(full, req.messages, new_tokens=6)[1]
+    messages = asyncio.run(MediaResolver(config_for(full)).resolve_messages(req.messages))
+    return messages, mm.reference_greedy(full, hf_messages(messages), new_tokens=6)[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +78,8 @@ def test_video_file_equals_its_decoded_frames(fmt, vl, mm, source_frames):
     assert err < (1.0 if lossless else 8.0), err  # the file holds the source (YUV rounding aside)
 
     messages, from_file = chat_tokens(vl, [{"type": "video_url", "video_url": {"url": uri(raw, "video/mp4")}}], mm)
-    kept = messages[0]["content"][0]["video"]
-    assert messages[0]["content"][0]["fps"] == 2.0  # the kept frames' rate, for the processor's metadata
+    kept = messages[0].content[0].value
+    assert messages[0].content[0].fps == 2.0  # the kept frames' rate, for the processor's metadata
     want = list(range(0, 24, 4))  # 3 s at the processor's 2 fps: 6 of the 24 frames
     np.testing.assert_array_equal(kept, decoded[want])
     frames = [png_uri(f) for f in decoded[want]]
@@ -138,7 +140,7 @@ def test_audio_file_equals_its_decoded_samples(fmt, qa, mm):
     ext = fmt.split("-")[0]
     messages, from_file = chat_tokens(qa, [{"type": "input_audio", "input_audio": {
         "data": base64.b64encode(raw).decode(), "format": ext}}], mm)
-    clip = messages[0]["content"][0]["audio"]
+    clip = messages[0].content[0].value
     expect = decode_audio(ref, sample_rate=rate, target_rate=16000)
     assert clip.shape == expect.shape
     np.testing.assert_allclose(clip, expect, atol=1e-5)
@@ -151,14 +153,14 @@ def test_audio_longer_than_the_qwen2_audio_window_is_refused_not_cut(qa):
     assert cfg.audio_max_seconds == 2.0  # the tiny checkpoint's 32000-sample window
     raw = encode_audio(tone(2.5, 44100), "flac")
     with pytest.raises(MediaError, match=r"2\.5 s long; at most 2 s per clip.*qwen2-audio audio encoder's window"):
-        asyncio.run(MediaResolver(cfg).resolve_parts([{"type": "audio", "audio": oa.media.MediaRef("audio", raw)}]))
+        asyncio.run(MediaResolver(cfg).resolve([MediaPart("audio", oa.media.MediaRef("audio", raw))]))
 
 
 def test_ultravox_splits_long_clips_itself_so_they_are_accepted(adapters):
     ux = adapters("ultravox", "processor")
     cfg = config_for(ux)
     assert cfg.audio_max_seconds is None
-    part = {"type": "audio", "audio": oa.media.MediaRef("audio", encode_audio(tone(5.0, 44100), "flac"))}
-    asyncio.run(MediaResolver(cfg).resolve_parts([part]))
-    (item,) = ux.preprocess([{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]).items
+    part = MediaPart("audio", oa.media.MediaRef("audio", encode_audio(tone(5.0, 44100), "flac")))
+    (part,) = asyncio.run(MediaResolver(cfg).resolve([part]))
+    (item,) = ux.preprocess([ChatMessage("user", (part, TextPart("hi")))]).items
     assert item.pixels["audio_values"].shape[0] == 3  # three 2 s windows

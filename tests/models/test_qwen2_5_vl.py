@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easerve.types import PrefillRequest
+from easerve.types import ItemMeta, PrefillRequest, items_meta
 
 FAMILY = "qwen2.5-vl"
 # ("image", h, w) or ("video", frames, h, w); several per prompt are in prompt order
@@ -44,7 +44,7 @@ def test_split_greedy_equals_generate(mm, rng, full, enc, pre, name):
 def test_rope_delta_is_per_request(mm, rng, full, enc, pre):
     prompts = [full.preprocess(messages_of(mm, rng, CASES[n])) for n in ("image-60x90", "video-9f")]
     reqs = [PrefillRequest(f"r{k}", p.input_ids, enc.encode(p.items),
-                           [(i.modality, i.meta) for i in p.items]) for k, p in enumerate(prompts)]
+                           items_meta(p.items)) for k, p in enumerate(prompts)]
     both = pre.prefill(reqs)
     alone = [pre.prefill([r])[0] for r in reqs]
     assert both[0].rope_delta != both[1].rope_delta and all(r.rope_delta < 0 for r in both)
@@ -132,7 +132,7 @@ def test_raw_prompt_with_image_and_video(mm, rng, full):
 def test_prefill_rejects_swapped_modalities(mm, rng, full, enc, pre):
     prompt = full.preprocess(messages_of(mm, rng, CASES["image+video+image"]))
     embs = enc.encode(prompt.items)
-    meta = [("video", i.meta) if i.modality == "image" else ("image", i.meta) for i in prompt.items]
+    meta = [ItemMeta("video" if i.modality == "image" else "image", i.meta) for i in prompt.items]
     with pytest.raises(ValueError, match="placeholder"):
         pre.prefill([PrefillRequest("bad", prompt.input_ids, embs, meta)])
 

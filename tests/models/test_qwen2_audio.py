@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from easerve.types import PrefillRequest
+from easerve.types import ItemMeta, PrefillRequest, items_meta
 
 FAMILY = "qwen2-audio"
 SR = 16000
@@ -69,11 +69,11 @@ def test_bad_audio_is_rejected(mm, full, bad, match):
 def test_prefill_rejects_embeddings_that_do_not_fit(mm, rng, full, enc, pre):
     prompt = full.preprocess(mm.audio_messages(rng, [0.5]))
     emb = enc.encode(prompt.items)
-    meta = [(i.modality, i.meta) for i in prompt.items]
+    meta = items_meta(prompt.items)
     with pytest.raises(ValueError, match="placeholder"):  # one clip too many
         pre.prefill([PrefillRequest("extra", prompt.input_ids, emb * 2, meta * 2)])
     with pytest.raises(ValueError, match="placeholder"):  # rows for a shorter clip
-        pre.prefill([PrefillRequest("short", prompt.input_ids, [emb[0][:-1]], [("audio", {})])])
+        pre.prefill([PrefillRequest("short", prompt.input_ids, [emb[0][:-1]], [ItemMeta("audio", {})])])
 
 
 def test_raw_prompt_matches_chat(rng, mm, full):

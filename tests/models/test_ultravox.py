@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from easerve.types import PrefillRequest
+from easerve.types import PrefillRequest, items_meta
 
 FAMILY = "ultravox"
 SR = 16000
@@ -70,7 +70,7 @@ def test_bad_audio_is_rejected(mm, full):
 def test_prefill_rejects_embeddings_that_do_not_fit(mm, rng, full, enc, pre):
     prompt = full.preprocess(mm.audio_messages(rng, [0.5]))
     emb = enc.encode(prompt.items)
-    meta = [(i.modality, i.meta) for i in prompt.items]
+    meta = items_meta(prompt.items)
     with pytest.raises(ValueError, match="placeholder"):
         pre.prefill([PrefillRequest("extra", prompt.input_ids, emb * 2, meta * 2)])
     with pytest.raises(ValueError, match="embedding rows"):

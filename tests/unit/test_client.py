@@ -141,6 +141,22 @@ def test_status_codes_map_to_typed_errors(code, cls):
     assert type(err) is cls and isinstance(err, EAServeError) and str(err) == "why"
 
 
+def test_timings_cross_the_wire_field_by_field():
+    """The gateway's typed Timings reach the SDK whole: every field of common.proto's Timings."""
+    from dataclasses import fields
+
+    from easerve.types import Timings
+    from easerve.wire.sampling_proto import timings_from_proto, timings_to_proto
+
+    assert [f.name for f in fields(Timings)] == [f.name for f in cpb.Timings.DESCRIPTOR.fields]
+    values = {"float": lambda i: i + 0.5, "int": lambda i: i + 1, "bool": lambda i: True}
+    sent = Timings(**{f.name: values[f.type](i) for i, f in enumerate(fields(Timings))})
+    msg = gpb.GenerateResponse()
+    timings_to_proto(sent, msg.timings)
+    assert timings_from_proto(gpb.GenerateResponse.FromString(msg.SerializeToString()).timings) == sent
+    assert Timings(ttft_ms=5.0).merge(Timings(tpot_ms=1.5)) == Timings(ttft_ms=5.0, tpot_ms=1.5)
+
+
 def test_error_types_are_exported_lazily_and_subclass_builtins():
     assert easerve.OverloadedError is Overloaded and easerve.Client is Client
     assert issubclass(InvalidRequest, ValueError) and issubclass(DeadlineExceeded, TimeoutError)

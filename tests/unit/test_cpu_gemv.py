@@ -88,5 +88,5 @@ def test_the_real_timer_returns_positive_medians():
 
 def test_engine_config_names_the_layouts():
     from easerve.engine.config import EngineConfig
-    with pytest.raises(ValueError, match="linear_layout must be 'auto' or 'torch'"):
+    with pytest.raises(ValueError, match="linear_layout must be one of auto, torch, got 'fast'"):
         EngineConfig(linear_layout="fast")

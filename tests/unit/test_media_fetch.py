@@ -9,8 +9,9 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from easerve.media import FetchConfig, MediaConfig, MediaFetcher, MediaRef, MediaResolver
 from easerve.errors import MediaError
+from easerve.media import FetchConfig, MediaConfig, MediaFetcher, MediaRef, MediaResolver
+from easerve.types import MediaPart
 
 LOCAL = ("127.0.0.1",)
 
@@ -220,12 +221,15 @@ def test_bad_fetch_config_says_which_flag(kwargs, match):
 def test_resolver_fetches_urls_then_decodes():
     async def main():
         async with Server() as srv:
-            parts = [{"type": "image", "image": MediaRef("image", srv.base + "/img.png")},
-                     {"type": "video", "video": MediaRef("video", [srv.base + "/img.png", srv.base + "/img.png"])}]
-            await MediaResolver(MediaConfig(), MediaFetcher(FetchConfig(allowed_domains=LOCAL))).resolve_parts(parts)
-            return parts
-    image, video = asyncio.run(main())
-    assert image["image"].size == (20, 10) and [f.size for f in video["video"]] == [(20, 10)] * 2
+            url = srv.base + "/img.png"
+            parts = [MediaPart("image", MediaRef("image", url)), MediaPart("video", MediaRef("video", [url, url]))]
+            resolver = MediaResolver(MediaConfig(), MediaFetcher(FetchConfig(allowed_domains=LOCAL)))
+            return url, parts, await resolver.fetch(parts), await resolver.resolve(parts)
+    url, parts, fetched, (image, video) = asyncio.run(main())
+    assert image.value.size == (20, 10) and [f.size for f in video.value] == [(20, 10)] * 2
+    assert [p.ref.source for p in parts] == [url, [url, url]]  # new parts; the given ones are left as they were
+    assert isinstance(fetched[0].ref.source, bytes) and not fetched[0].decoded
+    assert all(isinstance(f, bytes) for f in fetched[1].ref.source)
 
 
 def test_decoding_runs_in_a_worker_thread_not_on_the_event_loop():
@@ -239,9 +243,8 @@ def test_decoding_runs_in_a_worker_thread_not_on_the_event_loop():
             return super().decode_all(refs)
 
     async def main():
-        parts = [{"type": "image", "image": MediaRef("image", png())}]
-        await Watched(MediaConfig()).resolve_parts(parts)
-        return threading.get_ident(), parts[0]["image"]
+        (part,) = await Watched(MediaConfig()).resolve([MediaPart("image", MediaRef("image", png()))])
+        return threading.get_ident(), part.value
     loop_thread, image = asyncio.run(main())
     assert image.size == (20, 10) and seen and seen[0] != loop_thread
 
@@ -257,10 +260,10 @@ def test_audio_url_part_is_fetched_and_resampled():
         async with Server() as srv:
             part = oa.convert_part({"type": "audio_url", "audio_url": {"url": srv.base + "/tone.flac"}}, ("audio",))
             resolver = MediaResolver(MediaConfig(audio_rate=16000), MediaFetcher(FetchConfig(allowed_domains=LOCAL)))
-            await resolver.resolve_parts([part])
-            return part
+            (decoded,) = await resolver.resolve([part])
+            return decoded
     part = asyncio.run(main())
     want = tone(0.5, 44100).mean(1)  # 16-bit in the file
-    assert part["type"] == "audio" and part["audio"].shape == (8000,)
-    got_energy, want_energy = float(np.mean(part["audio"] ** 2)), float(np.mean(want ** 2))
+    assert part.kind == "audio" and part.value.shape == (8000,)
+    got_energy, want_energy = float(np.mean(part.value ** 2)), float(np.mean(want ** 2))
     assert abs(got_energy - want_energy) < 0.01 * want_energy

@@ -11,7 +11,9 @@ from PIL import Image
 
 from easerve.errors import BadRequest
 from easerve.media import MediaConfig, MediaRef, MediaResolver
+from easerve.models.common import hf_messages
 from easerve.stages.gateway import openai_api as oa
+from easerve.types import ChatMessage, MediaPart, TextPart
 
 MODALITIES = ("image", "video")
 
@@ -26,24 +28,31 @@ def parse(body, modalities=MODALITIES, rate=None):
     return oa.parse_chat_request(body, "m", modalities, rate, default_max_tokens=32)
 
 
-def resolved(req, rate=None):
-    """The request's MediaRefs fetched and decoded, as GatewayCore.preprocess does."""
-    asyncio.run(MediaResolver(MediaConfig(audio_rate=rate)).resolve_messages(req.messages))
-    return req
+def resolved(req, rate=None) -> tuple[ChatMessage, ...]:
+    """The request's messages with their MediaRefs fetched and decoded, as GatewayCore.preprocess does."""
+    return asyncio.run(MediaResolver(MediaConfig(audio_rate=rate)).resolve_messages(req.messages))
 
 
-def test_parts_become_hf_messages_and_sampling_follows_openai_defaults():
+def test_parts_become_typed_messages_and_sampling_follows_openai_defaults():
     req = parse({"model": "m", "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png()}},
                                      {"type": "video_url", "video_url": {"frames": [_png(), _png()]}},
                                      {"type": "text", "text": "what?"}]}],
         "stream": True, "stream_options": {"include_usage": True}, "stop": "END", "seed": 7})
-    user = req.messages[1]["content"]
-    assert [p["type"] for p in user] == ["image", "video", "text"]
-    assert isinstance(user[0]["image"], MediaRef)  # parsing does no I/O and no decoding
-    resolved(req)
-    assert user[0]["image"].size == (24, 16) and [f.size for f in user[1]["video"]] == [(24, 16)] * 2
+    assert req.messages[0] == ChatMessage("system", (TextPart("be brief"),))
+    user = req.messages[1].content
+    assert [(type(p), getattr(p, "kind", None)) for p in user] == [(MediaPart, "image"), (MediaPart, "video"),
+                                                                   (TextPart, None)]
+    assert isinstance(user[0].ref, MediaRef) and not user[0].decoded  # parsing does no I/O and no decoding
+    messages = resolved(req)
+    decoded = messages[1].content
+    assert decoded[0].value.size == (24, 16) and [f.size for f in decoded[1].value] == [(24, 16)] * 2
+    assert decoded[2] is user[2] and not user[0].decoded  # new parts; the parsed request is left as it was
+    assert hf_messages(messages) == [  # the chat template's form, built by the adapter only
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "image", "image": decoded[0].value},
+                                     {"type": "video", "video": decoded[1].value}, {"type": "text", "text": "what?"}]}]
     assert req.stream and req.include_usage
     sp = req.sampling
     assert sp.temperature == 1.0 and sp.max_tokens == 32 and sp.stop == ("END",) and sp.seed == 7
@@ -58,8 +67,8 @@ def test_audio_part_is_resampled_to_the_model_rate():
         w.setframerate(8000)
         w.writeframes(np.zeros(8000, dtype="<i2").tobytes())
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
-    req = resolved(parse({"messages": [{"role": "user", "content": [part]}]}, ("audio",), 16000), 16000)
-    assert req.messages[0]["content"][0]["audio"].shape == (16000,)
+    messages = resolved(parse({"messages": [{"role": "user", "content": [part]}]}, ("audio",), 16000), 16000)
+    assert messages[0].content[0].value.shape == (16000,)
 
 
 M = [{"role": "user", "content": "x"}]
@@ -122,7 +131,7 @@ def test_max_completion_tokens_wins_over_max_tokens_and_developer_is_system():
                  "max_tokens": 5, "max_completion_tokens": 9})
     assert req.sampling.max_tokens == 9
     assert parse({"messages": M, "max_tokens": 5}).sampling.max_tokens == 5
-    assert req.messages[0]["role"] == "system"
+    assert req.messages[0].role == "system"
 
 
 def test_unknown_fields_are_ignored_and_sampling_is_mapped():

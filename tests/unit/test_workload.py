@@ -68,13 +68,15 @@ def test_arrivals_are_seeded_and_bounded():
         arrival_times(3.0, 0.0, n=5)
 
 
-def _decoded(parts: list[dict]) -> list[dict]:
-    """What the gateway's media resolver makes of converted parts (media decoded in place)."""
+def _decoded(parts: list) -> list:
+    """What the gateway's media resolver makes of converted parts (text parts as they are)."""
     import asyncio
 
     from easerve.media import MediaConfig, MediaResolver
-    asyncio.run(MediaResolver(MediaConfig(audio_rate=16000)).resolve_parts(parts))
-    return parts
+    from easerve.types import MediaPart
+    media = [p for p in parts if isinstance(p, MediaPart)]
+    it = iter(asyncio.run(MediaResolver(MediaConfig(audio_rate=16000)).resolve(media)))
+    return [next(it) if isinstance(p, MediaPart) else p for p in parts]
 
 
 def test_synthetic_requests_decode_like_the_gateway_decodes_them():
@@ -84,20 +86,20 @@ def test_synthetic_requests_decode_like_the_gateway_decodes_them():
     assert {r.modality for r in reqs} == {"image", "video", "audio", "text"}
     for r in reqs:
         parts = _decoded([convert_part(p, ("image", "video", "audio"), 16000) for p in r.messages[0]["content"]])
-        kinds = [p["type"] for p in parts]
-        assert kinds[-1] == "text" and len(parts[-1]["text"].split()) == 20
+        kinds = [getattr(p, "kind", "text") for p in parts]
+        assert kinds[-1] == "text" and len(parts[-1].text.split()) == 20
         if r.modality == "image":
-            assert parts[0]["image"].size == (64, 48)
+            assert parts[0].value.size == (64, 48)
         elif r.modality == "video":
-            assert len(parts[0]["video"]) == 3 and parts[0]["video"][0].size == (32, 32)
+            assert len(parts[0].value) == 3 and parts[0].value[0].size == (32, 32)
         elif r.modality == "audio":
-            assert len(parts[0]["audio"]) == 8000
+            assert len(parts[0].value) == 8000
         else:
             assert kinds == ["text"]
     images = [r.messages[0]["content"][0]["image_url"]["url"] for r in reqs if r.modality == "image"]
     assert len(set(images)) == len(images)  # unique media: no server-side cache hit
     frames = synthesize(WorkloadSpec(modality="video", video_format="frames", video_frames=2), 1)[0]
-    assert len(_decoded([convert_part(frames.messages[0]["content"][0], ("video",), None)])[0]["video"]) == 2
+    assert len(_decoded([convert_part(frames.messages[0]["content"][0], ("video",), None)])[0].value) == 2
 
 
 def test_body_is_a_streamed_chat_request():

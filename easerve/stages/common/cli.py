@@ -7,12 +7,7 @@ import os
 import sys
 
 from easerve.rpc.server import run
-from easerve.stages.common.configs import DEFAULT_MAX_MODEL_LEN, cpu_cores, from_argv
-
-
-def default_max_len(text_config) -> int:
-    """The model's context length, capped at DEFAULT_MAX_MODEL_LEN (gateway and decode agree)."""
-    return min(int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN)
+from easerve.stages.common.configs import cpu_cores, from_argv
 
 
 def setup_process(cfg) -> None:

@@ -4,13 +4,14 @@ Entry point: python -m services.decode --model DIR [--listen 127.0.0.1:50054] [-
 from __future__ import annotations
 
 
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.engine import DecodeEngine
 from easerve.stages.common.metrics import DecodeMetrics, new_registry
+from easerve.engine.config import EngineConfig
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import HealthState, ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.decode.async_engine import AsyncEngine
-from easerve.stages.common.cli import default_max_len, dtype_of, write_port_file
+from easerve.stages.common.cli import dtype_of, write_port_file
 from easerve.stages.common.configs import DecodeConfig
 from easerve.stages.common.metrics_http import start_metrics_server
 from easerve.stages.common.warmup import dummy_payload
@@ -20,26 +21,10 @@ from easerve.wire.v1 import decode_pb2_grpc
 from easerve.stages.decode.servicer import DecodeServicer
 
 
-def engine_config(cfg, max_len: int) -> EngineConfig:
-    """KV sized by --kv-capacity-tokens or --num-slots when given, else from memory
-    (--kv-cache-memory-gb; on a GPU --gpu-memory-utilization): the layout is the engine's
-    choice (slots read in place; paged where flashinfer runs)."""
-    from easerve.engine.config import GIB, default_cpu_kv_bytes
-    common = dict(max_running=cfg.max_running, max_waiting=cfg.max_waiting, max_seq_len=cfg.max_seq_len or max_len,
-                  block_size=cfg.block_size, device=cfg.torch_device)
-    if cfg.kv_capacity_tokens:
-        return EngineConfig(kv_capacity_tokens=cfg.kv_capacity_tokens, **common)
-    if cfg.num_slots:
-        return EngineConfig(num_slots=cfg.num_slots, **common)
-    if cfg.kv_cache_memory_gb:
-        return EngineConfig(kv_cache_memory_bytes=int(cfg.kv_cache_memory_gb * GIB), **common)
-    if cfg.torch_device.startswith("cpu"):
-        return EngineConfig(kv_cache_memory_bytes=default_cpu_kv_bytes(), **common)
-    return EngineConfig(gpu_memory_utilization=cfg.gpu_memory_utilization, **common)
-
-
-def build_engine(cfg, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:
-    engine = DecodeEngine(adapter, engine_config(cfg, default_max_len(adapter.text_config)))
+def build_engine(cfg: EngineConfig, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:
+    """The engine of a decode (or monolith) config: its engine flags are EngineConfig's fields, so
+    the config is the engine's as it is (KV sized as EngineConfig.sizing says)."""
+    engine = DecodeEngine(adapter, cfg)
     return AsyncEngine(engine, on_fatal=lambda e: health.fail(f"decode engine failed: {e!r}"),
                        on_step=metrics.on_step if metrics is not None else None)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.policy.batcher import AdaptiveBatcher
 from easerve.policy.clock import MonotonicClock
 from easerve.policy.router import DeficitRouter
 from easerve.stages.common.metrics import PrefillMetrics
@@ -54,11 +54,8 @@ class Encoder:
         if self.controller is not None:
             self.metrics.on_partition(self.controller.backend.name, self.controller.partitioner.policy,
                                       self.controller.backend.degraded)
-        batcher = AdaptiveBatcher(BatcherConfig(
-            max_batch=cfg.max_batch, mode=cfg.batch_mode, safety_cap_s=cfg.safety_cap_s,
-            gap_coef=cfg.gap_coef, max_gap_s=min(cfg.max_gap_s, cfg.safety_cap_s)))
-        self.loop = EncodeLoop(self.adapter, batcher, self.controller, self.metrics, self.encode_pool,
-                               clock=self.clock)
+        self.loop = EncodeLoop(self.adapter, AdaptiveBatcher(cfg.batcher), self.controller, self.metrics,
+                               self.encode_pool, clock=self.clock)
         self.local = self._local_stage()
         self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
                                "easerve.v1.Prefill", tls=self.opts.tls)
@@ -76,8 +73,8 @@ class Encoder:
         if not self.cfg.colocate_prefill:
             return None  # encode alone on its device: nothing to share
         c = self.cfg
-        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partition_policy,
-                                c.partition_profile or None, c.batch_sizes, c.partition_tolerance,
+        return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partitioner.policy,
+                                c.partition_profile or None, c.batch_sizes, c.partitioner.tolerance,
                                 self.encode_pool, self.prefill_pool, model=c.model)
 
     def _local_stage(self):

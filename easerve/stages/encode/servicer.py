@@ -15,7 +15,7 @@ from easerve.errors import CacheMiss, InvalidRequest
 from easerve.rpc.errors import grpc_errors
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import Peers, relay
-from easerve.types import PrefillRequest
+from easerve.types import PrefillRequest, items_meta
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2
 from easerve.cache.embeddings import CachedEncode, EmbeddingCache
@@ -76,7 +76,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         timings = {"encode_ms": res.encode_ms, "queue_ms": res.queue_ms, "encode_cache_hits": res.hits}
         if route == "local":
             req = PrefillRequest(rid, list(request.input_ids), res.embeddings,
-                                 [(it.modality, it.meta) for it in items], sampling)
+                                 items_meta(items), sampling)
             async for chunk in self.local.run(req, request.decode.address, deadline, **timings):
                 yield chunk
             return

@@ -23,23 +23,23 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from easerve.engine.logprobs import TokenLogprobs
 from easerve.errors import BadRequest, CacheMiss, Internal, Unavailable
-from easerve.media import MediaRef, MediaResolver, config_for
-from easerve.media.resolve import KINDS
+from easerve.media import MediaResolver, config_for
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.server import ServerOptions
-from easerve.stages.common.cli import default_max_len
+from easerve.engine.config import default_max_len
 from easerve.stages.common.configs import GatewayConfig
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import peers_of
-from easerve.types import ProcessedPrompt, SamplingParams
+from easerve.types import (MODALITIES, ChatMessage, MediaPart, ProcessedPrompt, SamplingParams, Timings, media_parts,
+                           with_media)
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from easerve.cache.gateway import MediaCache, MediaPlan
@@ -48,33 +48,44 @@ __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    timings: dict = field(default_factory=dict)
+    timings: Timings | None = None  # on the first delta and the last one
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
 
 
 @dataclass
 class Job:
-    """One request as the gateway sees it: chat messages or a raw prompt + media.
+    """One request as the gateway sees it: chat messages or a raw prompt + media, as parsed at
+    the door (media fetched, once `GatewayCore` did, never decoded in place).
     `request_id` is what the client sees; `internal_id`, unique, is what the stages see."""
 
     sampling: SamplingParams
     request_id: str
-    messages: list[dict] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
     prompt: str | None = None
-    media: list[dict] = field(default_factory=list)
+    media: tuple[MediaPart, ...] = ()
     prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
     internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
     media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
     preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
+
+    def media_parts(self) -> list[MediaPart]:
+        """Every media part, in request order."""
+        return [*media_parts(self.messages or ()), *self.media]
+
+    def with_media(self, parts: list[MediaPart]) -> tuple[tuple[ChatMessage, ...] | None, tuple[MediaPart, ...]]:
+        """(messages, media) of this job with its media parts (`media_parts()` order) replaced by `parts`."""
+        n = len(parts) - len(self.media)
+        messages = None if self.messages is None else with_media(self.messages, parts[:n])
+        return messages, tuple(parts[n:])
 
 
 class GatewayCore:
@@ -102,12 +113,13 @@ class GatewayCore:
             await peers.close()
 
     # ---- preprocessing ------------------------------------------------------------------
-    def _preprocess_sync(self, job: Job) -> ProcessedPrompt:
-        if job.messages is not None:
-            return self.adapter.preprocess(job.messages)
+    def _preprocess_sync(self, job: Job, messages: tuple[ChatMessage, ...] | None,
+                         media: tuple[MediaPart, ...]) -> ProcessedPrompt:
+        if messages is not None:
+            return self.adapter.preprocess(messages)
         if job.prompt_ids is not None:
             return ProcessedPrompt(input_ids=list(job.prompt_ids))
-        by_kind = {k: [m[k] for m in job.media if k in m] for k in ("image", "video", "audio")}
+        by_kind = {k: [p.value for p in media if p.kind == k] for k in MODALITIES}
         return self.adapter.preprocess_prompt(job.prompt or "", images=by_kind["image"],
                                               videos=by_kind["video"], audios=by_kind["audio"])
 
@@ -119,19 +131,20 @@ class GatewayCore:
 
     async def _processed(self, job: Job) -> ProcessedPrompt:
         """Full preprocessing: fetch and decode the media, run the HF processor."""
-        await self.media.resolve_messages(job.messages or [])
-        await self.media.resolve_parts(job.media)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job)
+        messages, media = job.with_media(await self.media.resolve(job.media_parts()))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job,
+                                                                messages, media)
 
     async def _prepare(self, job: Job) -> ProcessedPrompt:
         """Hash the media as received, plan the encode (easerve.cache.gateway), and skip
         decoding and the processor when the planned encode instance holds every item."""
-        slots = _media_slots(job) if self.cache is not None and job.prompt_ids is None else []
-        if not slots:
+        parts = job.media_parts() if self.cache is not None and job.prompt_ids is None else []
+        if not parts:
             return await self._processed(job)
         loop = asyncio.get_running_loop()
-        await self.media.fetch_refs([ref for _, _, ref in slots if ref is not None])
-        pairs = await loop.run_in_executor(self._pool, self.cache.hash_parts, slots)
+        parts = await self.media.fetch(parts)
+        job.messages, job.media = job.with_media(parts)  # fetched once, for a full preprocess too
+        pairs = await loop.run_in_executor(self._pool, self.cache.hash_parts, parts)
         job.media_plan = plan = await self.cache.plan(pairs, self._deadline(job).timeout())
         known = self.cache.known_items(plan) if plan.all_held else None
         if known is not None:
@@ -292,10 +305,9 @@ class GatewayCore:
         skipped = bool(job.media_plan and job.media_plan.skipped)  # still so after the encode call: no late miss
         if skipped:
             self.m.preprocess_skipped.inc()
-        timings = {"ttft_ms": ttft * 1000, "encode_ms": t.encode_ms, "queue_ms": t.queue_ms,
-                   "prefill_ms": t.prefill_ms, "embed_transfer_ms": t.embed_transfer_ms,
-                   "encode_cache_hits": t.encode_cache_hits, "preprocess_ms": job.preprocess_ms,
-                   "preprocess_skipped": skipped}
+        timings = Timings(ttft_ms=ttft * 1000, encode_ms=t.encode_ms, queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
+                          embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
+                          preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
             return self._last(job, prompt, chunk, finish, 1, None, timings)
@@ -329,11 +341,12 @@ class GatewayCore:
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
-                yield self._last(job, prompt, chunk, finish, n, first_at, {"kv_transfer_ms": chunk.timings.kv_transfer_ms})
+                timings = Timings(kv_transfer_ms=chunk.timings.kv_transfer_ms)
+                yield self._last(job, prompt, chunk, finish, n, first_at, timings)
                 return
             yield Delta(list(chunk.token_ids), chunk.text, logprobs=_logprobs(chunk))
 
-    def _last(self, job, prompt, chunk, finish, n, first_at, timings) -> Delta:
+    def _last(self, job, prompt, chunk, finish, n, first_at, timings: Timings) -> Delta:
         now = time.monotonic()
         tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
         if n > 1:
@@ -343,25 +356,11 @@ class GatewayCore:
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
         return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
-                     {**timings, "tpot_ms": tpot * 1000}, _logprobs(chunk))
+                     replace(timings, tpot_ms=tpot * 1000), _logprobs(chunk))
 
 
 def _logprobs(chunk) -> list[TokenLogprobs]:
     return [TokenLogprobs.from_proto(m) for m in chunk.logprobs]
-
-
-def _media_slots(job: Job) -> list[tuple[str, dict, object]]:
-    """(kind, part, the part's MediaRef or None) of every media part of a job, in request
-    order, taken before resolving replaces the refs by decoded media."""
-    parts = [p for m in (job.messages or []) if isinstance(m.get("content"), list) for p in m["content"]]
-    parts += list(job.media)
-    out = []
-    for p in parts:
-        kind = p.get("type")
-        if kind in KINDS and kind in p:
-            ref = p[kind]
-            out.append((kind, p, ref if isinstance(ref, MediaRef) else None))
-    return out
 
 
 async def _drain(call) -> None:

@@ -6,8 +6,8 @@ Accepted content parts (vLLM's names): text, image_url ({"url": data: URI, base6
 or file:// URL}), video_url ({"url": ..., "fps": optional sampling rate} of an MP4 / WebM / MKV /
 MOV / GIF / WebP file, or {"frames": [image URIs], "fps": their rate}), input_audio ({"data": base64 file,
 "format": "wav" | "flac" | "mp3" | "ogg" | "m4a" | ...}) and audio_url ({"url": ...}).
-Media parts become `easerve.media.MediaRef`s here; `MediaResolver` fetches and decodes them
-off the event loop before preprocessing.
+Messages become frozen `easerve.types.ChatMessage`s here, their media parts `MediaPart`s holding
+`MediaRef`s; `MediaResolver` fetches and decodes them off the event loop before preprocessing.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 from easerve import media
 from easerve.errors import BadRequest, InvalidRequest
-from easerve.types import SamplingParams
+from easerve.types import ChatMessage, ContentPart, MediaPart, SamplingParams, TextPart
 from easerve.stages.gateway import openai_schema as osc
 
 
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict]            # HF-style; media values are MediaRefs until GatewayCore resolves them
+    messages: tuple[ChatMessage, ...]  # media parts hold MediaRefs until GatewayCore resolves them
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -70,18 +70,18 @@ def _audio_ref(part: dict) -> media.MediaRef:
     return media.MediaRef("audio", val["data"])
 
 
-def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = None) -> dict:
-    """One OpenAI content part -> an HF-style part; media values are unresolved `MediaRef`s
+def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = None) -> ContentPart:
+    """One OpenAI content part -> a `TextPart`, or a `MediaPart` holding an unresolved `MediaRef`
     (`sampling_rate` is unused since audio is decoded by `MediaResolver`; kept for callers)."""
     if isinstance(part, str):
-        return {"type": "text", "text": part}
+        return TextPart(part)
     if not isinstance(part, dict) or "type" not in part:
         raise BadRequest("each content part must be an object with a 'type'")
     kind = part["type"]
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise BadRequest("text part needs a string 'text'")
-        return {"type": "text", "text": part["text"]}
+        return TextPart(part["text"])
     if kind not in MEDIA_PARTS:
         raise BadRequest(f"unsupported content part type {kind!r}; use text, {', '.join(MEDIA_PARTS)}")
     need = MEDIA_PARTS[kind]
@@ -94,12 +94,12 @@ def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = 
         ref = _video_ref(part)
     else:
         ref = _audio_ref(part)
-    return {"type": need, need: ref}
+    return MediaPart(need, ref)
 
 
 def convert_messages(messages: list[osc.Message], modalities: tuple[str, ...],
-                     sampling_rate: int | None) -> list[dict]:
-    """Validated messages -> HF-style messages with media decoded; a part's error names its path."""
+                     sampling_rate: int | None) -> tuple[ChatMessage, ...]:
+    """Validated messages -> chat messages (media not fetched yet); a part's error names its path."""
     out = []
     for i, m in enumerate(messages):
         parts = []
@@ -108,8 +108,8 @@ def convert_messages(messages: list[osc.Message], modalities: tuple[str, ...],
                 parts.append(convert_part(part.model_dump(), modalities, sampling_rate))
             except BadRequest as e:
                 raise BadRequest(f"messages[{i}].content[{j}]: {e}") from None
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
-    return out
+        out.append(ChatMessage("system" if m.role == "developer" else m.role, tuple(parts)))
+    return tuple(out)
 
 
 def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingParams:

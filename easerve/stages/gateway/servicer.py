@@ -11,6 +11,8 @@ from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest
 from easerve.wire.protoconv import FINISH_TO_PROTO, sampling_from_proto
+from easerve.types import ChatMessage, ContentPart, MediaPart, TextPart
+from easerve.wire.sampling_proto import timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.core import GatewayCore, Job
 
@@ -50,18 +52,18 @@ def _audio(m, rate: int | None) -> media.MediaRef:
     return media.MediaRef("audio", m.wav if src == "wav" else m.url)
 
 
-def part_to_hf(p, modalities: tuple[str, ...], rate: int | None) -> dict:
-    """One proto content part -> an HF-style part; media values are `MediaRef`s that
+def part_from_proto(p, modalities: tuple[str, ...], rate: int | None) -> ContentPart:
+    """One proto content part -> a `TextPart`, or a `MediaPart` holding a `MediaRef` that
     `GatewayCore.preprocess` fetches and decodes off the event loop."""
     kind = p.WhichOneof("part")
     if kind is None:
         raise InvalidRequest("empty content part; set text, image, video or audio")
     if kind == "text":
-        return {"type": "text", "text": p.text}
+        return TextPart(p.text)
     if kind not in modalities:
         raise InvalidRequest(f"this model takes {', '.join(modalities)}; {kind} parts are not supported")
     value = {"image": _image, "video": _video}.get(kind, lambda m: _audio(m, rate))(getattr(p, kind))
-    return {"type": kind, kind: value}
+    return MediaPart(kind, value)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -87,14 +89,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                          "(empty: user)")
                 if not m.content:
                     raise InvalidRequest(f"messages[{i}] has no content; send at least one part")
-            job.messages = [{"role": {"": "user", "developer": "system"}.get(m.role, m.role),
-                             "content": [part_to_hf(p, a.modalities, a.sampling_rate) for p in m.content]}
-                            for m in req.messages]
+            job.messages = tuple(ChatMessage({"": "user", "developer": "system"}.get(m.role, m.role),
+                                             tuple(part_from_proto(p, a.modalities, a.sampling_rate)
+                                                   for p in m.content))
+                                 for m in req.messages)
         else:
             job.prompt = req.prompt
             if any(p.WhichOneof("part") == "text" for p in req.media):
                 raise InvalidRequest("media holds a text part; put text in 'prompt', media parts in 'media'")
-            job.media = [part_to_hf(p, a.modalities, a.sampling_rate) for p in req.media]
+            job.media = tuple(part_from_proto(p, a.modalities, a.sampling_rate) for p in req.media)
         return job
 
     @grpc_errors
@@ -103,8 +106,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         async for d in self.core.generate(job):
             msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
                                                finish_reason=FINISH_TO_PROTO[d.finish_reason])
-            for k, v in d.timings.items():
-                setattr(msg.timings, k, v)
+            if d.timings is not None:
+                timings_to_proto(d.timings, msg.timings)
             for lp in d.logprobs:
                 lp.to_proto(msg.logprobs.add())
             if d.finish_reason is not None:
