@@ -39,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint folder (loaded with role='decode')")
     src.add_argument("--text-lm", action="store_true", help="use the tests' text LM at bench size")
+    src.add_argument("--text-lm-spec", default=None,
+                     help='the tests\' text LM with these TextLMSpec fields, JSON (e.g. a 4-layer 7B shape: '
+                          '{"family": "qwen2", "hidden": 3584, "layers": 4, "heads": 28, "kv_heads": 4, '
+                          '"intermediate": 18944})')
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny-llava-next-bench"),
                     help="where the default bench checkpoint is built once")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -61,10 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load(args):
-    if args.text_lm:
+    if args.text_lm or args.text_lm_spec:
         sys.path.insert(0, str(ROOT))
         from tests.models.text_lm import TextLMSpec, build_text_lm
-        return build_text_lm(TextLMSpec.bench(), device=args.device, with_tokenizer=False)
+        spec = TextLMSpec(**json.loads(args.text_lm_spec)) if args.text_lm_spec else TextLMSpec.bench()
+        return build_text_lm(spec, device=args.device, with_tokenizer=False)
     from easerve.models.registry import load_adapter
     path = Path(args.model) if args.model else Path(args.cache_dir)
     if not args.model and not (path / "config.json").is_file():

@@ -23,7 +23,7 @@ from easerve.gpucheck.runner import Section, run_sections, section_command  # no
 # (section, timeout on an H200 in seconds); the sum stays inside the default budget
 TIMEOUTS = (("preflight", 40), ("green_contexts", 30), ("colocation", 60), ("cuda_ipc", 45),
             ("decode", 120), ("e2e", 100))
-DRY_TIMEOUTS = {"decode": 240, "e2e": 240}  # a 2-core CPU builds models and a stack slowly
+DRY_TIMEOUTS = {"decode": 300, "e2e": 300}  # a 2-core CPU builds models and a stack slowly
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,8 @@ Step caches, one per backend (`select_attention`):
 - "paged-gather" (`PagedStepCache`): a `PagedKVPool` on a device without flashinfer; the
   batch's blocks are gathered (copied) per layer, then sdpa with a length mask.
 - "flashinfer" (`FlashInferStepCache`): a `PagedKVPool` on CUDA with the `flashinfer`
-  package; its paged decode kernel reads the pool's pages in place.
+  package and a head_dim it has kernels for (64/128/256); its paged decode kernel reads the
+  pool's pages in place (tensor cores for GQA groups other than 1/2/3/4/6/8).
 
 Only plain causal full attention is supported (no sliding-window layers), and one query
 token per request per step.
@@ -74,9 +75,35 @@ def import_flashinfer() -> Any | None:
     return flashinfer
 
 
-def paged_kernel_available(device_type: str, dtype: torch.dtype, flashinfer_importable: bool) -> bool:
-    """Whether flashinfer's paged decode kernel can serve this device and KV dtype."""
-    return flashinfer_importable and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+# GQA group sizes (query heads per kv head) flashinfer's decode kernel without tensor cores is
+# built for; any other group runs its tensor-core (prefill-kernel) path
+FLASHINFER_CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8)
+
+
+def paged_kernel_available(device_type: str, dtype: torch.dtype, flashinfer_importable: bool,
+                           head_dim: int | None = None) -> bool:
+    """Whether flashinfer's paged decode kernel can serve this device, KV dtype and head_dim
+    (64, 128 or 256; None: not checked)."""
+    return (flashinfer_importable and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and (head_dim is None or head_dim in FLASHINFER_HEAD_DIMS))
+
+
+def flashinfer_tensor_cores(num_heads: int, kv_heads: int) -> bool:
+    """`use_tensor_cores` for BatchDecodeWithPagedKVCacheWrapper: needed when the GQA group
+    (num_heads / kv_heads; Qwen2.5-VL-7B: 28 / 4 = 7) is not one the plain decode kernel has."""
+    if kv_heads < 1 or num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
+    return num_heads // kv_heads not in FLASHINFER_CUDA_CORE_GROUPS
+
+
+def flashinfer_decode_wrapper(flashinfer: Any, num_heads: int, kv_heads: int, device: torch.device,
+                              workspace_bytes: int) -> Any:
+    """flashinfer's paged decode wrapper ("NHD") on a zeroed workspace (its scheduler reads
+    state there that must start at zero), with tensor cores when the GQA group needs them."""
+    workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=flashinfer_tensor_cores(num_heads, kv_heads))
 
 
 def select_attention(layout: str, paged_kernel: bool) -> str:
@@ -197,11 +224,11 @@ class FlashInferStepCache(_StepCache):
         return key_states, value_states  # attend() reads the pool, not these
 
     def attend(self, module, query, key, value, scaling: float | None = None, **kwargs):
-        dev, lay = query.device, self.pool.layout
-        if not self._planned:
-            self.wrapper.plan(torch.tensor(self.indptr, dtype=torch.int32, device=dev),
-                              torch.tensor(self.indices, dtype=torch.int32, device=dev),
-                              torch.tensor(self.last_len, dtype=torch.int32, device=dev),
+        lay = self.pool.layout
+        if not self._planned:  # host index tensors: plan copies them up itself, without a sync each
+            self.wrapper.plan(torch.tensor(self.indptr, dtype=torch.int32),
+                              torch.tensor(self.indices, dtype=torch.int32),
+                              torch.tensor(self.last_len, dtype=torch.int32),
                               query.shape[1], lay.kv_heads, lay.head_dim, self.pool.block_size,
                               pos_encoding_mode="NONE", q_data_type=query.dtype, kv_data_type=lay.dtype,
                               sm_scale=scaling)

@@ -148,14 +148,17 @@ class EngineConfig:
 
 def gpu_kv_budget(total_bytes: int, free_bytes: int, used_bytes: int, utilization: float) -> int:
     """KV bytes for gpu_memory_utilization: utilization x the device's total memory, less what
-    this process already holds (weights, `used_bytes`). Raises ValueError saying what to change."""
-    budget = int(total_bytes * utilization) - used_bytes
-    if budget <= 0:
+    this process already holds (weights, `used_bytes`), capped at what is free now (other
+    stages of the GPU hold the rest). Raises ValueError saying what to change when nothing is
+    left; a budget too small for one request is refused later, by `kv_geometry`."""
+    wanted = int(total_bytes * utilization) - used_bytes
+    if wanted <= 0:
         raise ValueError(f"gpu_memory_utilization {utilization} of {total_bytes / GIB:.1f} GiB leaves nothing for KV "
                          f"after the {used_bytes / GIB:.1f} GiB this process holds; raise --gpu-memory-utilization")
-    if budget > free_bytes:
-        raise ValueError(f"KV budget {budget / GIB:.1f} GiB exceeds the {free_bytes / GIB:.1f} GiB free on the device "
-                         "(another process holds memory); lower --gpu-memory-utilization")
+    budget = min(wanted, free_bytes)
+    if budget <= 0:
+        raise ValueError(f"no device memory is free for KV ({total_bytes / GIB:.1f} GiB, all held); "
+                         "free memory on the GPU or move a stage to another one")
     return budget
 
 

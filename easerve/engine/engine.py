@@ -91,7 +91,8 @@ class DecodeEngine:
                              "load the adapter on the engine's device")
         layout = KVLayout.from_text_config(adapter.text_config, adapter.dtype, self.device)
         flashinfer = att.import_flashinfer() if self.device.type == "cuda" else None
-        paged_kernel = att.paged_kernel_available(self.device.type, layout.dtype, flashinfer is not None)
+        paged_kernel = att.paged_kernel_available(self.device.type, layout.dtype, flashinfer is not None,
+                                                  layout.head_dim)
         self.geometry = config.kv_geometry(layout.bytes_per_token, self._gpu_budget(), paged_kernel,
                                            model_len=default_max_len(adapter.text_config))
         self.backend = att.select_attention(self.geometry.layout, paged_kernel)
@@ -102,8 +103,9 @@ class DecodeEngine:
         self.pool = (SlotKVPool if slots else PagedKVPool)(layout, self.blocks)
         self._wrapper = None
         if self.backend == "flashinfer":
-            workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            self._wrapper = att.flashinfer_decode_wrapper(
+                flashinfer, adapter.text_config.num_attention_heads, layout.kv_heads, self.device,
+                FLASHINFER_WORKSPACE_BYTES)
         att.use_engine_attention(adapter.language_model)
         self.linear_layouts = self._choose_linear_layouts(adapter)
         self._eos = frozenset(adapter.eos_token_ids)

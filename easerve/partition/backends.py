@@ -10,11 +10,11 @@ found no mechanism and time-slices, or a green-context level whose prefill remai
 refused). Backends:
 
 - GreenContextBackend: CUDA green contexts; per level, one SM split made up front into an
-  encode group and the disjoint remainder for prefill, each with its own stream, so switching
-  is picking a pre-created stream (no driver call).
+  encode group and a disjoint prefill group (cut from the remainder, see green_contexts),
+  each with its own context and stream, so switching is picking a pre-created stream.
 - MPSBackend: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by the driver at CUDA init, so the share
   is fixed per process at launch (`env_for(share)`); `apply` cannot change it.
-- CpuAffinityBackend: splits the process's allowed cores between the encode and local-prefill
+- CpuAffinityBackend (cpu_affinity.py): splits the process's allowed cores between the encode and local-prefill
   worker threads with os.sched_setaffinity on their native thread ids.
 - TimeSliceBackend (uncontrolled baseline) and StaticSplitBackend (fixed 50/50 baseline, on
   one of the mechanisms above built with the single level 0.5).
@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
-import threading
 from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence, get_args
 
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
@@ -187,92 +185,6 @@ class StaticSplitBackend(SMBackend):
         self.inner.close()
 
 
-class CpuAffinityBackend(SMBackend):
-    """Core split per level: encode gets ceil(share x n) cores (at least 1), prefill the rest;
-    when nothing is left (share 1.0, or one core) prefill shares all cores (time-slices).
-    So share 0.5 is exactly half on an even count; on an odd one encode gets the extra core
-    (3 cores: 2 + 1), and `realized` reports 2/3.
-
-    Bound threads (`bind`) are moved by `apply` itself; an unbound thread can pin itself for a
-    block with `encode_context` / `prefill_context`. Only the bound threads move: helper
-    threads they already spawned (e.g. an OpenMP pool) keep the affinity they started with."""
-
-    name = "cpu_affinity"
-    dynamic = True
-
-    def __init__(self, levels: Sequence[float] = DEFAULT_SHARES,
-                 cores: Sequence[int] | None = None) -> None:
-        if not hasattr(os, "sched_setaffinity"):
-            raise BackendUnavailable("os.sched_setaffinity is not available on this platform")
-        self.cores = tuple(sorted(os.sched_getaffinity(0) if cores is None else cores))
-        if not self.cores:
-            raise ValueError("cores must not be empty")
-        lv = _check_levels(levels)
-        self._splits = tuple(self._split(s) for s in lv)
-        self._tids: dict[str, int] = {}
-        self.lost: list[tuple[str, int]] = []  # bound threads that disappeared
-        super().__init__(lv, f"cpu core split over {len(self.cores)} allowed cores {list(self.cores)}")
-
-    def _split(self, share: float) -> tuple[frozenset[int], frozenset[int]]:
-        n = len(self.cores)
-        k = min(n, max(1, math.ceil(share * n - 1e-9)))
-        enc, rest = self.cores[:k], self.cores[k:]
-        return frozenset(enc), frozenset(rest or self.cores)
-
-    def realized(self, level: int | None = None) -> Allocation:
-        i = self.level if level is None else level
-        enc, pre = self._splits[i]
-        n = len(self.cores)
-        if enc & pre:  # prefill has no cores of its own
-            return Allocation(1.0 if len(enc) == n else len(enc) / n, 0.0, i)
-        return Allocation(len(enc) / n, len(pre) / n, i)
-
-    def cores_for(self, worker: Worker, level: int | None = None) -> frozenset[int]:
-        lv = self.level if level is None else level
-        return self._splits[lv][WORKERS.index(worker)]
-
-    def bind(self, worker: Worker, tid: int | None = None) -> None:
-        """Register a worker thread (native id; default: the calling thread) and pin it now."""
-        if worker not in WORKERS:
-            raise ValueError(f"worker must be one of {WORKERS}, got {worker!r}")
-        self._tids[worker] = threading.get_native_id() if tid is None else tid
-        self._pin_bound(worker, self.level)
-
-    def current_affinity(self, worker: Worker) -> frozenset[int]:
-        """What the kernel says the bound worker may run on now."""
-        return frozenset(os.sched_getaffinity(self._tids[worker]))
-
-    def _switch(self, idx: int) -> None:
-        for w in list(self._tids):
-            self._pin_bound(w, idx)
-
-    def _pin_bound(self, worker: str, idx: int) -> None:
-        tid = self._tids[worker]
-        try:
-            os.sched_setaffinity(tid, self._splits[idx][WORKERS.index(worker)])
-        except ProcessLookupError:
-            self._tids.pop(worker, None)
-            self.lost.append((worker, tid))
-
-    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return self._pin_self("encode", level)
-
-    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return self._pin_self("prefill", level)
-
-    @contextlib.contextmanager
-    def _pin_self(self, worker: Worker, level: int | None):
-        if self._tids.get(worker) == threading.get_native_id() and level is None:
-            yield  # bound: apply() already moved this thread
-            return
-        prev = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, self.cores_for(worker, level))
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, prev)
-
-
 class MPSBackend(SMBackend):
     """CUDA MPS: this process's share was fixed at CUDA init by its launcher. MPS caps per
     CUDA context and torch has one per process, so encode and the co-located prefill both run
@@ -319,15 +231,20 @@ class MPSBackend(SMBackend):
 
 
 @contextlib.contextmanager
-def _stream_scope(stream: Any, sync: bool):
+def _stream_scope(stream: Any, sync: bool, enter: Any = None, torch: Any = None):
     """Run a block on `stream`, after the work already queued on the caller's current stream
-    (inputs it uploaded). With `sync`, the exit waits on the host for this stream alone, so
-    results are ready for any thread or stream and the other side's stream keeps running;
-    without it the caller orders the hand-off with CUDA events. (A GPU-side wait of the
-    shared default stream instead would chain encode and prefill back together.)"""
-    torch = _torch()
+    (inputs it uploaded). `enter`: for a stream of another CUDA context (a green context), a
+    scope that makes that context current; the wait on the caller's stream is set up before
+    it, so that event is recorded in the caller's context, and events recorded inside the
+    block belong to `stream`'s context (an event may only be recorded on a stream of its own
+    context; a stream may wait on an event of any). With `sync`, the exit waits on the host
+    for this stream alone, so results are ready for any thread or stream and the other
+    side's stream keeps running; without it the caller orders the hand-off with CUDA events.
+    (A GPU-side wait of the shared default stream instead would chain encode and prefill
+    back together.)"""
+    torch = _torch() if torch is None else torch
     stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
+    with enter() if enter is not None else contextlib.nullcontext(), torch.cuda.stream(stream):
         yield stream
     if sync:
         stream.synchronize()
@@ -430,6 +347,7 @@ def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
         return backend
     if cuda:
         raise BackendUnavailable("core affinity does not partition a GPU")
+    from easerve.partition.cpu_affinity import CpuAffinityBackend
     backend = CpuAffinityBackend(levels)
     if len(backend.cores) < 2:
         raise BackendUnavailable(f"only {len(backend.cores)} allowed core: nothing to split")

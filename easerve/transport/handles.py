@@ -69,6 +69,7 @@ class CudaIpcHandle:
     ready_event: bytes
     device: int
     nbytes: int
+    device_uuid: str = ""  # the GPU's UUID; the receiver maps it to its own device index
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def handle_to_proto(h: Handle) -> kv_pb2.KVTransfer:
         msg.nccl.CopyFrom(kv_pb2.NcclPeer(src_rank=h.src_rank, dst_rank=h.dst_rank, tag=h.tag))
     elif isinstance(h, CudaIpcHandle):
         msg.cuda_ipc.CopyFrom(kv_pb2.CudaIpc(
-            header=h.header, ready_event=h.ready_event, device=h.device,
+            header=h.header, ready_event=h.ready_event, device=h.device, device_uuid=h.device_uuid,
             tensors=[kv_pb2.CudaIpcTensor(**{f.name: getattr(r, f.name) for f in fields(r)})
                      for r in h.tensors]))
     else:
@@ -123,5 +124,5 @@ def handle_from_proto(msg: kv_pb2.KVTransfer) -> Handle:
             t.dtype, tuple(t.shape), tuple(t.stride), t.storage_offset, t.device, t.storage_handle,
             t.storage_size_bytes, t.storage_offset_bytes, t.ref_counter_handle, t.ref_counter_offset,
             t.event_handle, t.event_sync_required) for t in c.tensors)
-        return CudaIpcHandle(rid, c.header, refs, c.ready_event, c.device, msg.nbytes)
+        return CudaIpcHandle(rid, c.header, refs, c.ready_event, c.device, msg.nbytes, c.device_uuid)
     raise ValueError(f"KVTransfer for request {rid!r} has no location set")

@@ -3,7 +3,7 @@
 Prefill side: `KVSenders.send(addr, payload) -> (KVTransfer, sender)` picks the transport
 *per decode instance* from where the two processes live (`transport.node`): when the
 instance reads a shared-memory probe this process wrote -> shm (or CUDA IPC when both
-ends are on GPUs of one host), anything else -> the gRPC byte stream to that instance's
+ends are on one GPU, told by its UUID), anything else -> the gRPC byte stream to that instance's
 KVStream service. A forced kind ("shm", "grpc", ...)
 skips the choice. Decode side: `KVReceiver.fetch(msg) -> KVPayload` accepts every backend
 it can. The transport moves the codec parts (typed header + raw tensors, never pickle);
@@ -36,8 +36,12 @@ def choose_kind(me: NodeIdentity, peer: NodeIdentity | None, shared_shm: bool) -
     if peer is None:
         return "grpc", "the peer's node identity is unknown"
     same = me.host_id == peer.host_id
-    if shared_shm and same and me.device.startswith("cuda") and peer.device.startswith("cuda"):
-        return "cuda_ipc", "same host, shared /dev/shm, both on GPU"
+    both_gpu = me.device.startswith("cuda") and peer.device.startswith("cuda")
+    if shared_shm and same and both_gpu:
+        if me.gpu_uuid and me.gpu_uuid == peer.gpu_uuid:
+            return "cuda_ipc", "same host, shared /dev/shm, one GPU"
+        return "shm", ("shared /dev/shm; GPUs differ" if me.gpu_uuid and peer.gpu_uuid
+                       else "shared /dev/shm; a GPU's UUID is unknown")
     if shared_shm:
         return "shm", "shared /dev/shm"
     return "grpc", "same host, separate /dev/shm" if same else "another host"
@@ -80,11 +84,14 @@ class KVSenders:
                 self._shared[kind] = InlineTransport()
         return self._shared[kind]
 
-    async def send(self, addr: str, payload: KVPayload,
-                   timeout: float | None = None) -> tuple[kv_pb2.KVTransfer, KVTransport]:
+    async def send(self, addr: str, payload: KVPayload, timeout: float | None = None,
+                   stream=None) -> tuple[kv_pb2.KVTransfer, KVTransport]:
+        """`stream`: the CUDA stream that wrote the payload's KV, for a transport that orders
+        the receiver after it (CUDA IPC records its ready event there)."""
         t = await self.transport_for(addr)
         header, tensors = kv_to_parts(payload)
-        handle = await t.send(payload.request_id, header, tensors, timeout=timeout)
+        extra = {"stream": stream} if stream is not None and t.name == "cuda_ipc" else {}
+        handle = await t.send(payload.request_id, header, tensors, timeout=timeout, **extra)
         return handle_to_proto(handle), t
 
     async def forget(self, addr: str) -> None:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,12 +62,19 @@ class NcclConfig:
 
 
 class NcclTransport(KVTransport):
+    """`comm`: the torch.distributed module (or a stand-in with its send/recv/init calls);
+    `completed`: blocks until the sends issued so far have finished on the device (default:
+    on CUDA, synchronize the sending thread's current stream, which NCCL's sends were ordered
+    before; on CPU nothing, gloo's send returns when done). GB/s is measured after it."""
     name = "nccl"
 
-    def __init__(self, config: NcclConfig) -> None:
+    def __init__(self, config: NcclConfig, *, comm: Any = None,
+                 completed: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.config = config
         self.device = torch.device(config.device)
+        self._dist = dist if comm is None else comm
+        self._completed = completed if completed is not None else self._default_completed
         self._tags = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="easerve-nccl")
         self._parked: dict[int, tuple[float, bytes, list[torch.Tensor]]] = {}
@@ -82,11 +89,15 @@ class NcclTransport(KVTransport):
             self._drainer = threading.Thread(target=self._drain, name="easerve-nccl-recv", daemon=True)
             self._drainer.start()
 
+    def _default_completed(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _init(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         c = self.config
-        dist.init_process_group(c.backend, init_method=c.init_method, rank=c.rank, world_size=2,
+        self._dist.init_process_group(c.backend, init_method=c.init_method, rank=c.rank, world_size=2,
                                 timeout=timedelta(seconds=c.connect_timeout_s))
 
     async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
@@ -101,15 +112,16 @@ class NcclTransport(KVTransport):
         return NcclHandle(request_id, self.config.src_rank, self.config.dst_rank, tag, nbytes)
 
     def _send_blocking(self, tag: int, header: bytes, tensors: list[torch.Tensor]) -> int:
-        peer = self.config.dst_rank
-        dist.send(torch.tensor([tag, len(header)], dtype=torch.int64, device=self.device), dst=peer)
-        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), dst=peer)
+        peer, send = self.config.dst_rank, self._dist.send
+        send(torch.tensor([tag, len(header)], dtype=torch.int64, device=self.device), dst=peer)
+        send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), dst=peer)
         nbytes = 0
         for t in tensors:
             t = t.detach().to(self.device).contiguous()
             if t.numel():
-                dist.send(t.reshape(-1), dst=peer)
+                send(t.reshape(-1), dst=peer)
             nbytes += t.numel() * t.element_size()
+        self._completed()  # NCCL's sends are queued on the device: the transfer ends here
         return nbytes
 
     def _drain(self) -> None:
@@ -138,18 +150,19 @@ class NcclTransport(KVTransport):
     def _recv_one(self) -> tuple[int, bytes, list[torch.Tensor]] | None:
         src = self.config.src_rank
         meta = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(meta, src=src)
+        recv = self._dist.recv
+        recv(meta, src=src)
         tag, hlen = (int(x) for x in meta.tolist())
         if tag == 0:
             return None
         hbuf = torch.empty(hlen, dtype=torch.uint8, device=self.device)
-        dist.recv(hbuf, src=src)
+        recv(hbuf, src=src)
         header = bytes(hbuf.cpu().numpy())
         tensors = []
         for spec in codec.parse_header(header)[2]:
             t = torch.empty(spec.shape, dtype=codec.DTYPES[spec.dtype], device=self.device)
             if t.numel():
-                dist.recv(t.reshape(-1), src=src)
+                recv(t.reshape(-1), src=src)
             tensors.append(t)
         if self.device.type == "cuda":  # consumers may run on other streams / threads
             torch.cuda.current_stream(self.device).synchronize()
@@ -192,13 +205,13 @@ class NcclTransport(KVTransport):
         """Sender: say goodbye, then leave the group. Receiver: wait (up to drain_timeout_s)
         for the goodbye, then leave; if it never comes the group is left to process exit."""
         loop = asyncio.get_running_loop()
-        if dist.is_initialized() and self.config.is_sender:
+        if self._dist.is_initialized() and self.config.is_sender:
             goodbye = torch.zeros(2, dtype=torch.int64, device=self.device)
-            await loop.run_in_executor(self._pool, lambda: dist.send(goodbye, dst=self.config.dst_rank))
+            await loop.run_in_executor(self._pool, lambda: self._dist.send(goodbye, dst=self.config.dst_rank))
         if self._drainer is not None:
             await asyncio.to_thread(self._drainer.join, drain_timeout_s)
         with self._arrived:
             self._parked.clear()
-        if dist.is_initialized() and (self._drainer is None or not self._drainer.is_alive()):
-            await loop.run_in_executor(self._pool, dist.destroy_process_group)
+        if self._dist.is_initialized() and (self._drainer is None or not self._drainer.is_alive()):
+            await loop.run_in_executor(self._pool, self._dist.destroy_process_group)
         self._pool.shutdown(wait=False)

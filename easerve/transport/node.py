@@ -5,7 +5,8 @@ differ from container hostnames, two containers of one host may or may not share
 /dev/shm, and "localhost" in a pod is not the node. So:
 
 - every stage process publishes a `NodeIdentity` (through `easerve.v1.Stage/Load`): the
-  kernel's boot id (equal on one host, containers included) and its device;
+  kernel's boot id (equal on one host, containers included), its device and, on CUDA, the
+  GPU's UUID (device indices depend on each process's CUDA_VISIBLE_DEVICES; the UUID does not);
 - whether shared-memory handoff works is *tried*, in the direction it is used: the sender
   creates a small probe segment holding random bytes and asks the receiver
   (`Stage/ShmProbe`) to read it; the segment is unlinked right after. Only a receiver that
@@ -28,13 +29,14 @@ _TOKEN_BYTES = 16
 class NodeIdentity:
     host_id: str
     device: str = "cpu"
+    gpu_uuid: str = ""  # CUDA: the GPU's UUID ("" when not CUDA or unknown)
 
     def to_proto(self, msg) -> None:
-        msg.host_id, msg.device = self.host_id, self.device
+        msg.host_id, msg.device, msg.gpu_uuid = self.host_id, self.device, self.gpu_uuid
 
     @classmethod
     def from_proto(cls, msg) -> "NodeIdentity":
-        return cls(msg.host_id, msg.device or "cpu")
+        return cls(msg.host_id, msg.device or "cpu", msg.gpu_uuid)
 
 
 def host_id() -> str:
@@ -46,8 +48,18 @@ def host_id() -> str:
         return f"host:{socket.gethostname()}"
 
 
+def gpu_uuid(device: str) -> str:
+    """The UUID of CUDA device `device` ("cuda", "cuda:1") as this process numbers it; ""
+    for a non-CUDA device."""
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+    index = torch.device(device).index or 0
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def local_identity(device: str = "cpu") -> NodeIdentity:
-    return NodeIdentity(host_id(), device)
+    return NodeIdentity(host_id(), device, gpu_uuid(device))
 
 
 @contextlib.contextmanager

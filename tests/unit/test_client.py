@@ -177,18 +177,22 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         text = request.messages[0].content[-1].text if request.messages else request.prompt
         if text.startswith("fail:"):
             context.abort(grpc.StatusCode[text[5:]], "fake failure")
-        n = request.sampling.max_tokens
-        for i in range(n):
-            if not context.is_active():  # the client went away before the end
+        n, finished = request.sampling.max_tokens, False
+        try:
+            for i in range(n):
+                if not context.is_active():  # the client went away before the end
+                    return
+                last = i == n - 1
+                yield gpb.GenerateResponse(
+                    request_id=request.request_id or "gen-1", token_ids=[10 + i], text=f"t{i} ",
+                    finish_reason=cpb.FINISH_REASON_LENGTH if last else cpb.FINISH_REASON_UNSPECIFIED,
+                    usage=cpb.Usage(prompt_tokens=3, completion_tokens=n) if last else None,
+                    timings=cpb.Timings(ttft_ms=5.0) if i == 0 else cpb.Timings(tpot_ms=1.5) if last else None)
+                time.sleep(0.01 if n < 50 else 0.05)
+            finished = True
+        finally:  # also when gRPC closes the generator at a yield because the RPC was cancelled
+            if not finished:
                 self.cancelled.set()
-                return
-            last = i == n - 1
-            yield gpb.GenerateResponse(
-                request_id=request.request_id or "gen-1", token_ids=[10 + i], text=f"t{i} ",
-                finish_reason=cpb.FINISH_REASON_LENGTH if last else cpb.FINISH_REASON_UNSPECIFIED,
-                usage=cpb.Usage(prompt_tokens=3, completion_tokens=n) if last else None,
-                timings=cpb.Timings(ttft_ms=5.0) if i == 0 else cpb.Timings(tpot_ms=1.5) if last else None)
-            time.sleep(0.01 if n < 50 else 0.05)
 
     def ListModels(self, request, context):
         return gpb.ListModelsResponse(models=[gpb.ModelInfo(id="tiny", family="qwen2_5_vl", modalities=["image"],

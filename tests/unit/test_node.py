@@ -44,9 +44,13 @@ def test_transport_choice_from_identity_and_probe():
     assert choose_kind(me, NodeIdentity(me.host_id), False) == ("grpc", "same host, separate /dev/shm")
     assert choose_kind(me, NodeIdentity("other-boot"), False) == ("grpc", "another host")
     assert choose_kind(me, None, True)[0] == "grpc"
-    gpu, peer = NodeIdentity(me.host_id, "cuda:0"), NodeIdentity(me.host_id, "cuda:1")
-    assert choose_kind(gpu, peer, True)[0] == "cuda_ipc"
-    assert choose_kind(gpu, peer, False)[0] == "grpc"
+    gpu = NodeIdentity(me.host_id, "cuda:0", "GPU-a")
+    same_gpu = NodeIdentity(me.host_id, "cuda:1", "GPU-a")  # another CUDA_VISIBLE_DEVICES, one GPU
+    assert choose_kind(gpu, same_gpu, True) == ("cuda_ipc", "same host, shared /dev/shm, one GPU")
+    assert choose_kind(gpu, same_gpu, False)[0] == "grpc"
+    # two GPUs of one host (even both called cuda:0 in their processes): not CUDA IPC
+    assert choose_kind(gpu, NodeIdentity(me.host_id, "cuda:0", "GPU-b"), True) == ("shm", "shared /dev/shm; GPUs differ")
+    assert choose_kind(gpu, NodeIdentity(me.host_id, "cuda:0"), True)[0] == "shm"  # unknown UUID
     assert choose_kind(gpu, NodeIdentity("other-boot", "cuda:1"), True)[0] == "shm"  # shm readable: not cuda ipc
 
 

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from easerve.partition.backends import CpuAffinityBackend, MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
+from easerve.partition.cpu_affinity import CpuAffinityBackend
+from easerve.partition.backends import MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
 from easerve.partition.green_contexts import GreenContextBackend
 from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
 from easerve.partition.backends import BackendUnavailable
@@ -222,98 +223,56 @@ def test_auto_falls_back_only_when_a_mechanism_is_unavailable_and_a_bad_argument
     assert ts.name == "timeslice" and "cpu_affinity unavailable: only 1 allowed core: nothing to split" in ts.degraded
 
 
-class _FakeStream(tuple):
-    device = "cuda:0"
-    waits: list = []
-
-    def wait_stream(self, other) -> None:
-        _FakeStream.waits.append((self, other))
-
-    def synchronize(self) -> None:
-        _FakeStream.waits.append((self, "host"))
-
-
-class _Res:
-    align = 8
-
-    def __init__(self, n: int) -> None:
-        a = _Res.align
-        self.sm = type("Sm", (), {"smCount": n, "smCoscheduledAlignment": a, "minSmPartitionSize": a})()
-
-
 def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, align: int = 8):
-    """Stand-ins for torch.cuda and the cuda.bindings driver, recording what was created."""
-    from types import SimpleNamespace as NS
-    import contextlib
+    """Stand-ins for torch.cuda and the cuda.bindings driver (easerve.gpucheck.fakes), made
+    the module defaults so that select_backend builds on them; returns the driver's log."""
     from easerve.partition import green_contexts as m
     from easerve.partition import backends as sm_backends
+    from easerve.gpucheck.fakes import FakeDriver, fake_torch
 
-    log: dict[str, list] = {"split": [], "destroyed": []}
-    monkeypatch.setattr(_Res, "align", align)
-    ok = NS(value=0)
-
-    def split(n_groups, res, flags, n):
-        log["split"].append(n)
-        return ok, [_Res(n)], 1, _Res(res.sm.smCount - n)
-
-    def create(desc, dev, flags):
-        if desc.sm.smCount < fail_remainder_below:
-            return NS(value=1), None
-        return ok, ("ctx", desc.sm.smCount)
-
-    drv = NS(
-        CUdevResourceType=NS(CU_DEV_RESOURCE_TYPE_SM=1), CUgreenCtxCreate_flags=NS(CU_GREEN_CTX_DEFAULT_STREAM=1),
-        CUstream_flags=NS(CU_STREAM_NON_BLOCKING=1),
-        cuDeviceGet=lambda i: (ok, "dev"), cuDeviceGetDevResource=lambda d, t: (ok, _Res(total)),
-        cuDevSmResourceSplitByCount=split, cuDevResourceGenerateDesc=lambda rs, n: (ok, rs[0]),
-        cuGreenCtxCreate=create, cuGreenCtxStreamCreate=lambda c, f, p: (ok, 1000 + c[1]),
-        cuStreamDestroy=lambda s: (log["destroyed"].append(s), ok)[1:],
-        cuGreenCtxDestroy=lambda c: (log["destroyed"].append(c), ok)[1:])
-
-    def check(result):
-        err, *out = result
-        if err.value:
-            raise RuntimeError("CUDA error: fake")
-        return None if not out else out[0] if len(out) == 1 else tuple(out)
-
-    outer = _FakeStream(("outer",))
-    cuda = NS(get_device_properties=lambda i: NS(major=9, multi_processor_count=total),
-              device=lambda i: contextlib.nullcontext(),
-              Stream=lambda dev, priority=0: _FakeStream(("plain", dev, priority)),
-              ExternalStream=lambda ptr, device: _FakeStream(("green", ptr)), synchronize=lambda i: None,
-              stream=lambda s: contextlib.nullcontext(s), current_stream=lambda device=None: outer)
-    torch = NS(cuda=cuda, empty=lambda *a, **k: None)
+    drv = FakeDriver(total, align, refuse_below=fail_remainder_below)
+    torch = fake_torch(drv)
     monkeypatch.setattr(m, "_torch", lambda: torch)
     monkeypatch.setattr(sm_backends, "_torch", lambda: torch)  # the shared stream scope
-    monkeypatch.setattr(m, "_driver", lambda: (check, drv))
-    monkeypatch.setattr(m.GreenContextBackend, "probe", staticmethod(lambda i=0: (True, "green contexts on fake")))
-    return log
+    monkeypatch.setattr(m, "load_driver", lambda: drv)
+    monkeypatch.setattr(m.GreenContextBackend, "probe",
+                        staticmethod(lambda i=0: m.probe(i, driver=drv, torch=torch)))
+    return drv.log
+
+
+def _splits(log) -> list[int]:
+    return [e[2] for e in log if e[0] == "split"]
 
 
 def test_green_backend_levels_with_a_fake_driver(monkeypatch) -> None:
     log = _fake_gpu(monkeypatch)
     b = GreenContextBackend()
-    assert log["split"] == [32, 56, 80, 112]  # ceil to the 8-SM alignment; 1.0 is not split
-    assert b.encode_sms == (32, 56, 80, 112, 132) and b.prefill_sms == (100, 76, 52, 20, 132)
-    assert b.encode_stream(0) == ("green", 1032) and b.prefill_stream(0) == ("green", 1100)
-    assert b.encode_stream(4) == ("plain", "cuda:0", -1) and b.prefill_stream(4)[2] == 0
+    # ceil to the 8-SM alignment, then prefill's group cut from the remainder; 1.0 is not split
+    assert _splits(log) == [32, 96, 56, 72, 80, 48, 112, 16]
+    assert b.encode_sms == (32, 56, 80, 112, 132) and b.prefill_sms == (96, 72, 48, 16, 132)
+    assert b.encode_stream(0).key[0] == "green" and b.prefill_stream(0).key[0] == "green"
+    assert b.encode_stream(4).key == ("plain", "cuda:0", -1) and b.prefill_stream(4).key[2] == 0
     assert b.apply(Allocation(0.3, 0.7)) == 1
-    assert b.encode_stream() == ("green", 1056)
-    _FakeStream.waits.clear()
-    with b.encode_context() as s:
-        assert s == ("green", 1056) and _FakeStream.waits == [(s, ("outer",))]
-    assert _FakeStream.waits[-1] == (s, "host")  # sync: only this stream is waited for
+    s = b.encode_stream()
+    del log[:]
+    with b.encode_context() as got:
+        assert got == s
+    assert [e[0] for e in log] == ["wait", "push", "pop", "sync"]  # sync: only this stream is waited for
+    assert log[0] == ("wait", s.key, ("outer",)) and log[-1] == ("sync", s.key)
+    del log[:]
     with b.prefill_context(sync=False) as p:
-        assert p == ("green", 1100 - 24)
-    assert _FakeStream.waits[-1] == (p, ("outer",))
+        assert p == b.prefill_stream(1)
+    assert [e[0] for e in log] == ["wait", "push", "pop"]
+    del log[:]
     b.close()
-    assert len(log["destroyed"]) == 16  # 8 streams + 8 green contexts
+    assert len(log) == 16  # 8 streams + 8 green contexts destroyed
 
 
 def test_green_backend_remainder_that_fails_time_slices(monkeypatch) -> None:
     _fake_gpu(monkeypatch, fail_remainder_below=24)
     b = GreenContextBackend()
-    assert b.prefill_sms[3] == 132 and b.prefill_stream(3)[0] == "plain"
+    assert b.prefill_sms[3] == 132 and b.prefill_stream(3).key[0] == "plain"
     assert "share 0.8: prefill time-slices" in b.reason
-    assert b.degraded == "share 0.8: prefill time-slices (CUDA error: fake)"  # visible, not silent
+    assert b.degraded == ("share 0.8: prefill time-slices (cuGreenCtxCreate failed: "
+                          "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION)")  # visible, not silent
     assert b.realized(3) == Allocation(112 / 132, 1.0, 3)

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from easerve.partition.backends import CpuAffinityBackend, MPSBackend, select_backend
+from easerve.partition.cpu_affinity import CpuAffinityBackend
+from easerve.partition.backends import MPSBackend, select_backend
 from easerve.policy.partitioner import Allocation
 from easerve.partition.green_contexts import sm_split
 from easerve.policy.partitioner import (
@@ -87,9 +88,10 @@ def test_green_static_precreates_one_half_partition(monkeypatch, total: int, ali
     st = select_backend("static", "cuda")
     assert st.name == "static" and st.inner.name == "green_contexts"
     want = sm_split(total, align, align, 0.5, "nearest")
-    assert log["split"] == [want]  # one split, made up front
-    assert st.inner.encode_sms == (want,) and st.inner.prefill_sms == (total - want,)
-    assert st.realized() == Allocation(want / total, (total - want) / total, 0)
+    pre = (total - want) // align * align  # prefill's own group, cut from the remainder
+    assert [e[2] for e in log if e[0] == "split"] == [want, pre]  # made up front
+    assert st.inner.encode_sms == (want,) and st.inner.prefill_sms == (pre,)
+    assert st.realized() == Allocation(want / total, pre / total, 0)
     if total == 108:
         assert st.realized() == HALF
     st.close()
@@ -97,7 +99,7 @@ def test_green_static_precreates_one_half_partition(monkeypatch, total: int, ali
 
 def test_green_static_fails_when_the_driver_refuses_prefills_half(monkeypatch) -> None:
     _fake_gpu(monkeypatch, total=140, fail_remainder_below=70)  # 72 SMs granted, 68 refused
-    with pytest.raises(BackendUnavailable, match="share 0.5: the driver refused the prefill remainder of 68 SMs"):
+    with pytest.raises(BackendUnavailable, match="share 0.5: the driver refused the prefill group of the 68-SM remainder"):
         select_backend("static", "cuda")
 
 

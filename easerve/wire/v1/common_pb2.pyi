@@ -128,12 +128,14 @@ class DecodeTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class NodeIdentity(_message.Message):
-    __slots__ = ("host_id", "device")
+    __slots__ = ("host_id", "device", "gpu_uuid")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device: str
-    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs")

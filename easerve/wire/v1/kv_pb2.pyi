@@ -49,16 +49,18 @@ class CudaIpcTensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., device: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
-    __slots__ = ("header", "tensors", "ready_event", "device")
+    __slots__ = ("header", "tensors", "ready_event", "device", "device_uuid")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
     ready_event: bytes
     device: int
-    def __init__(self, header: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, header: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class NcclPeer(_message.Message):
     __slots__ = ("src_rank", "dst_rank", "tag")
