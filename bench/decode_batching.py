@@ -92,6 +92,7 @@ def plain_token_ids(adapter) -> list[int]:
 
 
 def prefill_payloads(adapter, args, count: int, max_tokens: int):
+    from easerve.engine.detok import prompt_tail
     from easerve.types import KVPayload, PrefillRequest, SamplingParams
     rng = random.Random(args.seed)
     ids_pool = plain_token_ids(adapter)
@@ -101,7 +102,7 @@ def prefill_payloads(adapter, args, count: int, max_tokens: int):
         ids = [rng.choice(ids_pool) for _ in range(args.prompt_len + rng.randint(-8, 8))]
         res = adapter.prefill([PrefillRequest(f"p{i}", ids, [], [], sp)])[0]
         first = int(res.last_logits.argmax())
-        out.append(KVPayload(f"p{i}", res.keys, res.values, res.prompt_len, res.rope_delta, first, sp, ids[-8:]))
+        out.append(KVPayload(f"p{i}", res.keys, res.values, res.prompt_len, res.rope_delta, first, sp, prompt_tail(ids)))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from easerve.engine.detok import prompt_tail
 from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
@@ -44,7 +45,7 @@ class InProcessPipeline:
         res = self.lm.prefill([req])[0]
         first = sample(res.last_logits[None], [sampling], [0])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,
-                                  first, sampling, prompt_ids_tail=prompt.input_ids[-8:]))
+                                  first, sampling, prompt_ids_tail=prompt_tail(prompt.input_ids)))
         return rid, first
 
     def run(self, requests: list[tuple[list[dict], SamplingParams]]) -> list[Completion]:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from easerve.engine.detok import prompt_tail
 from easerve.stages.encode import profiler as ep
 from hasctl import profile_format as pf
 
@@ -152,7 +153,7 @@ class Profiler:
         engine = self._engine(batch, ctx + req.sampling.max_tokens)
         for i in range(batch):
             engine.add(KVPayload(f"d{i}", res.keys, res.values, res.prompt_len, res.rope_delta, 11,
-                                 req.sampling, req.input_ids[-8:]))
+                                 req.sampling, prompt_tail(req.input_ids)))
         engine.step()
         running = engine.stats().running
         if running != batch:
@@ -192,7 +193,7 @@ class Profiler:
         self.sync()
         t_first = time.perf_counter()
         engine.add(KVPayload("u", res.keys, res.values, res.prompt_len, res.rope_delta, first, sp,
-                             prompt.input_ids[-8:]))
+                             prompt_tail(prompt.input_ids)))
         t_last, seen = t_first, 1
         while engine.has_work:
             outs = [o for o in engine.step() if o.token_id is not None and o.index >= 1]

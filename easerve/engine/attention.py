@@ -10,7 +10,7 @@ kwarg `STEP_KWARG`, which reaches `easerve_attention` (registered as attn implem
 sdpa's masks, and a decode step (q_len 1, no padding mask, a cache that is not compileable)
 skips mask building entirely (sdpa_mask returns None).
 
-Step caches, one per backend (`select_backend`):
+Step caches, one per backend (`select_attention`):
 - "slots" (`SlotStepCache`): the batch's K/V are strided views of a `SlotKVPool`; sdpa
   reads them in place, with a length mask only when the rows' lengths differ.
 - "paged-gather" (`PagedStepCache`): a `PagedKVPool` on a device without flashinfer; the
@@ -106,7 +106,7 @@ def flashinfer_decode_wrapper(flashinfer: Any, num_heads: int, kv_heads: int, de
         workspace, "NHD", use_tensor_cores=flashinfer_tensor_cores(num_heads, kv_heads))
 
 
-def select_backend(layout: str, paged_kernel: bool) -> str:
+def select_attention(layout: str, paged_kernel: bool) -> str:
     """The attention backend for a KV layout ("paged" / "slots"), given
     `paged_kernel_available(...)`."""
     if layout == "slots":

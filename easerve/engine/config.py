@@ -14,7 +14,7 @@ the first that is set:
 `max_seq_len` 0 is the model's context capped at DEFAULT_MAX_MODEL_LEN (`default_max_len`).
 Memory-sized pools never hold more than `max_running` requests of `max_seq_len` tokens would
 use. `kv_layout` "auto" picks slots (attention reads the pool in place) unless the engine's
-device runs flashinfer's paged kernel (see `attention.select_backend`).
+device runs flashinfer's paged kernel (see `attention.select_attention`).
 """
 from __future__ import annotations
 

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-# how many context tokens the decode window keeps before the last emitted one (as vLLM/TGI)
-_CONTEXT = 5
+# prompt tokens that seed the decode window before the first output token (as vLLM/TGI): the
+# one length of every KVPayload.prompt_ids_tail and of every Detokenizer's prompt context
+PROMPT_TAIL = 5
+
+
+def prompt_tail(input_ids) -> list[int]:
+    """The prompt's last PROMPT_TAIL ids: the detokenizer's context for the first output token
+    (prefill detokenizes that one, decode the rest, both from this tail)."""
+    return list(input_ids[-PROMPT_TAIL:])
 
 
 class Detokenizer:
@@ -24,7 +31,7 @@ class Detokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
-        self._ids: list[int] = list(prompt_tail)[-_CONTEXT:]
+        self._ids: list[int] = list(prompt_tail)[-PROMPT_TAIL:]
         self._prefix = 0               # decode window start (context)
         self._read = len(self._ids)    # ids before this are already in `text`
         self.text = ""                 # output text so far (cut at a stop string)

@@ -4,7 +4,7 @@ A request arrives as a `KVPayload` (prompt KV + the first token prefill sampled)
 bounded queue until its whole reservation (prompt_len + max_tokens) fits the pool, then
 decodes one token per `step()` together with every other running request: one forward over
 the batch's last tokens through the adapter's decoder, with a step cache of the attention
-backend (`attention.select_backend`) as the cache. Requests join and leave between steps;
+backend (`attention.select_attention`) as the cache. Requests join and leave between steps;
 `abort` frees KV at once. The KV pool is sized by `EngineConfig` (tokens, slots or memory).
 
 Outputs: each request's first StepOutput (index 0) is the prefill's first token, so the
@@ -95,7 +95,7 @@ class DecodeEngine:
                                                   layout.head_dim)
         self.geometry = config.kv_geometry(layout.bytes_per_token, self._gpu_budget(), paged_kernel,
                                            model_len=default_max_len(adapter.text_config))
-        self.backend = att.select_backend(self.geometry.layout, paged_kernel)
+        self.backend = att.select_attention(self.geometry.layout, paged_kernel)
         g = self.geometry
         self.blocks = BlockManager(g.num_blocks, g.block_size, g.max_seq_tokens)
         slots = g.layout == "slots"

@@ -26,7 +26,6 @@ from easerve.types import ChatMessage, MMItem, PrefillRequest, PrefillResult, Pr
 class ModelAdapter(ABC):
     family: ClassVar[str]              # "llava-next" | "qwen2.5-vl" | "qwen2-audio" | "ultravox"
     modalities: ClassVar[tuple[str, ...]]  # media kinds this family accepts
-    architectures: ClassVar[tuple[str, ...]]  # config.architectures names it handles
 
     role: str
     device: torch.device

@@ -3,7 +3,7 @@
 A family subclass declares *what* its checkpoint looks like; this class does the rest:
 
     class MyAdapter(HFAdapter):
-        family = "my-family"; modalities = ("image",); architectures = ("MyForConditionalGeneration",)
+        family = "my-family"; modalities = ("image",)  # and its config names in models/registry.py
         model_class = MyForConditionalGeneration          # the full HF class
         encoder_parts = ("model.vision_tower", "model.multi_modal_projector")  # submodules/params
         lm_parts = ("model.language_model", "lm_head")    # default, usually kept
@@ -289,13 +289,6 @@ class HFAdapter(ModelAdapter):
             rows = [e for e, m in zip(req.embeddings, req.items_meta) if m.modality == mod]
             if rows:
                 embeds[ids == tid] = torch.cat(rows).to(embeds.device, embeds.dtype)
-
-    def scatter_embeddings(self, ids: torch.Tensor, req: PrefillRequest) -> torch.Tensor:
-        """`get_input_embeddings()(ids)` with each item's rows at its placeholders, [1, L, H]."""
-        self._check_embeddings(req, ids)
-        embeds = self.embed_tokens(ids).clone()
-        self._place_items(embeds, ids, req)
-        return embeds
 
     @torch.inference_mode()
     def prefill_one(self, req: PrefillRequest) -> PrefillResult:

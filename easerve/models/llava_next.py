@@ -15,7 +15,6 @@ from easerve.types import MMItem
 class LlavaNextAdapter(HFAdapter):
     family = "llava-next"
     modalities = ("image",)
-    architectures = ("LlavaNextForConditionalGeneration",)
     encoder_parts = ("model.vision_tower", "model.multi_modal_projector", "model.image_newline")
     placeholder_tokens = {"image": "<image>"}
     # llava-hf hub checkpoints written before transformers 4.52 / 5

@@ -21,7 +21,6 @@ KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_vid
 class Qwen25VLAdapter(HFAdapter):
     family = "qwen2.5-vl"
     modalities = ("image", "video")
-    architectures = ("Qwen2_5_VLForConditionalGeneration",)
     encoder_parts = ("model.visual",)
     placeholder_tokens = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
     # Qwen hub checkpoints written before transformers 4.52 / 5

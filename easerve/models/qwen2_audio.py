@@ -62,7 +62,6 @@ def qwen2_audio_tokens(feature_len: torch.Tensor) -> torch.Tensor:
 class Qwen2AudioAdapter(AudioPreprocess, HFAdapter):
     family = "qwen2-audio"
     modalities = ("audio",)
-    architectures = ("Qwen2AudioForConditionalGeneration",)
     model_class = Qwen2AudioForConditionalGeneration
     encoder_parts = ("model.audio_tower", "model.multi_modal_projector")
     legacy_renames = ((r"^language_model\.lm_head\.", "lm_head."),

@@ -5,20 +5,21 @@ import importlib
 import json
 from pathlib import Path
 
-# family -> (module, adapter class, tiny-builder function)
+# family -> (module, adapter class): imported only when that family is loaded
 FAMILIES: dict[str, tuple[str, str]] = {
     "llava-next": ("easerve.models.llava_next", "LlavaNextAdapter"),
     "qwen2.5-vl": ("easerve.models.qwen2_5_vl", "Qwen25VLAdapter"),
     "qwen2-audio": ("easerve.models.qwen2_audio", "Qwen2AudioAdapter"),
     "ultravox": ("easerve.models.ultravox", "UltravoxAdapter"),
 }
-# config.architectures[0] / config.model_type -> family
+# any of config.architectures -> family (the one place a family's architecture names live)
 ARCHITECTURES: dict[str, str] = {
     "LlavaNextForConditionalGeneration": "llava-next",
     "Qwen2_5_VLForConditionalGeneration": "qwen2.5-vl",
     "Qwen2AudioForConditionalGeneration": "qwen2-audio",
     "UltravoxModel": "ultravox",
 }
+# config.model_type -> family (when no architecture name matched)
 MODEL_TYPES: dict[str, str] = {
     "llava_next": "llava-next",
     "qwen2_5_vl": "qwen2.5-vl",

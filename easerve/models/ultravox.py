@@ -24,7 +24,6 @@ from easerve.types import MMItem, ProcessedPrompt
 class UltravoxAdapter(AudioPreprocess, HFAdapter):
     family = "ultravox"
     modalities = ("audio",)
-    architectures = ("UltravoxModel",)
     model_class = UltravoxModel
     encoder_parts = ("audio_tower", "multi_modal_projector")
     lm_parts = ("language_model",)

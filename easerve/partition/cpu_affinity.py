@@ -64,9 +64,6 @@ class CpuAffinityBackend(SMBackend):
         self._tids[worker] = threading.get_native_id() if tid is None else tid
         self._pin_bound(worker, self.level)
 
-    def unbind(self, worker: Worker) -> None:
-        self._tids.pop(worker, None)
-
     def current_affinity(self, worker: Worker) -> frozenset[int]:
         """What the kernel says the bound worker may run on now."""
         return frozenset(os.sched_getaffinity(self._tids[worker]))

@@ -21,8 +21,8 @@ Dynamo-like baseline: the oldest request alone as soon as the worker is free, "s
 An item that waited past the cap while the worker was busy leaves the moment it frees.
 
 Rate estimate: an EWMA of inter-arrival gaps, weighted per arrival with a half-life of
-`rate_halflife` arrivals; lambda = 1 / EWMA(gap) and the threshold is
-`gap_coef * EWMA(gap) = gap_coef / lambda`, clamped to [min_gap_s, max_gap_s]. A gap sample
+RATE_HALFLIFE arrivals; lambda = 1 / EWMA(gap) and the threshold is
+`gap_coef * EWMA(gap) = gap_coef / lambda`, clamped to [MIN_GAP_S, max_gap_s]. A gap sample
 longer than `max_gap_s / gap_coef` is truncated to it: the threshold could not use the extra
 length, and truncation lets the estimate recover within a few arrivals after an idle period.
 So `rate` never reads below `gap_coef / max_gap_s`.
@@ -39,6 +39,8 @@ from easerve.fields import PosFloat, PosInt, check_fields
 BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]  # --batch-mode
 MODES: tuple[str, ...] = get_args(BatchMode)
 DispatchReason = Literal["size", "gap", "cap", "single", "idle", "flush"]
+RATE_HALFLIFE = 16.0  # arrivals: the rate estimate's EWMA half-life
+MIN_GAP_S = 0.001     # the gap threshold's floor (a 0 threshold would split simultaneous arrivals)
 
 
 def batch_limit(mode: str, max_batch: int | None) -> int | None:
@@ -51,25 +53,22 @@ def batch_limit(mode: str, max_batch: int | None) -> int | None:
 
 @dataclass(frozen=True)
 class BatcherConfig:
-    """Knobs of one encode worker's batcher. The gap threshold is gap_coef / lambda clamped
-    to [min_gap_s, max_gap_s]; `max_gap_s=None` means `safety_cap_s`. `initial_rate` seeds
-    lambda (e.g. the deployment's target rate) until arrivals have been seen."""
+    """Knobs of one encode worker's batcher (each one an encode flag). The gap threshold is
+    gap_coef / lambda clamped to [MIN_GAP_S, max_gap_s]; `max_gap_s=None` means
+    `safety_cap_s`. Until two arrivals have been seen the threshold is max_gap_s."""
 
     max_batch: PosInt = 8
     safety_cap_s: PosFloat = 1.0
     gap_coef: PosFloat = 2.0
     mode: BatchMode = "adaptive"
-    rate_halflife: PosFloat = 16.0     # arrivals
-    min_gap_s: PosFloat = 0.001        # > 0: a 0 threshold would split simultaneous arrivals
     max_gap_s: PosFloat | None = None
-    initial_rate: PosFloat | None = None  # req/s
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.min_gap_s > self.gap_ceiling_s:
+        if self.gap_ceiling_s < MIN_GAP_S:
             raise ValueError(
-                f"min_gap_s ({self.min_gap_s}) must be <= max_gap_s ({self.gap_ceiling_s}); "
-                "lower min_gap_s or raise max_gap_s / safety_cap_s")
+                f"max_gap_s ({self.gap_ceiling_s}) must be >= {MIN_GAP_S} s, the gap threshold's floor; "
+                "raise max_gap_s (or safety_cap_s when max_gap_s is unset)")
 
     @property
     def gap_ceiling_s(self) -> float:
@@ -78,7 +77,7 @@ class BatcherConfig:
     @property
     def alpha(self) -> float:
         """EWMA weight of one new gap sample."""
-        return 1.0 - 0.5 ** (1.0 / self.rate_halflife)
+        return 1.0 - 0.5 ** (1.0 / RATE_HALFLIFE)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ class AdaptiveBatcher:
         c = self.config
         self._alpha = c.alpha
         self._sample_cap = c.gap_ceiling_s / c.gap_coef
-        self._ewma_gap: float | None = None if c.initial_rate is None else 1.0 / c.initial_rate
+        self._ewma_gap: float | None = None
         self._queue: deque[tuple[Hashable, float]] = deque()
         self._last_arrival: float | None = None
         self._last_now = -math.inf
@@ -129,7 +128,7 @@ class AdaptiveBatcher:
 
     @property
     def rate(self) -> float | None:
-        """Estimated arrivals per second (None before two arrivals and no initial_rate)."""
+        """Estimated arrivals per second (None before two arrivals)."""
         if self._ewma_gap is None:
             return None
         return math.inf if self._ewma_gap == 0 else 1.0 / self._ewma_gap
@@ -143,7 +142,7 @@ class AdaptiveBatcher:
         c = self.config
         if self._ewma_gap is None:
             return c.gap_ceiling_s
-        return min(c.gap_ceiling_s, max(c.min_gap_s, c.gap_coef * self._ewma_gap))
+        return min(c.gap_ceiling_s, max(MIN_GAP_S, c.gap_coef * self._ewma_gap))
 
     # ---- decisions ---------------------------------------------------------------------
     def add(self, item_id: Hashable, now: float) -> Dispatch | None:

@@ -1,7 +1,8 @@
 """Injected clocks: the control plane never reads time itself.
 
-Services pass a `MonotonicClock`; tests and the simulator pass a `ManualClock` and
-move it by hand, so the same policy code runs in all three.
+The services pass a `MonotonicClock` to the loops that read time (the encode loop, the
+prefill loop) and those hand its `now` to the policies; tests pass a `ManualClock` and
+move it by hand, so the same policy code runs in both.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The sender calls `send()` and ships the returned handle (as a KVTransfer message) to the
 receiver, which calls `recv(handle)`. `release(handle)` frees whatever this side still holds
 for a payload that will not be (or no longer needs to be) received; it is idempotent.
-The header must come from easerve.wire.codec (kv_to_parts / tensors_to_parts): it describes the
+The header must come from easerve.wire.codec (kv_to_parts / make_header): it describes the
 tensors, so every backend can check them and rebuild them without pickle.
 """
 from __future__ import annotations

@@ -31,7 +31,6 @@ ALIGN = 64
 _PREAMBLE = struct.Struct("<4sHHI")
 MAX_HEADER_BYTES = 16 << 20
 KIND_KV = "kv"
-KIND_TENSORS = "tensors"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -254,35 +253,3 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
         request_id=m["request_id"], keys=list(tensors[0::2]), values=list(tensors[1::2]),
         prompt_len=m["prompt_len"], rope_delta=m["rope_delta"], first_token=m["first_token"],
         sampling=sampling_from_dict(m.get("sampling")), prompt_ids_tail=tail)
-
-
-def encode_kv(p: KVPayload) -> bytes:
-    return join_parts(*kv_to_parts(p))
-
-
-def decode_kv(buf: Any, *, copy: bool = True) -> KVPayload:
-    return kv_from_parts(*split_parts(buf, copy=copy))
-
-
-# ---------------------------------------------------------------- generic tensors
-def tensors_to_parts(meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-    """Parts for embeddings / media: `meta` must be JSON-serialisable."""
-    try:
-        return make_header(KIND_TENSORS, meta, tensors), list(tensors)
-    except TypeError as e:
-        raise CodecError(f"meta is not JSON-serialisable: {e}") from None
-
-
-def tensors_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    kind, meta, _ = check_parts(header, tensors)
-    if kind != KIND_TENSORS:
-        raise CodecError(f"expected a '{KIND_TENSORS}' payload, got '{kind}'")
-    return meta, list(tensors)
-
-
-def encode_tensors(meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
-    return join_parts(*tensors_to_parts(meta, tensors))
-
-
-def decode_tensors(buf: Any, *, copy: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    return tensors_from_parts(*split_parts(buf, copy=copy))

@@ -91,10 +91,7 @@ def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, te
 def prefill_request_from_proto(msg) -> PrefillRequest:
     """easerve.v1.PrefillRequest -> the domain request (embeddings inline, one per item)."""
     items = [item_meta_from_proto(m) for m in msg.items]
-    src = msg.WhichOneof("embeddings_source")
-    if src == "embeddings_handle":
-        raise InvalidRequest("this prefill worker takes embeddings inline (PrefillRequest.embeddings) only")
-    embeds = [tensor_from_proto(t) for t in msg.embeddings.tensors] if src == "embeddings" else []
+    embeds = [tensor_from_proto(t) for t in msg.embeddings.tensors]
     if len(embeds) != len(items):
         raise InvalidRequest(f"{len(items)} media items but {len(embeds)} embedding tensors; send one per item")
     if not msg.meta.request_id:

@@ -39,7 +39,7 @@ def _ipc_receiver(conn) -> None:
             handle = handle_from_proto(kv_pb2.KVTransfer.FromString(msg))
             header, tensors = await t.recv(handle)
             assert all(x.is_cuda for x in tensors)
-            conn.send(codec.encode_kv(codec.kv_from_parts(header, tensors)))  # moved to CPU bytes
+            conn.send(codec.join_parts(header, tensors))  # moved to CPU bytes
     asyncio.run(main())
 
 
@@ -59,7 +59,7 @@ def test_cuda_ipc_across_processes():
             h = await t.send(p.request_id, *codec.kv_to_parts(p))
             parent.send(handle_to_proto(h).SerializeToString())
             assert parent.poll(120), "receiver did not answer"
-            assert_same_cpu(codec.decode_kv(parent.recv()), p)
+            assert_same_cpu(codec.kv_from_parts(*codec.split_parts(parent.recv())), p)
             t.release(h)
         await t.close()
     try:
@@ -108,7 +108,7 @@ def _nccl_rank(rank: int, init: str, conn) -> None:
             for h in reversed(handles):
                 header, tensors = await t.recv(h, timeout=120)
                 assert all(x.device == torch.device("cuda:1") for x in tensors)
-                conn.send(codec.encode_kv(codec.kv_from_parts(header, tensors)))
+                conn.send(codec.join_parts(header, tensors))
         conn.recv()
         await t.close()
     asyncio.run(main())
@@ -129,7 +129,7 @@ def test_nccl_two_ranks_any_order():
             receiver.send(sender.recv())
         for i in reversed(range(3)):
             assert receiver.poll(180), "receiver produced no payload"
-            assert_same_cpu(codec.decode_kv(receiver.recv()), kv(i))
+            assert_same_cpu(codec.kv_from_parts(*codec.split_parts(receiver.recv())), kv(i))
     finally:
         for (conn, _), p in zip(pipes, procs):
             conn.send("done")

@@ -8,7 +8,6 @@ evictions and held bytes in encode's /metrics, within the byte bound."""
 from __future__ import annotations
 
 import concurrent.futures
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from easerve.types import SamplingParams
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes, wav_bytes
+from tests.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 N = 6
@@ -60,25 +60,13 @@ def cache_off(vl_model):
     stack.stop()
 
 
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("easerve:encoder_cache_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def _total(urls: list[str], name: str) -> float:
-    return sum(_scrape(u).get(name, 0.0) for u in urls)
+    return sum(metric(scrape(u), name) for u in urls)
 
 
 def _gateway(stack, name: str) -> float:
     """A counter of the gateway's own /metrics (0 before it first counts)."""
-    text = urllib.request.urlopen(f"{stack.endpoints.http}/metrics", timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    return values[0] if values else 0.0
+    return metric(scrape(f"{stack.endpoints.http}/metrics"), name)
 
 
 SKIPPED = "easerve:gateway_preprocess_skipped_total"
@@ -167,13 +155,13 @@ def test_metrics_count_hits_misses_evictions_and_bytes_stay_within_the_bound(cac
     stack, metrics = cache_on
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda k: _gen(stack, images=[png_bytes(48, 48, 500 + k)]), range(40)))
-    scraped = [_scrape(u) for u in metrics]
-    assert sum(s["easerve:encoder_cache_evictions_total"] for s in scraped) > 0
-    assert sum(s["easerve:encoder_cache_misses_total"] for s in scraped) >= 40
-    assert sum(s["easerve:encoder_cache_hits_total"] for s in scraped) > 0      # the earlier tests' repeats
+    scraped = [scrape(u) for u in metrics]
+    assert sum(metric(s, "easerve:encoder_cache_evictions_total") for s in scraped) > 0
+    assert sum(metric(s, "easerve:encoder_cache_misses_total") for s in scraped) >= 40
+    assert sum(metric(s, "easerve:encoder_cache_hits_total") for s in scraped) > 0      # the earlier tests' repeats
     for s in scraped:
-        assert s["easerve:encoder_cache_capacity_bytes"] == CAPACITY
-        assert 0 < s["easerve:encoder_cache_bytes"] <= CAPACITY or s["easerve:encoder_cache_misses_total"] == 0
+        assert metric(s, "easerve:encoder_cache_capacity_bytes") == CAPACITY
+        assert 0 < metric(s, "easerve:encoder_cache_bytes") <= CAPACITY or metric(s, "easerve:encoder_cache_misses_total") == 0
 
 
 def test_a_monolith_caches_too_and_keeps_requests_on_the_instance_holding_the_reservation(vl_model, cache_off):

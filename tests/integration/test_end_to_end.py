@@ -12,6 +12,7 @@ from easerve.media import decode_audio
 from easerve.pipeline import InProcessPipeline
 from easerve.types import SamplingParams
 from tests.integration.conftest import data_uri, png_bytes, wav_bytes
+from tests.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 PROMPT = "What is this?"
@@ -100,8 +101,4 @@ def test_text_only_skips_encode(vl_stack):
 
 
 def _encode_batches(stack) -> float:
-    import urllib.request
-    url = stack.endpoints.http + "/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("easerve:stage_latency_seconds_count")
-               and 'stage="encode"' in l)
+    return metric(scrape(stack.endpoints.http + "/metrics"), "easerve:stage_latency_seconds_count", stage="encode")

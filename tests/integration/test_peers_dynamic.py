@@ -11,7 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -20,6 +19,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes
+from tests.prom import metric, scrape
 from tests.integration.test_launcher import FAKE_STAGE  # a stage that only serves grpc health
 
 pytestmark = pytest.mark.slow
@@ -80,10 +80,7 @@ class ClientLoad:
 
 def _prefilled(metrics_port: int) -> float:
     """Requests the prefill instance has prefilled (its /metrics)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("easerve:prefill_batch_size_count"))
+    return metric(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), "easerve:prefill_batch_size_count")
 
 
 def _refused(port: int) -> bool:

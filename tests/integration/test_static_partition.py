@@ -21,6 +21,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Worker, preset
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes
+from tests.prom import metric
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,10 +30,6 @@ TWO_CORES = len(os.sched_getaffinity(0)) >= 2
 
 def _get(addr: str, path: str) -> str:
     return urllib.request.urlopen(f"http://{addr}{path}", timeout=10).read().decode()
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _encode_worker(**flags) -> Worker:
@@ -66,9 +63,9 @@ def test_static_policy_and_static_backend_serve_at_half(tiny_root):
             assert kinds == {"encode", "prefill"}, kinds
             assert all(s["share"] == 0.5 for s in spans), spans
             m = _get(addr, "/metrics")
-            n = _metric(m, "easerve:encode_sm_share_count")
-            assert n >= 1 and _metric(m, "easerve:encode_sm_share_sum") == 0.5 * n
-            assert _metric(m, "easerve:encode_sm_partition_degraded") == 0.0
+            n = metric(m, "easerve:encode_sm_share_count")
+            assert n >= 1 and metric(m, "easerve:encode_sm_share_sum") == 0.5 * n
+            assert metric(m, "easerve:encode_sm_partition_degraded") == 0.0
         backends = [json.loads(_get(a, "/partition"))["backend"] for a in addrs]
         assert backends == ["cpu_affinity", "static"]
     finally:
@@ -94,7 +91,7 @@ def test_one_core_named_backend_fails_the_start_auto_degrades_visibly(tiny_root,
         info = _wait_json(proc, metrics, "/partition", tmp_path / "enc.log")
         assert info["backend"] == "timeslice"
         assert info["degraded"].startswith("--sm-backend auto found no partition mechanism on cpu")
-        assert _metric(_get(metrics, "/metrics"), "easerve:encode_sm_partition_degraded") == 1.0
+        assert metric(_get(metrics, "/metrics"), "easerve:encode_sm_partition_degraded") == 1.0
         assert "SM partition degraded: --sm-backend auto found no partition mechanism" in \
             (tmp_path / "enc.log").read_text()
     finally:

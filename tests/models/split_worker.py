@@ -15,8 +15,18 @@ from pathlib import Path
 
 import torch
 
-from easerve.wire.codec import decode_kv, decode_tensors, encode_kv, encode_tensors
+from easerve.engine.detok import prompt_tail
+from easerve.wire.codec import check_parts, join_parts, kv_from_parts, kv_to_parts, make_header, split_parts
 from easerve.types import MMItem, PrefillRequest, SamplingParams, items_meta
+
+
+def encode_tensors(meta: dict, tensors: list) -> bytes:
+    return join_parts(make_header("tensors", meta, tensors), tensors)
+
+
+def decode_tensors(buf: bytes) -> tuple[dict, list]:
+    header, tensors = split_parts(buf)
+    return check_parts(header, tensors)[1], tensors
 
 
 def write_request(path: Path, input_ids: list[int], items: list[MMItem]) -> None:
@@ -67,8 +77,8 @@ def prefill(adapter, work: Path, n: int) -> None:
         res = adapter.prefill([req])[0]
         first = sample(res.last_logits[None], [sp], [0])[0]
         payload = KVPayload(req.request_id, res.keys, res.values, res.prompt_len, res.rope_delta,
-                            first, sp, prompt_ids_tail=meta["input_ids"][-8:])
-        (work / f"kv{k}.bin").write_bytes(encode_kv(payload))
+                            first, sp, prompt_ids_tail=prompt_tail(meta["input_ids"]))
+        (work / f"kv{k}.bin").write_bytes(join_parts(*kv_to_parts(payload)))
 
 
 def decode(adapter, work: Path, n: int) -> None:
@@ -76,7 +86,7 @@ def decode(adapter, work: Path, n: int) -> None:
 
     engine = DecodeEngine(adapter, EngineConfig(num_slots=4, max_seq_len=2048))
     for k in range(n):
-        engine.add(decode_kv((work / f"kv{k}.bin").read_bytes()))
+        engine.add(kv_from_parts(*split_parts((work / f"kv{k}.bin").read_bytes())))
     tokens: dict[str, list[int]] = {}
     while engine.has_work:
         for o in engine.step():

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
+from easerve.policy.clock import ManualClock
+from easerve.stages.encode.metrics import EncodeMetrics
 from easerve.types import MMItem
 from easerve.stages.encode.loop import EncodeLoop
 
@@ -18,8 +20,8 @@ def _items(enc, mm, rng, n):
             for i in range(n)]
 
 
-async def _run_loop(enc, cfg, work, metrics=None):
-    loop = EncodeLoop(enc, AdaptiveBatcher(cfg), metrics=metrics)
+async def _run_loop(enc, cfg, work, metrics=None, clock=None):
+    loop = EncodeLoop(enc, AdaptiveBatcher(cfg), metrics=metrics, clock=clock)
     loop.start()
     try:
         return await work(loop)
@@ -79,3 +81,17 @@ def test_a_cancelled_request_leaves_the_batcher(enc, mm, rng):
         return loop.batcher.pending
 
     assert asyncio.run(_run_loop(enc, BatcherConfig(max_batch=8, mode="fixed", safety_cap_s=5.0), work)) == 0
+
+
+def test_every_time_the_loop_reads_comes_from_its_clock(enc, mm, rng):
+    """A ManualClock that never moves: zero queue and encode times, spans at its time."""
+    item = _items(enc, mm, rng, 1)[0]
+    clock = ManualClock(50.0)
+    metrics = EncodeMetrics(1.0, clock=clock)
+
+    async def work(loop):
+        return await asyncio.wait_for(loop.encode("a", [item]), 30)
+
+    res = asyncio.run(_run_loop(enc, BatcherConfig(max_batch=1), work, metrics, clock))
+    assert res.queue_ms == 0.0 and res.encode_ms == 0.0
+    assert [(s.start, s.end) for s in metrics.trace.spans()] == [(50.0, 50.0)]

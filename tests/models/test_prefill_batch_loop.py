@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from easerve.policy.clock import ManualClock
 from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.engine.sampler import sample
 from easerve.stages.prefill.loop import PrefillLoop
@@ -210,3 +211,13 @@ def test_a_given_executor_is_used_and_left_running(pre, reqs):
         assert pool.submit(lambda: 7).result() == 7  # stop() did not shut it down
     finally:
         pool.shutdown()
+
+
+def test_every_time_the_loop_reads_comes_from_its_clock(pre, reqs):
+    busy = []
+
+    async def work(loop):
+        return await loop.prefill(reqs[0])
+
+    one = run(pre, work, clock=ManualClock(50.0), on_busy=lambda t0, t1: busy.append((t0, t1)))
+    assert one.prefill_ms == 0.0 and busy == [(50.0, 50.0)]

@@ -14,6 +14,7 @@ from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, PreTraine
                           Qwen2Config, Qwen2ForCausalLM)
 from transformers.models.qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
+from easerve.engine.detok import prompt_tail
 from easerve.engine.sampler import sample
 from easerve.models.base import ModelAdapter
 from easerve.types import KVPayload, PrefillRequest, PrefillResult, ProcessedPrompt, SamplingParams
@@ -99,7 +100,6 @@ def build_text_lm(spec: TextLMSpec = TextLMSpec(), device: str = "cpu",
 class TextLMAdapter(ModelAdapter):
     family = "text-lm"
     modalities = ()
-    architectures = ()
 
     def __init__(self, lm: torch.nn.Module, lm_head: torch.nn.Module, tokenizer, mrope: bool,
                  causal_lm: torch.nn.Module | None = None) -> None:
@@ -173,7 +173,7 @@ def payload_for(adapter: TextLMAdapter, request_id: str, ids: list[int], samplin
     res = adapter.prefill_ids(request_id, ids, position_ids)
     first = sample(res.last_logits[None], [sampling], [0])[0]
     return KVPayload(request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
-                     sampling, prompt_ids_tail=list(ids[-8:]))
+                     sampling, prompt_ids_tail=prompt_tail(ids))
 
 
 def greedy_ignore_eos(ref, ids: list[int], n: int) -> list[int]:

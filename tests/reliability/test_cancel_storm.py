@@ -15,7 +15,6 @@ import asyncio
 import os
 import random
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -27,6 +26,7 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
 from tests.integration.conftest import png_bytes
+from tests.prom import metric, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # 1,000 requests: a long load test
 N_REQUESTS = 1000
@@ -57,8 +57,7 @@ def shm_segments() -> dict[str, int]:
 
 def kv_held(metrics_url: str) -> float:
     """Prefill's easerve:kv_sender_held_bytes: slab regions decode has not let go of."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("easerve:kv_sender_held_bytes "))
+    return metric(scrape(metrics_url), "easerve:kv_sender_held_bytes")
 
 
 def snapshot(stack: Stack) -> dict:

@@ -25,7 +25,7 @@ from easerve.wire import codec
 from easerve.transport.shm import ShmConfig, ShmTransport
 async def main():
     t = ShmTransport(ShmConfig(prefix=sys.argv[1], slab_bytes=8 << 20))
-    h = await t.send("r1", *codec.tensors_to_parts({}, [torch.ones(1024)]))
+    h = await t.send("r1", codec.make_header("tensors", {}, [torch.ones(1024)]), [torch.ones(1024)])
     print(h.name, flush=True)
     await asyncio.sleep(600)
 asyncio.run(main())

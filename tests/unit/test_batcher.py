@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig, Dispatch
+from easerve.policy.batcher import MIN_GAP_S, RATE_HALFLIFE, AdaptiveBatcher, BatcherConfig, Dispatch
 from easerve.policy.clock import ManualClock
 
 EPS = 1e-9
@@ -45,9 +45,7 @@ def run(cfg: BatcherConfig, gaps: list[float]) -> tuple[list[Dispatch], dict[int
 gaps_st = st.lists(st.one_of(st.floats(0, 0.05), st.floats(0, 3.0), st.just(0.0)), min_size=1, max_size=120)
 cfg_st = st.builds(BatcherConfig, max_batch=st.integers(1, 12), safety_cap_s=st.floats(0.01, 2.0),
                    gap_coef=st.floats(0.1, 5.0), mode=st.sampled_from(["adaptive", "fixed", "request_at_a_time", "continuous"]),
-                   rate_halflife=st.floats(1.0, 64.0),
-                   max_gap_s=st.none() | st.floats(0.002, 2.0),
-                   initial_rate=st.none() | st.floats(0.1, 1000.0))
+                   max_gap_s=st.none() | st.floats(0.002, 2.0))
 
 
 @settings(max_examples=150, deadline=None)
@@ -113,22 +111,22 @@ def feed(b: AdaptiveBatcher, clock: ManualClock, rate: float, n: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(r1=st.floats(2.0, 1000.0), r2=st.floats(2.0, 1000.0), coef=st.floats(0.25, 1.0))
+@given(r1=st.floats(2.0, 250.0), r2=st.floats(2.0, 250.0), coef=st.floats(0.25, 1.0))
 def test_gap_threshold_tracks_rate(r1: float, r2: float, coef: float) -> None:
-    cfg = BatcherConfig(max_batch=1_000_000, safety_cap_s=1.0, gap_coef=coef, rate_halflife=8,
-                        min_gap_s=1e-6)
+    """Rates up to 250/s with coef >= 0.25: the threshold stays above MIN_GAP_S."""
+    cfg = BatcherConfig(max_batch=1_000_000, safety_cap_s=1.0, gap_coef=coef)
     b, clock = AdaptiveBatcher(cfg), ManualClock()
     feed(b, clock, r1, 20)
     assert b.gap_threshold == pytest.approx(coef / r1, rel=1e-6)
     assert b.rate == pytest.approx(r1, rel=1e-6)
-    feed(b, clock, r2, 20 * 8)  # 20 half-lives: residual of the old rate < 1e-6 of it
+    feed(b, clock, r2, 20 * int(RATE_HALFLIFE))  # 20 half-lives: residual of the old rate < 1e-6 of it
     assert b.gap_threshold == pytest.approx(coef / r2, rel=1e-3)
     assert b.rate == pytest.approx(r2, rel=1e-3)
 
 
 def test_rate_estimate_on_poisson_arrivals() -> None:
     rng, clock = random.Random(7), ManualClock()
-    b = AdaptiveBatcher(BatcherConfig(max_batch=8, rate_halflife=64, gap_coef=2.0))
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=2.0))
     for i in range(3000):
         clock.advance(rng.expovariate(40.0))
         b.add(i, clock.now())
@@ -138,7 +136,7 @@ def test_rate_estimate_on_poisson_arrivals() -> None:
 
 
 def test_recovers_quickly_after_idle() -> None:
-    cfg = BatcherConfig(max_batch=8, gap_coef=2.0, rate_halflife=16)
+    cfg = BatcherConfig(max_batch=8, gap_coef=2.0)
     b, clock = AdaptiveBatcher(cfg), ManualClock()
     feed(b, clock, 100.0, 100)
     clock.advance(600.0)  # ten idle minutes
@@ -147,13 +145,14 @@ def test_recovers_quickly_after_idle() -> None:
 
 
 def test_deadline_is_exact_and_gap_dispatch() -> None:
-    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=2.0, initial_rate=10.0))
-    assert b.next_deadline(0.0) is None and b.rate == pytest.approx(10.0)
-    assert b.add("a", 0.0) is None
-    assert b.next_deadline(0.0) == pytest.approx(0.2)  # 2 / lambda
-    assert b.poll(0.1999) is None
-    d = b.poll(b.next_deadline(0.1999))
-    assert d is not None and d.item_ids == ("a",) and d.reason == "gap"
+    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=2.0))
+    assert b.next_deadline(0.0) is None and b.rate is None
+    assert b.add("a", 0.0) is None and b.add("b", 0.1) is None
+    assert b.rate == pytest.approx(10.0)
+    assert b.next_deadline(0.1) == pytest.approx(0.3)  # the last arrival + 2 / lambda
+    assert b.poll(0.2999) is None
+    d = b.poll(b.next_deadline(0.2999))
+    assert d is not None and d.item_ids == ("a", "b") and d.reason == "gap"
 
 
 def test_size_dispatch_is_immediate_and_cap_applies_in_fixed_mode() -> None:
@@ -181,26 +180,28 @@ def test_request_at_a_time_and_b1() -> None:
 
 
 def test_late_add_joins_expired_batch() -> None:
-    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=1.0, initial_rate=100.0))
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8, gap_coef=1.0, safety_cap_s=2.0))
     b.add("a", 0.0)
-    d = b.add("b", 5.0)  # caller never polled: the cap (1 s) had expired, and the gap at 0.01
+    d = b.add("b", 5.0)  # caller never polled: the cap (2 s) had expired, and the gap
     assert d == Dispatch(("a", "b"), "cap", 5.0, 5.0)
     b.on_free(5.0)
     b.add("c", 6.0)
-    d = b.add("d", 6.5)  # only the gap (~0.5 s after c) had expired, not c's cap
-    assert d == Dispatch(("c", "d"), "gap", 6.5, pytest.approx(0.5))
+    t = 6.0 + b.gap_threshold + 0.01
+    assert t < 6.0 + 2.0
+    d = b.add("d", t)  # only the gap after c had expired, not c's cap
+    assert d == Dispatch(("c", "d"), "gap", t, pytest.approx(t - 6.0))
 
 
 def test_simultaneous_burst_stays_together() -> None:
-    b = AdaptiveBatcher(BatcherConfig(max_batch=8, min_gap_s=0.001))
+    b = AdaptiveBatcher(BatcherConfig(max_batch=8))
     assert all(b.add(i, 0.0) is None for i in range(5))
-    assert b.poll(0.0) is None and b.gap_threshold == 0.001
+    assert b.poll(0.0) is None and b.gap_threshold == MIN_GAP_S
     assert b.poll(b.next_deadline(0.0)).item_ids == tuple(range(5))
 
 
 def test_busy_worker_accumulates_and_what_is_due_leaves_when_it_frees() -> None:
-    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=1.0, initial_rate=100.0, safety_cap_s=1.0))
-    assert b.add("a", 0.0) is None and b.poll(0.01) == Dispatch(("a",), "gap", 0.01, pytest.approx(0.01))
+    b = AdaptiveBatcher(BatcherConfig(max_batch=4, gap_coef=1.0, safety_cap_s=1.0))
+    assert b.add("a", 0.0) is None and b.flush(0.01) == Dispatch(("a",), "flush", 0.01, pytest.approx(0.01))
     assert b.busy
     for i, t in enumerate((0.02, 0.03, 0.04, 0.05, 0.06)):  # 5 arrive while "a" encodes: full, not dispatched
         assert b.add(i, t) is None
@@ -257,9 +258,8 @@ def test_flush_remove_and_clock_checks() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_batch": 0}, "max_batch"), ({"max_batch": 2.5}, "max_batch"),
     ({"safety_cap_s": 0}, "safety_cap_s"), ({"gap_coef": -1}, "gap_coef"),
-    ({"mode": "greedy"}, "mode"), ({"rate_halflife": 0}, "rate_halflife"),
-    ({"min_gap_s": 2.0}, "min_gap_s"), ({"min_gap_s": 0.0}, "min_gap_s"), ({"initial_rate": 0.0}, "initial_rate"),
-    ({"max_gap_s": float("nan")}, "max_gap_s"),
+    ({"mode": "greedy"}, "mode"), ({"max_gap_s": 0.0005}, "floor"),
+    ({"safety_cap_s": 0.0005}, "floor"), ({"max_gap_s": float("nan")}, "max_gap_s"),
 ])
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.models.text_lm import make_tokenizer  # noqa: E402
 
-from easerve.engine.detok import Detokenizer  # noqa: E402
+from easerve.engine.detok import PROMPT_TAIL, Detokenizer, prompt_tail  # noqa: E402
 
 TEXT = "héllo wörld, 你好 🙂🚀 the quick brown fox"
 
@@ -37,6 +37,14 @@ def test_multibyte_characters_are_never_split(tok):
 def test_prompt_tail_gives_context_but_no_text(tok):
     prompt, out = tok.encode("the quick"), tok.encode(" brown fox")
     assert "".join(_run(Detokenizer(tok, prompt_tail=prompt), out)) == " brown fox"
+
+
+def test_the_shipped_prompt_tail_is_the_detokenizer_context(tok):
+    """prefill ships prompt_tail(ids); a Detokenizer given the whole prompt keeps just as much."""
+    prompt, out = tok.encode("héllo wörld, the quick brown"), tok.encode(" fox jumps")
+    assert len(prompt) > PROMPT_TAIL and prompt_tail(prompt) == prompt[-PROMPT_TAIL:]
+    whole, tail = Detokenizer(tok, prompt_tail=prompt), Detokenizer(tok, prompt_tail=prompt_tail(prompt))
+    assert _run(whole, out) == _run(tail, out) and "".join(_run(Detokenizer(tok, prompt), out)) == " fox jumps"
 
 
 @pytest.mark.parametrize("stop", ["wörld", "d, 你", "🚀", "fox"])

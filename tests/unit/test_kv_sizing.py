@@ -3,7 +3,7 @@ the engine's), and the choice of attention backend."""
 import pytest
 import torch
 
-from easerve.engine.attention import paged_kernel_available, paged_kv_indices, select_backend
+from easerve.engine.attention import paged_kernel_available, paged_kv_indices, select_attention
 from easerve.engine.config import DEFAULT_KV_TOKENS, GIB, EngineConfig, KVGeometry, default_cpu_kv_bytes, gpu_kv_budget
 from easerve.engine.kv_pool import KVLayout
 from easerve.stages.common.configs import DecodeConfig, from_argv
@@ -142,11 +142,11 @@ def test_flashinfer_is_chosen_only_when_importable_on_cuda_half():
     assert not paged_kernel_available("cuda", torch.bfloat16, flashinfer_importable=False)
     assert not paged_kernel_available("cpu", torch.bfloat16, flashinfer_importable=True)
     assert not paged_kernel_available("cuda", torch.float32, flashinfer_importable=True)
-    assert select_backend("paged", paged_kernel=True) == "flashinfer"
-    assert select_backend("paged", paged_kernel=False) == "paged-gather"
-    assert select_backend("slots", paged_kernel=True) == "slots"
+    assert select_attention("paged", paged_kernel=True) == "flashinfer"
+    assert select_attention("paged", paged_kernel=False) == "paged-gather"
+    assert select_attention("slots", paged_kernel=True) == "slots"
     with pytest.raises(ValueError, match="layout"):
-        select_backend("ring", paged_kernel=False)
+        select_attention("ring", paged_kernel=False)
 
 
 def test_flashinfer_page_table_covers_each_row_length():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -32,15 +33,31 @@ def trace_file(tmp_path) -> str:
     return str(path)
 
 
+# matplotlib's first five cycle colours: one per plotted series, in drawing order
+SERIES_RGB = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189))
+# a series drawn with no data still shows its legend sample: at most ~130 pixels of its colour
+DRAWN_PIXELS = 300
+
+
+def series_pixels(path) -> list[int]:
+    """Pixels of each series colour in a rendered plot."""
+    with Image.open(path) as im:
+        rgb = np.asarray(im.convert("RGB")).astype(int)
+    return [int((np.abs(rgb - c).sum(axis=2) < 40).sum()) for c in SERIES_RGB]
+
+
 def test_report_renders_pngs_and_a_table(tmp_path, capsys):
-    files = [result_file(tmp_path, "default", r, 0.1) for r in (2.0, 4.0)]
-    files += [result_file(tmp_path, "colocated", r, 0.2) for r in (2.0, 4.0, 8.0)]
+    files = [result_file(tmp_path, "default", r, 0.1 + r / 100) for r in (2.0, 4.0)]  # distinct CDFs
+    files += [result_file(tmp_path, "colocated", r, 0.2 + r / 100) for r in (2.0, 4.0, 8.0)]
     out = tmp_path / "rep"
     assert main(["report", *files, "--trace", trace_file(tmp_path), "--out", str(out)]) == 0
-    for name in ("goodput_vs_rate.png", "latency_cdf.png", "encode_utilization.png"):
+    # series drawn: goodput (2 deployments), CDFs (5 runs), utilization (encode, prefill)
+    for name, series in (("goodput_vs_rate.png", 2), ("latency_cdf.png", 5), ("encode_utilization.png", 2)):
         with Image.open(out / name) as im:
             im.verify()
             assert im.format == "PNG" and im.size[0] > 300
+        px = series_pixels(out / name)
+        assert all(n > DRAWN_PIXELS for n in px[:series]) and not any(px[series:]), (name, px)
     md = (out / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and "deployment" not in line]
     assert len(rows) == 5

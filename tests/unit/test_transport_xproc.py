@@ -28,7 +28,7 @@ def _shm_receiver(conn) -> None:
         t = ShmTransport(ShmConfig(prefix=PREFIX))
         while (msg := conn.recv()) is not None:
             handle = handle_from_proto(kv_pb2.KVTransfer.FromString(msg))
-            conn.send(codec.encode_kv(codec.kv_from_parts(*await t.recv(handle))))
+            conn.send(codec.join_parts(*await t.recv(handle)))
     asyncio.run(main())
 
 
@@ -48,7 +48,7 @@ def test_shm_across_processes_no_leak(slab_bytes):
             assert h.slab == bool(slab_bytes)
             parent.send(handle_to_proto(h).SerializeToString())
             assert parent.poll(120), "receiver did not answer"
-            got = codec.decode_kv(parent.recv())
+            got = codec.kv_from_parts(*codec.split_parts(parent.recv()))
             assert got.request_id == p.request_id and got.rope_delta == i
             assert all(torch.equal(a, b) for a, b in zip(got.keys + got.values, p.keys + p.values))
             t.release(h)
@@ -88,7 +88,7 @@ def _dist_rank(rank: int, init: str, conn) -> None:
         else:
             handles = [handle_from_proto(kv_pb2.KVTransfer.FromString(conn.recv())) for _ in range(3)]
             for h in reversed(handles):  # any order: payloads are parked by tag
-                conn.send(codec.encode_kv(codec.kv_from_parts(*await t.recv(h, timeout=60))))
+                conn.send(codec.join_parts(*await t.recv(h, timeout=60)))
         conn.recv()  # wait until the test is done before tearing the group down
         await t.close()
     asyncio.run(main())
@@ -110,7 +110,7 @@ def test_dist_transport_with_gloo_any_order():
             receiver.send(sender.recv())
         for i in reversed(range(3)):
             assert receiver.poll(120), "receiver produced no payload"
-            got, want = codec.decode_kv(receiver.recv()), kv(i)
+            got, want = codec.kv_from_parts(*codec.split_parts(receiver.recv())), kv(i)
             assert got.request_id == want.request_id
             assert all(torch.equal(a, b) for a, b in zip(got.keys + got.values, want.keys + want.values))
     finally:

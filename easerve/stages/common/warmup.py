@@ -3,6 +3,7 @@ the same code path as a request, so the first client does not pay for lazy
 initialisation (kernels, allocator, thread pools)."""
 from __future__ import annotations
 
+from easerve.engine.detok import prompt_tail
 from easerve.types import KVPayload, PrefillRequest, SamplingParams
 
 _PROMPT = "Hello, warm up."
@@ -22,4 +23,4 @@ def dummy_payload(adapter, request_id: str = "__warmup__") -> KVPayload:
     req = dummy_prefill_request(adapter, request_id, max_tokens=3)
     res = adapter.prefill([req])[0]
     return KVPayload(request_id, res.keys, res.values, res.prompt_len, res.rope_delta,
-                     int(res.last_logits.argmax()), req.sampling, prompt_ids_tail=req.input_ids[-8:])
+                     int(res.last_logits.argmax()), req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 
 from easerve.policy.batcher import AdaptiveBatcher
+from easerve.policy.clock import MonotonicClock
 from easerve.policy.router import DeficitRouter
 from easerve.stages.common.metrics import PrefillMetrics
 from easerve.models.registry import load_adapter
@@ -44,7 +44,8 @@ class Encoder:
         self.node = local_identity(cfg.torch_device)
         dtype = dtype_of(cfg.dtype)
         self.adapter = load_adapter(cfg.model, role="encode", device=cfg.torch_device, dtype=dtype)
-        self.metrics = EncodeMetrics(cfg.remote_fraction)
+        self.clock = MonotonicClock()  # the loops', the trace's and /trace's time
+        self.metrics = EncodeMetrics(cfg.remote_fraction, clock=self.clock)
         self.encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.prefill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-prefill")
         self.local_lm = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype) \
@@ -53,7 +54,8 @@ class Encoder:
         if self.controller is not None:
             self.metrics.on_partition(self.controller.backend.name, self.controller.partitioner.policy,
                                       self.controller.backend.degraded)
-        self.loop = EncodeLoop(self.adapter, AdaptiveBatcher(cfg.batcher), self.controller, self.metrics, self.encode_pool)
+        self.loop = EncodeLoop(self.adapter, AdaptiveBatcher(cfg.batcher), self.controller, self.metrics,
+                               self.encode_pool, clock=self.clock)
         self.local = self._local_stage()
         self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
                                "easerve.v1.Prefill", tls=self.opts.tls)
@@ -87,7 +89,7 @@ class Encoder:
         self.prefill_metrics = PrefillMetrics(self.metrics.registry, queued=lambda: self.local.loop.queued)
         return build_prefill_stage(self.cfg, self.local_lm, self.opts.channel_options(), self.node,
                                    executor=self.prefill_pool, scope=self.controller.prefill_scope,
-                                   on_busy=on_busy, metrics=self.prefill_metrics)
+                                   on_busy=on_busy, metrics=self.prefill_metrics, clock=self.clock)
 
     async def load(self) -> stage_load.Load:
         return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued)
@@ -99,7 +101,7 @@ class Encoder:
 
     def trace(self, req) -> dict:
         window = float(req.query.get("window_s", "60"))
-        now = time.monotonic()
+        now = self.clock.now()
         spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
                  for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
         return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from easerve.policy.batcher import AdaptiveBatcher, Dispatch
+from easerve.policy.clock import Clock, MonotonicClock
 from easerve.types import MMItem
 
 log = logging.getLogger("easerve.encode")
@@ -26,7 +26,7 @@ log = logging.getLogger("easerve.encode")
 class _Pending:
     items: list[MMItem]
     future: asyncio.Future
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float  # clock.now() at arrival
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,11 @@ def _fail(batch: dict[str, _Pending], e: BaseException) -> None:
 
 class EncodeLoop:
     def __init__(self, adapter, batcher: AdaptiveBatcher, controller=None, metrics=None,
-                 executor: concurrent.futures.Executor | None = None):
+                 executor: concurrent.futures.Executor | None = None, clock: Clock | None = None):
+        """`clock`: where every time the loop reads comes from (arrivals, the batcher's `now`,
+        queue and encode times); a MonotonicClock unless given."""
         self.adapter, self.batcher, self.controller, self.m = adapter, batcher, controller, metrics
+        self.clock = clock or MonotonicClock()
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._pending: dict[str, _Pending] = {}
         self._ready: Dispatch | None = None  # handed out by `add`, for the worker to run next
@@ -72,8 +75,9 @@ class EncodeLoop:
         if not self._tasks or dead:
             raise RuntimeError("the encode loop is not running; restart this encode worker")
         fut = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Pending(items, fut)
-        d = self.batcher.add(request_id, time.monotonic())
+        now = self.clock.now()
+        self._pending[request_id] = _Pending(items, fut, now)
+        d = self.batcher.add(request_id, now)
         if d is not None:  # the encoder was free: the batcher is now busy until the worker runs it
             self._ready = d
         self._arrival.set()
@@ -89,7 +93,7 @@ class EncodeLoop:
             if (d := self._ready) is not None:
                 self._ready = None
                 return d
-            now = time.monotonic()
+            now = self.clock.now()
             if (d := self.batcher.poll(now)) is not None:
                 return d
             due = self.batcher.next_deadline(now)
@@ -111,17 +115,17 @@ class EncodeLoop:
                 log.exception("encode batch failed")
                 _fail(batch, e)
             finally:
-                self.batcher.on_free(time.monotonic())
+                self.batcher.on_free(self.clock.now())
 
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
             _fail(batch, e)
             return
-        t1 = time.monotonic()
+        t1 = self.clock.now()
         i = 0
         for p in batch.values():
             n = len(p.items)

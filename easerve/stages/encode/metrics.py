@@ -1,10 +1,9 @@
 """The encode stage's control-plane metrics (Prometheus) and utilization trace."""
 from __future__ import annotations
 
-import time
-
 from prometheus_client import Counter, Gauge, Histogram
 
+from easerve.policy.clock import Clock, MonotonicClock
 from easerve.stages.encode.trace import UtilizationTrace
 from easerve.stages.common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, new_registry
 
@@ -12,8 +11,10 @@ SHARE_BUCKETS = (0.2, 0.4, 0.5, 0.6, 0.8, 1.0)  # 0.5: the static split
 
 
 class EncodeMetrics:
-    def __init__(self, target_remote_fraction: float, registry=None):
+    def __init__(self, target_remote_fraction: float, registry=None, clock: Clock | None = None):
+        """`clock`: the one the trace's spans are timed with (refresh() reads it)."""
         r = self.registry = registry or new_registry()
+        self.clock = clock or MonotonicClock()
         self.batch_size = Histogram("easerve:encode_batch_size", "Requests per encode micro-batch",
                                     buckets=SIZE_BUCKETS, registry=r)
         self.dispatches = Counter("easerve:encode_dispatch", "Micro-batch dispatches by reason", ["reason"],
@@ -63,7 +64,7 @@ class EncodeMetrics:
 
     def refresh(self) -> None:
         """Before a scrape: utilization over the last 10 s."""
-        now = time.monotonic()
+        now = self.clock.now()
         for kind in ("encode", "prefill"):
             self.utilization.labels(worker=kind).set(self.trace.utilization(kind, now - 10.0, now))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Busy:
     kind: str        # "encode" | "prefill"
-    start: float     # seconds (monotonic)
+    start: float     # seconds (of the encode process's clock)
     end: float
     share: float     # compute share the work ran with (1.0 = whole device)
     batch: int = 1

@@ -60,9 +60,17 @@ async def main(cfg: GatewayConfig) -> None:
     finally:
         http_drain.cancel()
         http.drain()
+        await _settled(core, cfg.grace_s)  # the listener stays up meanwhile: new requests get 503
         ready.clear()
         await runner.cleanup()
         await core.stop()
+
+
+async def _settled(core: GatewayCore, grace_s: float) -> None:
+    """Wait (up to grace_s) until no request is in flight at the gateway."""
+    end = asyncio.get_running_loop().time() + grace_s
+    while core.limit.inflight and asyncio.get_running_loop().time() < end:
+        await asyncio.sleep(0.05)
 
 
 async def _drain_on(stop: asyncio.Event, http: HttpApi) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from easerve.models.registry import load_adapter
+from easerve.policy.clock import MonotonicClock
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.common.cli import dtype_of, write_port_file
@@ -28,7 +29,7 @@ async def main(cfg: PrefillConfig) -> None:
     metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0,
                              kv_held=lambda: stage.senders.held_bytes if stage is not None else 0)
     stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
-                                metrics=metrics)
+                                metrics=metrics, clock=MonotonicClock())
 
     async def load() -> stage_load.Load:
         return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued)

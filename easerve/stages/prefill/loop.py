@@ -1,7 +1,7 @@
 """Continuous batched prefill: an asyncio front over `adapter.prefill(batch)`.
 
     loop = PrefillLoop(adapter, PrefillBatchConfig(max_batched_tokens=2048, max_batch_size=16),
-                       executor=None, scope=None, on_busy=None)
+                       executor=None, scope=None, on_busy=None, clock=MonotonicClock())
     loop.start()                                   # inside the running event loop
     one = await loop.prefill(req)                  # req: PrefillRequest
     one.result, one.first_token, one.prefill_ms, one.batch_size
@@ -16,12 +16,14 @@
   `adapter.prefill(batch)` forward, then `easerve.engine.sampler.sample` draws each
   request's first token (its own SamplingParams, step 0); both run under `scope()` when
   given (a context manager: e.g. the co-located prefill's share of the device).
-  `on_busy(t0, t1)` (monotonic seconds) is called on the event loop after each batch.
+  `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch.
+- Time: every time the loop reads (arrivals, the batcher's `now`, t0 / t1) comes from
+  `clock` (an `easerve.policy.clock.Clock`; a MonotonicClock unless given).
 - `PrefilledOne.prefill_ms` is the batch's compute time (forward + sampling) in ms;
   `batch_size` is how many requests that forward held.
 - Failures: `adapter.check_prefill` runs for every request first; one that raises
-  ValueError (empty prompt, embeddings that do not fit its placeholders) fails alone and
-  the rest of the batch goes on. An error of the batch itself (forward, sampling, scope)
+  InvalidRequest (empty prompt, embeddings that do not fit its placeholders) fails alone and
+  the rest of the batch goes on. Any other error (of a check, the forward, sampling, scope)
   fails every request of that batch with it; the loop keeps serving. A request cancelled
   while queued leaves the queue; one cancelled while its batch runs is computed and dropped.
   `stop()` fails the requests still queued with RuntimeError.
@@ -33,11 +35,11 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
+from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
@@ -62,9 +64,9 @@ class _Pending:
 
 @dataclass
 class _BatchOut:
-    """What one batch run returns: per request a (result, first token) or its own ValueError."""
+    """What one batch run returns: per request a (result, first token) or its own InvalidRequest."""
 
-    outcomes: list[tuple[PrefillResult, int] | ValueError]
+    outcomes: list[tuple[PrefillResult, int] | InvalidRequest]
     t0: float
     t1: float
     forward_size: int
@@ -72,8 +74,10 @@ class _BatchOut:
 
 class PrefillLoop:
     def __init__(self, adapter, config: PrefillBatchConfig | None = None,
-                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None):
+                 executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None,
+                 clock: Clock | None = None):
         self.adapter = adapter
+        self.clock = clock or MonotonicClock()
         self.batcher = PrefillBatcher(config or PrefillBatchConfig())
         self._own_pool = executor is None
         self._pool = executor
@@ -126,7 +130,7 @@ class PrefillLoop:
         if self._task is None or self._task.done():
             raise RuntimeError("the prefill loop is not running; call start() first")
         key = next(self._keys)
-        self.batcher.add(key, len(req.input_ids), time.monotonic())
+        self.batcher.add(key, len(req.input_ids), self.clock.now())
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = _Pending(req, fut)
         self._wake.set()
@@ -138,7 +142,7 @@ class PrefillLoop:
 
     async def _worker(self) -> None:
         while True:
-            plan = self.batcher.next_batch(time.monotonic())
+            plan = self.batcher.next_batch(self.clock.now())
             if plan is None:
                 self._wake.clear()
                 await self._wake.wait()
@@ -148,7 +152,7 @@ class PrefillLoop:
                 await self._run(self._running)
             finally:
                 self._running = []
-                self.batcher.on_free(time.monotonic())
+                self.batcher.on_free(self.clock.now())
 
     async def _run(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
@@ -164,7 +168,7 @@ class PrefillLoop:
         for p, o in zip(batch, out.outcomes):
             if p.future.done():
                 continue
-            if isinstance(o, ValueError):
+            if isinstance(o, InvalidRequest):
                 p.future.set_exception(o)
             else:
                 p.future.set_result(PrefilledOne(o[0], o[1], ms, out.forward_size))
@@ -176,7 +180,7 @@ class PrefillLoop:
 
     def _run_sync(self, reqs: list[PrefillRequest]) -> _BatchOut:
         """Executor thread: check each request, one forward for the good ones, first tokens."""
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         outcomes: list = [None] * len(reqs)
         good = []
         for i, r in enumerate(reqs):
@@ -193,4 +197,4 @@ class PrefillLoop:
                 firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good))
             for i, res, tok in zip(good, results, firsts):
                 outcomes[i] = (res, int(tok))
-        return _BatchOut(outcomes, t0, time.monotonic(), len(good))
+        return _BatchOut(outcomes, t0, self.clock.now(), len(good))

@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from easerve.engine.detok import prompt_tail
 from easerve.engine.logprobs import token_logprobs
 from easerve.engine.stops import StopRules
+from easerve.policy.clock import Clock, MonotonicClock
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
@@ -27,14 +29,6 @@ from easerve.transport.handoff import KVSenders
 from easerve.types import KVPayload, PrefillRequest
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2
-
-PROMPT_TAIL = 8  # prompt tokens that seed the detokenizer (context for the first token's text)
-
-
-def prompt_tail(input_ids) -> list[int]:
-    """The one home of the detokenizer's prompt context (prefill's first token, decode's rest)."""
-    return list(input_ids[-PROMPT_TAIL:])
-
 
 class PrefillStage:
     def __init__(self, loop: PrefillLoop, decode: Peers, senders: KVSenders, eos_ids, tokenizer,
@@ -120,9 +114,10 @@ class PrefillStage:
 
 
 def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, scope=None, on_busy=None,
-                        metrics=None) -> PrefillStage:
-    """The prefill stage of a process from its config (a PrefillFields config): batched loop,
-    decode peers (polled for load and node identity), KV senders chosen per peer."""
+                        metrics=None, clock: Clock | None = None) -> PrefillStage:
+    """The prefill stage of a process from its config (a PrefillFields config): batched loop
+    (reading `clock`, a MonotonicClock unless given), decode peers (polled for load and node
+    identity), KV senders chosen per peer."""
     from easerve.policy.prefill_plan import PrefillBatchConfig
     from easerve.wire.v1 import decode_pb2_grpc
 
@@ -133,6 +128,7 @@ def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, s
                       on_closed=lambda addr: senders.forget(addr), tls=tls)  # forget: a removed decode instance
     senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options, tls=tls)
     batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
-    loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy)
+    loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy,
+                       clock=clock or MonotonicClock())
     return PrefillStage(loop, decode, senders, adapter.eos_token_ids, adapter.tokenizer, cfg.max_inflight,
                         metrics=metrics)
