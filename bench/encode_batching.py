@@ -37,6 +37,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.encoder_cache import one  # noqa: E402  (the same streamed request)
+
 MODES = {"adaptive": ("adaptive", 8), "continuous": ("continuous", 8),
          "request_at_a_time": ("request_at_a_time", 1), "fixed-8": ("fixed", 8)}
 
@@ -85,25 +87,6 @@ def unit_trace(n: int, seed: int) -> list[float]:
     return list(np.cumsum(gaps) - gaps[0])
 
 
-async def one(client, model: str, image: str, text: str, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    stream = await client.chat.completions.create(
-        model=model, max_tokens=max_tokens, stream=True, temperature=0.0, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                               {"type": "text", "text": text}]}])
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None:
-            last = time.perf_counter()
-            first = first or last
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-    return {"t0": t0, "ttft": (first - t0) if first else float("inf"), "end": time.perf_counter(),
-            "tpot": (last - first) / (n - 1) if first and n > 1 else 0.0}
-
-
 async def replay(url: str, model: str, offsets: list[float], images: list[str], args) -> list[dict]:
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
@@ -113,7 +96,7 @@ async def replay(url: str, model: str, offsets: list[float], images: list[str], 
     async def at(off: float, image: str) -> dict:
         await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
         try:
-            return await one(client, model, image, text, args.max_tokens)
+            return await one(client, model, image, args.max_tokens, text)
         except Exception as e:  # noqa: BLE001 - a failed request counts as failed
             return {"error": f"{type(e).__name__}: {e}"}
 

@@ -73,7 +73,8 @@ def workload(n: int, rate: float, repeat: float, seed: int) -> list[tuple[float,
 
 
 # ---- client ------------------------------------------------------------------------------------
-async def one(client, model: str, image: str, max_tokens: int) -> dict:
+async def one(client, model: str, image: str, max_tokens: int, text: str = "Describe the image.") -> dict:
+    """One streamed image request (ignore_eos): when it was sent (t0), TTFT, end, TPOT, tokens."""
     t0 = time.perf_counter()
     first = last = None
     n = 0
@@ -81,16 +82,15 @@ async def one(client, model: str, image: str, max_tokens: int) -> dict:
         model=model, max_tokens=max_tokens, stream=True, temperature=0.0,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                               {"type": "text", "text": "Describe the image."}]}])
+                                               {"type": "text", "text": text}]}])
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content is not None:
             last = time.perf_counter()
             first = first or last
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
-    ttft = (first - t0) if first else float("inf")
-    tpot = (last - first) / (n - 1) if first and n > 1 else 0.0
-    return {"ttft": ttft, "tpot": tpot, "tokens": n}
+    return {"t0": t0, "ttft": (first - t0) if first else float("inf"), "end": time.perf_counter(),
+            "tpot": (last - first) / (n - 1) if first and n > 1 else 0.0, "tokens": n}
 
 
 async def run_load(url: str, model: str, reqs, images: dict[int, str], max_tokens: int) -> tuple[list[dict], float]:
