@@ -15,7 +15,7 @@ from easerve.errors import MediaError
 from easerve.media import MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio, decode_video_file
 from easerve.models.common import hf_messages
 from easerve.stages.gateway import openai_api as oa
-from easerve.types import ChatMessage, MediaPart, TextPart
+from easerve.types import ChatMessage, MediaPart, MediaRef, TextPart
 from tests.models.media_clips import (AUDIO_FORMATS, VIDEO_FORMATS, decode_all_frames, encode_audio, encode_video,
                                       smooth_frames, tone)
 
@@ -153,14 +153,14 @@ def test_audio_longer_than_the_qwen2_audio_window_is_refused_not_cut(qa):
     assert cfg.audio_max_seconds == 2.0  # the tiny checkpoint's 32000-sample window
     raw = encode_audio(tone(2.5, 44100), "flac")
     with pytest.raises(MediaError, match=r"2\.5 s long; at most 2 s per clip.*qwen2-audio audio encoder's window"):
-        asyncio.run(MediaResolver(cfg).resolve([MediaPart("audio", oa.media.MediaRef("audio", raw))]))
+        asyncio.run(MediaResolver(cfg).resolve([MediaPart("audio", MediaRef("audio", raw))]))
 
 
 def test_ultravox_splits_long_clips_itself_so_they_are_accepted(adapters):
     ux = adapters("ultravox", "processor")
     cfg = config_for(ux)
     assert cfg.audio_max_seconds is None
-    part = MediaPart("audio", oa.media.MediaRef("audio", encode_audio(tone(5.0, 44100), "flac")))
+    part = MediaPart("audio", MediaRef("audio", encode_audio(tone(5.0, 44100), "flac")))
     (part,) = asyncio.run(MediaResolver(cfg).resolve([part]))
     (item,) = ux.preprocess([ChatMessage("user", (part, TextPart("hi")))]).items
     assert item.pixels["audio_values"].shape[0] == 3  # three 2 s windows

@@ -10,8 +10,8 @@ from aiohttp import web
 from PIL import Image
 
 from easerve.errors import MediaError
-from easerve.media import FetchConfig, MediaConfig, MediaFetcher, MediaRef, MediaResolver
-from easerve.types import MediaPart
+from easerve.media import FetchConfig, MediaConfig, MediaFetcher, MediaResolver
+from easerve.types import MediaPart, MediaRef
 
 LOCAL = ("127.0.0.1",)
 

@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from easerve.errors import BadRequest
-from easerve.media import MediaConfig, MediaRef, MediaResolver
+from easerve.media import MediaConfig, MediaResolver
+from easerve.types import MediaRef
 from easerve.models.common import hf_messages
 from easerve.stages.gateway import openai_api as oa
 from easerve.types import ChatMessage, MediaPart, TextPart

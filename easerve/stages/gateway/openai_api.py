@@ -15,9 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from easerve import media
 from easerve.errors import BadRequest, InvalidRequest
-from easerve.types import ChatMessage, ContentPart, MediaPart, SamplingParams, TextPart
+from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, SamplingParams, TextPart
 from easerve.stages.gateway import openai_schema as osc
 
 
@@ -45,7 +44,7 @@ def _url_of(part: dict, key: str) -> str:
     return url
 
 
-def _video_ref(part: dict) -> media.MediaRef:
+def _video_ref(part: dict) -> MediaRef:
     val = part.get("video_url")
     fps = val.get("fps") if isinstance(val, dict) else None
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
@@ -54,20 +53,20 @@ def _video_ref(part: dict) -> media.MediaRef:
         frames = val["frames"]
         if not isinstance(frames, list) or not all(isinstance(f, str) for f in frames):
             raise BadRequest("video_url.frames must be a list of image data: URIs or URLs")
-        return media.MediaRef("video", list(frames), fps=fps)  # the frames' own rate
-    return media.MediaRef("video", _url_of(part, "video_url"), fps=fps)
+        return MediaRef("video", list(frames), fps=fps)  # the frames' own rate
+    return MediaRef("video", _url_of(part, "video_url"), fps=fps)
 
 
-def _audio_ref(part: dict) -> media.MediaRef:
+def _audio_ref(part: dict) -> MediaRef:
     if part["type"] == "audio_url":
-        return media.MediaRef("audio", _url_of(part, "audio_url"))
+        return MediaRef("audio", _url_of(part, "audio_url"))
     val = part.get("input_audio")
     if not isinstance(val, dict) or not isinstance(val.get("data"), str):
         raise BadRequest("content part 'input_audio' needs {\"data\": <base64 audio file>, \"format\": \"wav\"}")
     fmt = val.get("format", "wav")
     if fmt not in AUDIO_FORMATS:
         raise BadRequest(f"input_audio format {fmt!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}")
-    return media.MediaRef("audio", val["data"])
+    return MediaRef("audio", val["data"])
 
 
 def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = None) -> ContentPart:
@@ -89,7 +88,7 @@ def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = 
         raise BadRequest(f"this model takes {', '.join(modalities) or 'text only'}; "
                          f"content part type {kind!r} is not supported")
     if need == "image":
-        ref = media.MediaRef("image", _url_of(part, "image_url"))
+        ref = MediaRef("image", _url_of(part, "image_url"))
     elif need == "video":
         ref = _video_ref(part)
     else:

@@ -6,12 +6,11 @@ import uuid
 
 import numpy as np
 
-from easerve import media
 from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest
 from easerve.wire.protoconv import FINISH_TO_PROTO, sampling_from_proto
-from easerve.types import ChatMessage, ContentPart, MediaPart, TextPart
+from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, TextPart
 from easerve.wire.sampling_proto import timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.core import GatewayCore, Job
@@ -20,11 +19,11 @@ from easerve.stages.gateway.core import GatewayCore, Job
 ROLES = ("", "system", "developer", "user", "assistant")  # the roles of the HTTP API's messages too
 
 
-def _image(m) -> media.MediaRef:
-    return media.MediaRef("image", m.data if m.WhichOneof("source") == "data" else m.url)
+def _image(m) -> MediaRef:
+    return MediaRef("image", m.data if m.WhichOneof("source") == "data" else m.url)
 
 
-def _video(m) -> media.MediaRef:
+def _video(m) -> MediaRef:
     """Frames as sent (`fps`: their frame rate), or a file / URL sampled at `fps` frames per
     second (0: the model's default)."""
     src = m.WhichOneof("source")
@@ -33,11 +32,11 @@ def _video(m) -> media.MediaRef:
     if not (math.isfinite(m.fps) and m.fps >= 0):
         raise InvalidRequest(f"video fps must be a finite number >= 0 (0: the model's default), got {m.fps}")
     if src == "frames":
-        return media.MediaRef("video", list(m.frames.frames), fps=m.fps or None)
-    return media.MediaRef("video", m.file if src == "file" else m.url, fps=m.fps or None)
+        return MediaRef("video", list(m.frames.frames), fps=m.fps or None)
+    return MediaRef("video", m.file if src == "file" else m.url, fps=m.fps or None)
 
 
-def _audio(m, rate: int | None) -> media.MediaRef:
+def _audio(m, rate: int | None) -> MediaRef:
     """`wav` holds any audio file PyAV decodes (WAV, FLAC, MP3, Ogg, M4A); `url` a data: URI or URL."""
     if rate is None:
         raise InvalidRequest("this model does not take audio; remove the audio part")
@@ -48,8 +47,8 @@ def _audio(m, rate: int | None) -> media.MediaRef:
         if len(m.samples.f32le) % 4:
             raise InvalidRequest(f"audio samples.f32le has {len(m.samples.f32le)} bytes; send whole float32 values")
         raw = np.frombuffer(m.samples.f32le, dtype="<f4")
-        return media.MediaRef("audio", raw, sample_rate=m.samples.sample_rate)
-    return media.MediaRef("audio", m.wav if src == "wav" else m.url)
+        return MediaRef("audio", raw, sample_rate=m.samples.sample_rate)
+    return MediaRef("audio", m.wav if src == "wav" else m.url)
 
 
 def part_from_proto(p, modalities: tuple[str, ...], rate: int | None) -> ContentPart:
