@@ -17,7 +17,7 @@ from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import KVPayload, PrefillRequest, SamplingParams
 from easerve.wire.codec import decode_kv, encode_kv
-from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for
+from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
 
 torch.set_num_threads(1)
 FAMILY = "qwen2.5-vl"
@@ -85,9 +85,10 @@ def test_min_tokens_holds_eos_back_from_prefill_on(pre, dec, image_req):
 def test_greedy_repetition_penalty_equals_transformers_generate(penalty):
     adapter = build_text_lm(TextLMSpec(family="llama", seed=2))
     ref = copy.deepcopy(adapter)  # the engine switches the original's attention
-    ids = [5, 9, 9, 17, 30, 5, 41, 17]
+    base = [5, 9, 9, 17, 30, 5, 41, 17]
+    ids = base + greedy_ignore_eos(ref, base, 8)  # a prompt holding the tokens this model likes next
     sp = SamplingParams(max_tokens=12, min_tokens=12, repetition_penalty=penalty)  # min_new_tokens below
-    engine = DecodeEngine(adapter, EngineConfig(max_running=2, num_slots=2, max_seq_len=32))
+    engine = DecodeEngine(adapter, EngineConfig(max_running=2, num_slots=2, max_seq_len=40))
     engine.add(decode_kv(encode_kv(payload_for(adapter, "r", ids, sp))))  # the prompt ids cross the codec
     engine.add(payload_for(adapter, "plain", ids, SamplingParams(max_tokens=12, ignore_eos=True)))  # a neighbour
     outs: dict[str, list[int]] = {}
