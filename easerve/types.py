@@ -54,7 +54,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
-    # logit transforms (vLLM's meanings), applied by easerve.engine.logit_transforms
+    # vLLM's options: the logit transforms (easerve.engine.logit_transforms) and min_p (the sampler)
     presence_penalty: float = 0.0    # -= this once for every token generated so far
     frequency_penalty: float = 0.0   # -= this times how often each token was generated
     repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / r, negative * r
