@@ -144,12 +144,16 @@ def media_parts(images=(), video=None, audio=None, video_fps: float = 0.0) -> li
 
 def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False,
-                   logprobs: int | None = None) -> cpb.SamplingParams:
+                   logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                   repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
+                   logit_bias: dict[int, float] | None = None) -> cpb.SamplingParams:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     try:
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                            stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos,
-                           logprobs=logprobs)
+                           logprobs=logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
+                           logit_bias=logit_bias or {})
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if seed is not None and seed < 0:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from easerve.engine.detok import prompt_tail
 from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
+from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
 from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams, items_meta
@@ -43,9 +44,11 @@ class InProcessPipeline:
         req = PrefillRequest(rid, prompt.input_ids, embeds,
                              items_meta(prompt.items), sampling)
         res = self.lm.prefill([req])[0]
-        first = sample(res.last_logits[None], [sampling], [0])[0]
+        history = TokenHistory.start(sampling, prompt.input_ids, self.lm.eos_token_ids)
+        first = sample(res.last_logits[None], [sampling], [0], [history])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,
-                                  first, sampling, prompt_ids_tail=prompt_tail(prompt.input_ids)))
+                                  first, sampling, prompt_ids_tail=prompt_tail(prompt.input_ids),
+                                  penalty_ids=penalty_prompt_ids(sampling, prompt.input_ids)))
         return rid, first
 
     def run(self, requests: list[tuple[list[dict], SamplingParams]]) -> list[Completion]:

@@ -18,6 +18,27 @@ Modality = Literal["image", "video", "audio"]
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 Role = Literal["encode", "prefill", "decode", "full", "processor"]
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
+MAX_REPETITION_PENALTY = 100.0
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or [(id, bias), ...] -> sorted ((id, bias), ...); ids in 0..2**32-1, bias in [-100, 100]."""
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or type(pair[0]) is not int \
+                or not 0 <= pair[0] < (1 << 32):
+            raise InvalidRequest(f"logit_bias keys must be token ids (ints >= 0), got {pair!r}")
+        if type(pair[1]) not in (int, float):
+            raise InvalidRequest(f"logit_bias values must be numbers, got {pair[1]!r} for token {pair[0]}")
+        bias = float(pair[1])
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {pair[1]!r} for token {pair[0]}")
+        out[pair[0]] = bias
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
+    # vLLM's options: the logit transforms (easerve.engine.logit_transforms) and min_p (the sampler)
+    presence_penalty: float = 0.0    # -= this once for every token generated so far
+    frequency_penalty: float = 0.0   # -= this times how often each token was generated
+    repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / r, negative * r
+    min_p: float = 0.0               # drop tokens whose probability < min_p * the top one's
+    min_tokens: int = 0              # EOS and stop_token_ids are masked until this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -47,6 +75,25 @@ class SamplingParams:
             raise InvalidRequest("stop strings must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS} (top tokens per position), got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
+                                 f"got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def transforms_logits(self) -> bool:
+        """True when a penalty, a bias or min_tokens changes the logits before sampling
+        (greedy rows included); min_p, top-k and top-p only filter sampled rows."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +182,7 @@ class KVPayload:
     first_token: int
     sampling: SamplingParams
     prompt_ids_tail: list[int] = field(default_factory=list)  # for stop strings / detok context
+    penalty_ids: list[int] = field(default_factory=list)  # distinct prompt ids, for repetition_penalty
 
     @property
     def num_layers(self) -> int:

@@ -37,6 +37,7 @@ class Detokenizer:
         self.text = ""                 # output text so far (cut at a stop string)
         self._emitted = 0              # characters of `text` already returned
         self.stop_hit: str | None = None
+        self.find_stops = True         # False: stop strings are not looked for (min_tokens not reached)
         self._backend = _backend_decoder(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
@@ -60,6 +61,8 @@ class Detokenizer:
         return self._take(final=self.stop_hit is not None)
 
     def _find_stop(self, new_from: int) -> None:
+        if not self.find_stops:
+            return
         hits = []
         for s in self.stop:
             i = self.text.find(s, max(0, new_from - len(s) + 1))

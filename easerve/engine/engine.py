@@ -28,6 +28,7 @@ from easerve.engine.config import (DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, 
 from easerve.engine.logprobs import TokenLogprobs, token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
+from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
 from easerve.errors import InvalidRequest
@@ -79,6 +80,7 @@ class _Request:
     rope_delta: int
     rules: StopRules
     tokens: list[int]
+    history: TokenHistory | None = None  # for penalties / logit_bias / min_tokens
 
 
 class DecodeEngine:
@@ -144,7 +146,8 @@ class DecodeEngine:
             raise InvalidRequest(f"payload KV holds {payload.num_tokens} tokens but prompt_len is {payload.prompt_len}")
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
         req = _Request(payload, sp, payload.rope_delta,
-                       StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [])
+                       StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [],
+                       TokenHistory.start(sp, payload.penalty_ids, self._eos))
         first = self._on_token(rid, req, payload.first_token)
         if first.finished:
             self.scheduler.release_reservation(rid)
@@ -231,7 +234,8 @@ class DecodeEngine:
             self._last = inputs
             tokens = inputs.tokens.tolist()
         else:
-            tokens = sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs])
+            tokens = sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs],
+                            [r.history for r in reqs])
         return tokens, token_logprobs(logits, tokens, [r.sampling.logprobs for r in reqs])
 
     def _inputs(self, plan: SchedulerOutput) -> "_StepInputs":
@@ -246,7 +250,8 @@ class DecodeEngine:
         host = torch.tensor([*plan.positions, *(r.tokens[-1] for r in reqs), *(r.rope_delta for r in reqs)])
         pos, tokens, deltas = host.to(self.device).split(len(reqs))  # one host->device copy
         index = self.pool.step_index(len(reqs), pos) if self.backend == "slots" else None
-        return _StepInputs(plan.request_ids, pos, tokens, deltas, index, all(r.sampling.greedy for r in reqs))
+        greedy = all(r.sampling.greedy and not r.sampling.transforms_logits for r in reqs)
+        return _StepInputs(plan.request_ids, pos, tokens, deltas, index, greedy)
 
     def _step_cache(self, plan: SchedulerOutput, inputs: "_StepInputs"):
         positions, pos = plan.positions, inputs.pos
@@ -265,6 +270,8 @@ class DecodeEngine:
     def _on_token(self, rid: str, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Record a sampled token and apply the request's stop rules (easerve.engine.stops)."""
         req.tokens.append(token)
+        if req.history is not None:
+            req.history.push(token)
         v = req.rules.push(token)
         return StepOutput(rid, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1, logprobs)
 

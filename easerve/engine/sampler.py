@@ -3,13 +3,19 @@
 Greedy rows take the argmax. Unseeded random rows are sampled together with torch's global
 RNG. Seeded rows are sampled one by one on the CPU with a generator seeded from
 (seed, step), so a seeded request draws the same tokens whatever batch it sits in and
-whichever device runs the model. Filters follow transformers' order: temperature, then
-top-k, then top-p (nucleus, always keeping the most likely token).
+whichever device runs the model. Before any of it, the request's logit transforms
+(`logit_transforms.apply`: logit_bias, min_tokens, penalties) change the logits of greedy and
+sampled rows alike. Filters follow vLLM's order: temperature, min_p, then top-k, then top-p
+(nucleus, always keeping the most likely token).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from easerve.engine import logit_transforms
+from easerve.engine.logit_transforms import TokenHistory
 from easerve.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -28,6 +34,10 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
         return logits
     vocab = logits.shape[-1]
@@ -49,11 +59,17 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           histories: Sequence[TokenHistory | None] | None = None) -> list[int]:
     """logits [B, V] (row i belongs to params[i]; steps[i] is how many tokens that request
-    has sampled before, 0 for prefill's first token) -> one token id per row."""
+    has sampled before, 0 for prefill's first token; histories[i] its `TokenHistory`, needed
+    when params[i].transforms_logits) -> one token id per row."""
     if not (logits.shape[0] == len(params) == len(steps)):
         raise ValueError(f"logits rows {logits.shape[0]}, params {len(params)}, steps {len(steps)} must match")
+    if any(p.transforms_logits for p in params):
+        if histories is None or any(h is None for p, h in zip(params, histories) if p.transforms_logits):
+            raise ValueError("a request with penalties, logit_bias or min_tokens needs its TokenHistory")
+        logits = logit_transforms.apply(logits, params, steps, histories)
     out = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return out.tolist()

@@ -43,6 +43,8 @@ class StopRules:
     def push(self, token: int) -> TokenVerdict:
         self.count += 1
         detok = self.detok
+        if detok is not None:  # as vLLM: stop strings only count from the min_tokens-th token on
+            detok.find_stops = self.count >= self.sampling.min_tokens
         if token in self.stop_ids:
             return TokenVerdict(detok.finish() if detok else "", "stop")
         delta = detok.push(token) if detok else ""

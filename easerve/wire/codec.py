@@ -200,7 +200,15 @@ def _view(mv: memoryview, s: TensorSpec, off: int, copy: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------- sampling params
 def sampling_to_dict(sp: SamplingParams) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(sp).items()}
+    return {k: _lists(v) for k, v in dataclasses.asdict(sp).items()}
+
+
+def _lists(v: Any) -> Any:
+    return [_lists(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def sampling_from_dict(d: Any) -> SamplingParams:
@@ -208,7 +216,7 @@ def sampling_from_dict(d: Any) -> SamplingParams:
     if not isinstance(d, dict) or not set(d) <= names:
         raise CodecError(f"sampling must be an object with keys from {sorted(names)}, got {d!r}")
     try:
-        return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        return SamplingParams(**{k: _tuples(v) for k, v in d.items()})
     except (TypeError, ValueError) as e:
         raise CodecError(f"bad sampling params: {e}") from None
 
@@ -228,7 +236,7 @@ def kv_to_parts(p: KVPayload) -> tuple[bytes, list[torch.Tensor]]:
     meta = {"request_id": p.request_id, "dtype": dtypes.pop(), "num_layers": p.num_layers,
             "num_tokens": p.num_tokens, "prompt_len": p.prompt_len, "rope_delta": p.rope_delta,
             "first_token": p.first_token, "sampling": sampling_to_dict(p.sampling),
-            "prompt_ids_tail": list(p.prompt_ids_tail)}
+            "prompt_ids_tail": list(p.prompt_ids_tail), "penalty_ids": list(p.penalty_ids)}
     return make_header(KIND_KV, meta, tensors), tensors
 
 
@@ -241,9 +249,10 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
             raise CodecError(f"KV header field {k!r} must be an int, got {m.get(k)!r}")
     if not isinstance(m.get("request_id"), str) or m.get("dtype") not in KV_DTYPES:
         raise CodecError(f"KV header needs a string request_id and a dtype of {KV_DTYPES}")
-    tail = m.get("prompt_ids_tail")
-    if not isinstance(tail, list) or not all(type(i) is int for i in tail):
-        raise CodecError("KV header field 'prompt_ids_tail' must be a list of ints")
+    tail, penalty_ids = m.get("prompt_ids_tail"), m.get("penalty_ids", [])
+    for name, ids in (("prompt_ids_tail", tail), ("penalty_ids", penalty_ids)):
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise CodecError(f"KV header field {name!r} must be a list of ints")
     if len(specs) != 2 * m["num_layers"]:
         raise CodecError(f"header says {m['num_layers']} layers but carries {len(specs)} tensors")
     for i, s in enumerate(specs):
@@ -252,4 +261,4 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
     return KVPayload(
         request_id=m["request_id"], keys=list(tensors[0::2]), values=list(tensors[1::2]),
         prompt_len=m["prompt_len"], rope_delta=m["rope_delta"], first_token=m["first_token"],
-        sampling=sampling_from_dict(m.get("sampling")), prompt_ids_tail=tail)
+        sampling=sampling_from_dict(m.get("sampling")), prompt_ids_tail=tail, penalty_ids=penalty_ids)

@@ -15,6 +15,7 @@ from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, PreTraine
 from transformers.models.qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
 from easerve.engine.detok import prompt_tail
+from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.models.base import ModelAdapter
 from easerve.types import KVPayload, PrefillRequest, PrefillResult, ProcessedPrompt, SamplingParams
@@ -171,9 +172,9 @@ def payload_for(adapter: TextLMAdapter, request_id: str, ids: list[int], samplin
                 position_ids: torch.Tensor | None = None) -> KVPayload:
     """What a prefill worker hands to decode: prompt KV + the first token (sampler step 0)."""
     res = adapter.prefill_ids(request_id, ids, position_ids)
-    first = sample(res.last_logits[None], [sampling], [0])[0]
+    first = sample(res.last_logits[None], [sampling], [0], [TokenHistory.start(sampling, ids, adapter.eos_token_ids)])[0]
     return KVPayload(request_id, res.keys, res.values, res.prompt_len, res.rope_delta, first,
-                     sampling, prompt_ids_tail=prompt_tail(ids))
+                     sampling, prompt_ids_tail=prompt_tail(ids), penalty_ids=penalty_prompt_ids(sampling, ids))
 
 
 def greedy_ignore_eos(ref, ids: list[int], n: int) -> list[int]:

@@ -111,10 +111,29 @@ def test_openai_style_messages():
     ({"prompt": "a", "top_k": -1}, "top_k"),
     ({"prompt": "a", "seed": -1}, "seed"),
     ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "min_p": 1.5}, "min_p"),
+    ({"prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "a", "logit_bias": {5: 200}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
 ])
 def test_bad_arguments_raise_invalid_request(kwargs, match):
     with pytest.raises(InvalidRequest, match=match):
         build_request(**kwargs)
+
+
+def test_vllm_sampling_arguments_cross_the_wire():
+    from easerve.types import SamplingParams
+    from easerve.wire.sampling_proto import sampling_from_proto
+
+    req = build_request("a", max_tokens=8, temperature=0.5, seed=3, stop_token_ids=[7], presence_penalty=0.5,
+                        frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.05, min_tokens=2,
+                        logit_bias={9: -100, 4: 2.5})
+    assert sampling_from_proto(req.sampling) == SamplingParams(
+        max_tokens=8, temperature=0.5, seed=3, stop_token_ids=(7,), presence_penalty=0.5, frequency_penalty=-0.25,
+        repetition_penalty=1.2, min_p=0.05, min_tokens=2, logit_bias=((4, 2.5), (9, -100.0)))
 
 
 # ---- errors --------------------------------------------------------------------------------------

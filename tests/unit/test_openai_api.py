@@ -116,8 +116,12 @@ M = [{"role": "user", "content": "x"}]
     ({"messages": M, "tools": [{"type": "function"}]}, r"^tools: not supported"),
     ({"messages": M, "top_logprobs": 2}, r"^top_logprobs: needs logprobs: true"),
     ({"messages": M, "top_logprobs": 99}, r"^top_logprobs: "),
-    ({"messages": M, "presence_penalty": 0.5}, r"^presence_penalty: not supported"),
-    ({"messages": M, "repetition_penalty": 1.2}, r"^repetition_penalty: not supported"),
+    ({"messages": M, "presence_penalty": 2.5}, r"^presence_penalty: .*less than or equal to 2"),
+    ({"messages": M, "repetition_penalty": 0}, r"^repetition_penalty: .*greater than 0"),
+    ({"messages": M, "min_p": 1.5}, r"^min_p: .*less than or equal to 1"),
+    ({"messages": M, "max_tokens": 3, "min_tokens": 4}, r"min_tokens must be in 0\.\.max_tokens \(3\), got 4"),
+    ({"messages": M, "logit_bias": {"x": 1}}, r"^logit_bias\.x: String should match"),
+    ({"messages": M, "logit_bias": {"5": 101}}, r"^logit_bias\.5: .*less than or equal to 100"),
     ({"messages": M, "response_format": {"type": "json_object"}}, r"^response_format: not supported"),
     ({"messages": [{"role": "user", "content": "ok \ud800"}]}, r"^messages\[0\]\.content: invalid unicode"),
     ({"messages": M, "stop": ["\udfff"]}, r"^stop\[0\]: invalid unicode"),
@@ -200,7 +204,7 @@ def test_logprobs_json_shapes():
 
 def test_neutral_values_of_unsupported_options_are_accepted():
     req = parse({"messages": [{"role": "user", "content": "x"}], "tools": [], "logprobs": False,
-                 "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+                 "response_format": {"type": "text"},
                  "tool_choice": "none", "temperature": 0})
     assert req.sampling.greedy
 

@@ -37,6 +37,12 @@ def test_stop_string_cuts_text_across_tokens():
     assert "".join(t for t, _ in got) == "ab" and got[-1][1] == "stop" and len(got) == 4
 
 
+def test_stop_strings_wait_for_min_tokens():
+    sp = SamplingParams(max_tokens=10, min_tokens=4, stop=("b",))
+    got = _run(StopRules(sp, (), CharTok()), [1, 0, 1, 2, 1, 3])  # "b" at tokens 1 and 3 is text; at 5 it stops
+    assert "".join(t for t, _ in got) == "babc" and got[-1][1] == "stop" and len(got) == 5
+
+
 def test_max_tokens_counts_every_token_and_flushes_text():
     got = _run(StopRules(SamplingParams(max_tokens=2, stop=("zz",)), (), CharTok()), [0, 1, 2])
     assert got == [("", None), ("ab", "length")]

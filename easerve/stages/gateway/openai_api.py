@@ -125,6 +125,12 @@ def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingPa
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
             logprobs=_logprobs_k(body),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            min_tokens=body.min_tokens or 0,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
     except InvalidRequest as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from easerve.errors import BadRequest
+from easerve.types import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 
 U32 = (1 << 32) - 1
 
@@ -140,12 +141,15 @@ class SamplingBody(_Model):
     n: Annotated[int, Field(ge=1)] | None = None
     timeout: Annotated[float, Field(gt=0.0, le=86400.0)] | None = None  # seconds (an EAServe extension)
     user: str | None = None
-    # accepted in the schema, refused by `refuse_unsupported` unless neutral
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=U32)] | None = None
+    # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
 
 class ChatBody(SamplingBody):
@@ -184,9 +188,8 @@ class CompletionBody(SamplingBody):
 # ---- known but unsupported ------------------------------------------------------------------
 # field -> neutral values (None, i.e. absent, is always neutral)
 _NEUTRAL: dict[str, tuple] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,), "min_tokens": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,),
 }
 
 

@@ -41,6 +41,7 @@ import torch
 
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
 from easerve.errors import InvalidRequest
@@ -194,7 +195,9 @@ class PrefillLoop:
             with self._scope():
                 results = self.adapter.prefill([reqs[i] for i in good])
                 logits = torch.stack([r.last_logits for r in results])
-                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good))
+                eos = self.adapter.eos_token_ids
+                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good),
+                                [TokenHistory.start(reqs[i].sampling, reqs[i].input_ids, eos) for i in good])
             for i, res, tok in zip(good, results, firsts):
                 outcomes[i] = (res, int(tok))
         return _BatchOut(outcomes, t0, self.clock.now(), len(good))

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from easerve.engine.detok import prompt_tail
+from easerve.engine.logit_transforms import penalty_prompt_ids
 from easerve.engine.logprobs import token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.policy.clock import Clock, MonotonicClock
@@ -91,7 +92,8 @@ class PrefillStage:
             return  # the gateway ends its reservation at decode
         r = one.result
         payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
-                            req.sampling, prompt_ids_tail=prompt_tail(req.input_ids))
+                            req.sampling, prompt_ids_tail=prompt_tail(req.input_ids),
+                            penalty_ids=penalty_prompt_ids(req.sampling, req.input_ids))
         await self._handoff(peer, payload, deadline)
 
     async def _handoff(self, peer, payload: KVPayload, deadline: Deadline) -> None:
