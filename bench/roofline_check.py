@@ -39,7 +39,7 @@ from hasctl.roofline_profile import RooflineModel  # noqa: E402
 FAMILIES = ("llava-next", "qwen2.5-vl", "ultravox")
 COMPUTE = (0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LAYER_S = (0.0, 2e-5, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4)
-CALL_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
+CALL_S = (0.0, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2)
 
 
 def args_of(argv=None):
@@ -47,7 +47,9 @@ def args_of(argv=None):
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--profile", action="append", default=[], metavar="FAMILY=PATH",
                     help="a measured profile of FAMILY's bench-scale checkpoint to reuse instead of measuring")
-    ap.add_argument("--spec", default="cpu-epyc-2c", help="device spec of this CPU (name or SPEC.json)")
+    ap.add_argument("--spec", default="cpu-epyc-1c", help="device spec of this CPU (name or SPEC.json)")
+    ap.add_argument("--cores", default="0", help="cores hasctl profile measures on (one torch thread per core); "
+                    "default one core, as the cpu-epyc-1c spec was measured")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs"), help="where the bench-scale checkpoints are built")
     ap.add_argument("--out-dir", default=None, help="default: runs/roofline-check-<time>")
     ap.add_argument("--quick", action="store_true", help="measure with hasctl profile --quick (few small points)")
@@ -68,7 +70,8 @@ def measured_profile(args, family: str, model: str) -> pf.Profile:
     if family in args.profile:
         return pf.load(args.profile[family])
     out = args.out_dir / f"measured-{family}.json"
-    cmd = [sys.executable, "-m", "hasctl.cli", "profile", "--model", model, "--out", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "hasctl.cli", "profile", "--model", model, "--out", str(out), "--no-progress",
+           "--cores", args.cores]
     subprocess.run(cmd + (["--quick"] if args.quick else []), check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return pf.load(out)

@@ -10,7 +10,7 @@ from hasctl import profile_format as pf
 from hasctl.cli import main
 
 PAPER = Path(__file__).resolve().parents[2] / "bench" / "paper_models"
-GPUS = {"rtx6000-ada", "a100-80g", "h100-sxm", "h200", "l40s", "cpu-epyc-2c"}
+GPUS = {"rtx6000-ada", "a100-80g", "h100-sxm", "h200", "l40s", "cpu-epyc-1c", "cpu-epyc-2c"}
 
 
 def test_shipped_specs_have_sources():
