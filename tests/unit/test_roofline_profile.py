@@ -64,3 +64,17 @@ def test_measured_profiles_still_load_as_measured(tmp_path):
         data.pop(key)                                   # a revision-2 file has none of them
     prof = pf.Profile.from_dict(data)
     assert (prof.measured, prof.tp, prof.roofline) == (True, 1, None)
+
+
+def test_screen_counts_tensor_parallel_instances(tmp_path, capsys):
+    """8 GPUs at tp=2 hold 4 instances: the allocations screen weighs have at most 4 instances,
+    and a rate one tp=2 instance of each stage cannot carry needs more of them."""
+    out = tmp_path / "p.json"
+    main(["profile", "--roofline", "--gpu", "rtx6000-ada", "--tp", "2", "--model", str(PAPER / "qwen2.5-vl-32b"),
+          "--out", str(out)])
+    capsys.readouterr()
+    assert main(["screen", "--profile", str(out), "--rate", "2", "--devices", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["devices"], doc["instance_slots"], doc["tp"]) == (8, 4, 2)
+    sizes = {sum(v["allocation"][k] for k in ("encode", "prefill", "decode")) for v in doc["kept"] + doc["removed"]}
+    assert max(sizes) == 4
