@@ -337,10 +337,22 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (median)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--roofline", action="store_true",
+                   help="compute the profile from the model's config and --gpu's spec instead of measuring (measured: false)")
+    p.add_argument("--gpu", default=None, help="with --roofline: a shipped device spec name or a SPEC.json "
+                   "(easerve/roofline/specs: a100-80g, h100-sxm, h200, l40s, rtx6000-ada, cpu-epyc-2c)")
+    p.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance (tensor parallel)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.roofline or args.gpu:
+        if not (args.roofline and args.gpu):
+            raise ValueError("--roofline and --gpu go together: hasctl profile --roofline --gpu NAME|SPEC.json --model DIR")
+        from hasctl import roofline_profile
+        return roofline_profile.run(args)
+    if args.tp != 1:
+        raise ValueError("--tp is for --roofline profiles; a measured profile runs on one device")
     import torch
     multipliers = parse_tiers(args.tiers)
     if args.devices:

@@ -28,6 +28,7 @@ from hasctl.bench_metrics import SLO
 
 FORMAT = "easerve.profile/v1"
 REVISION = 2                      # additive revisions of v1: 2 adds gateway, transfer, interference
+ROOFLINE_REVISION = 3             # 3 adds measured, tp, roofline (written by hasctl profile --roofline)
 OLD_STARTUP_FORMAT = "easerve.sm_profile"  # the encode start-up's own file before profile/v1
 TIERS = ("tight", "moderate", "loose")
 DEFAULT_MULTIPLIERS = {"tight": 2.0, "moderate": 4.0, "loose": 8.0}
@@ -203,6 +204,22 @@ class Interference:
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class Roofline:
+    """Revision 3: how a derived (`measured: false`) profile was computed (`hasctl profile --roofline`):
+    the device spec, its figures' source and the efficiency factors applied (easerve/roofline/spec.py)."""
+    device: str                   # spec name, e.g. "rtx6000-ada"
+    source: str                   # where the spec's figures come from
+    dtype: str
+    tflops: Annotated[float, Field(gt=0)]
+    mem_gb_per_s: Annotated[float, Field(gt=0)]
+    interconnect_gb_per_s: Annotated[float, Field(gt=0)]
+    compute_eff: Share
+    memory_eff: Share
+    layer_overhead_s: Annotated[float, Field(ge=0)]
+    call_overhead_s: Annotated[float, Field(ge=0)]
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Profile:
     """scope "full": every stage (hasctl profile); "encode": `encode` alone (an encode
     worker's start-up), with the other stages empty."""
@@ -219,10 +236,14 @@ class Profile:
     format: Literal["easerve.profile/v1"] = FORMAT
     scope: Literal["full", "encode"] = "full"
     # revision 2 (all optional: a revision-1 file loads with none of them)
-    revision: Literal[1, 2] = 1
+    revision: Literal[1, 2, 3] = 1
     gateway: tuple[GatewayPoint, ...] = ()
     transfer: Transfer | None = None
     interference: tuple[Interference, ...] = ()
+    # revision 3 (optional): derived profiles and tensor-parallel instances
+    measured: bool = True         # False: computed by the roofline model, not measured
+    tp: Count = 1                 # devices one instance of each stage spans (tensor parallel)
+    roofline: Roofline | None = None
 
     def __post_init__(self) -> None:
         if self.scope == "encode":

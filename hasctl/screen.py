@@ -150,7 +150,8 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", required=True, help="a profile file from hasctl profile")
     p.add_argument("--rate", type=float, required=True, help="target arrival rate, requests/s")
     p.add_argument("--devices", type=int, default=None,
-                   help="devices to allocate: GPUs, or core groups like the profiled one (default: the profile's)")
+                   help="devices to allocate: GPUs, or core groups like the profiled one (default: the profile's); "
+                        "with a tensor-parallel profile (tp > 1) each instance takes tp of them")
     p.add_argument("--modality", default=None, help="workload modality (default: the profile's reference)")
     p.add_argument("--items-per-request", type=float, default=None)
     p.add_argument("--prompt-tokens", type=float, default=None, help="default: the profile's unloaded request")
@@ -168,19 +169,22 @@ def run(args) -> int:
     prof = load(args.profile)
     demand = demand_from(prof, args.rate, args.modality, args.items_per_request, args.prompt_tokens,
                          args.output_tokens)
-    devices = args.devices or len(prof.hardware.devices)
+    gpus = args.devices or len(prof.hardware.devices)
+    devices = gpus // prof.tp  # a tensor-parallel profile's instance spans tp devices
     verdicts = screen(prof, demand, devices, args.max_batch, args.max_running, args.max_utilization,
                       args.batch_mode)
     if not verdicts:
-        raise ValueError(f"{devices} device(s) hold no allocation (one instance per device; the smallest is "
+        raise ValueError(f"{gpus} device(s) hold no allocation (one instance per device, per {prof.tp} at tp={prof.tp}; "
+                         f"the smallest is "
                          f"encode with co-located prefill + decode); pass --devices N (GPUs, or core groups "
                          f"like the profiled {prof.hardware.device})")
     if args.json:
-        print(json.dumps({"demand": asdict(demand), "devices": devices, "kept": [_js(v) for v in verdicts if v.kept],
+        print(json.dumps({"demand": asdict(demand), "devices": gpus, "instance_slots": devices, "tp": prof.tp, "kept": [_js(v) for v in verdicts if v.kept],
                           "removed": [_js(v) for v in verdicts if not v.kept]}, indent=1))
         return 0
     print(f"demand: {args.rate:g} req/s x ({demand.items:g} items, {demand.prompt_tokens:g} prompt tokens, "
-          f"{demand.output_tokens:g} output tokens) over {devices} devices")
+          f"{demand.output_tokens:g} output tokens) over {gpus} devices"
+          + (f" ({devices} instances of tp={prof.tp})" if prof.tp > 1 else ""))
     for title, kept in (("kept", True), ("removed", False)):
         rows = [v for v in verdicts if v.kept == kept]
         print(f"{title} ({len(rows)}):")

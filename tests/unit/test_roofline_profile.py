@@ -1,0 +1,80 @@
+"""`hasctl profile --roofline`: a derived profile/v1 file (revision 3, measured false, tp) from the
+paper models' configs and the shipped device specs."""
+import json
+from pathlib import Path
+
+import pytest
+
+from easerve.roofline import load_spec, spec_names
+from hasctl import profile_format as pf
+from hasctl.cli import main
+
+PAPER = Path(__file__).resolve().parents[2] / "bench" / "paper_models"
+GPUS = {"rtx6000-ada", "a100-80g", "h100-sxm", "h200", "l40s", "cpu-epyc-1c", "cpu-epyc-2c"}
+
+
+def test_shipped_specs_have_sources():
+    assert GPUS <= set(spec_names())
+    for name in GPUS:
+        s = load_spec(name)
+        assert s.name == name and len(s.source) > 40 and s.tflops > 0 and s.mem_gb_per_s > 0
+
+
+def test_spec_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="unknown GPU 'b200'.*shipped specs"):
+        load_spec("b200")
+    bad = tmp_path / "s.json"
+    spec = json.loads((Path(__file__).resolve().parents[2] / "easerve/roofline/specs/h200.json").read_text())
+    bad.write_text(json.dumps({**spec, "tflops": 0}))
+    with pytest.raises(ValueError, match="tflops must be > 0"):
+        load_spec(str(bad))
+
+
+def test_roofline_profile_file(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--roofline", "--gpu", "rtx6000-ada", "--tp", "2", "--model",
+                 str(PAPER / "qwen2.5-vl-32b"), "--out", str(out)]) == 0
+    prof = pf.load(out)
+    assert (prof.measured, prof.tp, prof.revision, prof.roofline.device) == (False, 2, 3, "rtx6000-ada")
+    assert prof.hardware.gpus == ("rtx6000-ada", "rtx6000-ada")
+    assert prof.model.family == "qwen2.5-vl" and prof.model.modalities == ("image", "video")
+    # 16 frames of 448x448: 8 temporal steps x 32x32 patches / 4 = 2048 rows
+    assert next(p for p in prof.encode.by_size if p.media == "16x448x448").tokens_per_item == 2048
+    # decode of a 32B model on two 960 GB/s cards is memory-bound: ~32.6 GB of weights / 2 / (0.8 x 960 GB/s)
+    assert 0.035 < prof.decode_step_s(1, 512) < 0.055
+    assert prof.encode_latency(8, 1.0) < 8 * prof.encode_latency(1, 1.0)   # batching pays
+    assert prof.encode_latency(8, 0.2) > prof.encode_latency(8, 1.0)
+
+
+def test_tensor_parallel_capacity(tmp_path):
+    from hasctl.roofline_profile import build
+    model = str(PAPER / "llava-v1.6-34b")
+    with pytest.raises(ValueError, match="use --tp 2 or more"):
+        build(model, load_spec("rtx6000-ada"), tp=1)
+    two, four = (build(model, load_spec("rtx6000-ada"), tp=n) for n in (2, 4))
+    assert four.decode_capacity() > 1.5 * two.decode_capacity()
+    # PCIe all-reduces keep 4-way prefill from scaling as well as the memory-bound decode
+    assert four.prefill_capacity(1024) < 2 * two.prefill_capacity(1024)
+
+
+def test_measured_profiles_still_load_as_measured(tmp_path):
+    from tests.profiles import make_profile
+    data = make_profile().to_dict()
+    for key in ("measured", "tp", "roofline"):
+        data.pop(key)                                   # a revision-2 file has none of them
+    prof = pf.Profile.from_dict(data)
+    assert (prof.measured, prof.tp, prof.roofline) == (True, 1, None)
+
+
+def test_screen_counts_tensor_parallel_instances(tmp_path, capsys):
+    """8 GPUs at tp=2 hold 4 instances: the allocations screen weighs have at most 4 instances,
+    and a rate one tp=2 instance of each stage cannot carry needs more of them."""
+    out = tmp_path / "p.json"
+    main(["profile", "--roofline", "--gpu", "rtx6000-ada", "--tp", "2", "--model", str(PAPER / "qwen2.5-vl-32b"),
+          "--out", str(out)])
+    capsys.readouterr()
+    assert main(["screen", "--profile", str(out), "--rate", "2", "--devices", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["devices"], doc["instance_slots"], doc["tp"]) == (8, 4, 2)
+    sizes = {sum(v["allocation"][k] for k in ("encode", "prefill", "decode")) for v in doc["kept"] + doc["removed"]}
+    assert max(sizes) == 4
