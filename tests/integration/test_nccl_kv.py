@@ -25,7 +25,8 @@ def nccl_2x2(vl_stack):
         model=vl_stack.deployment.model, name="nccl2x2",
         encode=(Worker(flags={"max-batch": 4, **ONE}),),
         prefill=tuple(Worker(flags={"kv-transport": "nccl", **metrics(), **ONE}) for _ in range(2)),
-        decode=tuple(Worker(flags={"num-slots": 8, **metrics(), **ONE}) for _ in range(2))).with_gateway_ports(0, 0)
+        decode=tuple(Worker(flags={"num-slots": 8, "kv-rendezvous": "127.0.0.1:0", **metrics(), **ONE})
+                     for _ in range(2))).with_gateway_ports(0, 0)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
     stack.start(timeout=420)
     yield stack

@@ -46,7 +46,11 @@ def test_auto_choice_picks_nccl_for_gpus_without_shared_memory():
 
 
 def test_rendezvous_address_from_the_deployment():
-    assert rendezvous_listen(DecodeConfig(model="m", listen="10.1.2.3:50054")) == "10.1.2.3:0"
+    assert rendezvous_listen(DecodeConfig(model="m", listen="10.1.2.3:50054", device="cuda:0")) == "10.1.2.3:0"
+    # torch's store listens on every interface: none by default on loopback or on a CPU decode
+    assert rendezvous_listen(DecodeConfig(model="m", listen="127.0.0.1:50054", device="cuda:0")) == ""
+    assert rendezvous_listen(DecodeConfig(model="m", listen="10.1.2.3:50054")) == ""
+    assert rendezvous_listen(DecodeConfig(model="m", kv_rendezvous="127.0.0.1:0")) == "127.0.0.1:0"
     assert rendezvous_listen(DecodeConfig(model="m", kv_rendezvous="10.1.2.3:29500")) == "10.1.2.3:29500"
     assert rendezvous_listen(DecodeConfig(model="m", kv_rendezvous="off")) == ""
 

@@ -90,7 +90,8 @@ class StageConfig:
 class DecodeConfig(EngineConfig, StageConfig):
     """The decode stage: its engine flags are EngineConfig's fields; the engine takes it as is."""
     kv_rendezvous: str = opt("", "host:port of the store where prefill instances form their NCCL KV pair "
-                                 "groups with this one (default: the --listen host, any port; off: none)")
+                                 "groups with this one (default: on a CUDA device listening beyond loopback, "
+                                 "the --listen host, any port; otherwise none; off: none)")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)

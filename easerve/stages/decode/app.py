@@ -3,6 +3,7 @@
 Entry point: python -m services.decode --model DIR [--listen 127.0.0.1:50054] [--num-slots 64 --max-seq-len 2048]"""
 from __future__ import annotations
 
+import ipaddress
 import socket
 from dataclasses import replace
 
@@ -25,14 +26,25 @@ from easerve.stages.decode.servicer import DecodeServicer
 
 
 def rendezvous_listen(cfg: DecodeConfig) -> str:
-    """Where this instance's NCCL pair store listens: --kv-rendezvous, else the --listen host
-    (any port); "" for off. A wildcard host is advertised as this host's name."""
+    """Where this instance's NCCL pair store listens: --kv-rendezvous host:port; by default, on a
+    CUDA decode that listens beyond loopback, its --listen host (any port), a wildcard host
+    advertised as this host's name; "" (none) otherwise and for "off". torch's TCPStore listens on
+    every interface, so a stage kept on loopback never opens one unless asked."""
     if cfg.kv_rendezvous == "off":
         return ""
     if cfg.kv_rendezvous:
         return cfg.kv_rendezvous
     host = cfg.listen.rsplit(":", 1)[0].strip("[]")
+    if not cfg.torch_device.startswith("cuda") or _loopback(host):
+        return ""
     return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:0"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def build_engine(cfg: EngineConfig, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:
