@@ -13,7 +13,7 @@ from PIL import Image
 
 from easerve.errors import MediaError
 from easerve.media import MediaResolver, PixelBudget, VideoSampling, config_for, decode_audio, decode_video_file
-from easerve.models.common import hf_messages
+from easerve.models.prompts import hf_messages
 from easerve.stages.gateway import openai_api as oa
 from easerve.types import ChatMessage, MediaPart, MediaRef, TextPart
 from tests.models.media_clips import (AUDIO_FORMATS, VIDEO_FORMATS, decode_all_frames, encode_audio, encode_video,

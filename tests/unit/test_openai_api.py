@@ -12,7 +12,7 @@ from PIL import Image
 from easerve.errors import BadRequest
 from easerve.media import MediaConfig, MediaResolver
 from easerve.types import MediaRef
-from easerve.models.common import hf_messages
+from easerve.models.prompts import hf_messages
 from easerve.stages.gateway import openai_api as oa
 from easerve.types import ChatMessage, MediaPart, TextPart
 
