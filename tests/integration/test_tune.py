@@ -100,8 +100,13 @@ def test_best_file_is_served_by_hasctl_up(tuned):
     assert best.to_dict() | {"name": "", "gateway": None} == \
         Deployment.from_dict(optuna.load_study(study_name="t", storage=tuned["storage"]).best_trial
                              .user_attrs["deployment"]).to_dict() | {"name": "", "gateway": None}
-    proc = subprocess.Popen([sys.executable, "-m", "hasctl.cli", "up", "--deployment", str(tuned["best"]),
-                             "--http-port", "0", "--grpc-port", "0", "--run-dir", str(tuned["tmp"] / "up")],
+    serve_and_ask(tuned["best"], tuned["model"], tuned["tmp"] / "up")
+
+
+def serve_and_ask(deployment: Path, model: str, run_dir: Path) -> None:
+    """`hasctl up --deployment` serves the file: one chat request is answered."""
+    proc = subprocess.Popen([sys.executable, "-m", "hasctl.cli", "up", "--deployment", str(deployment),
+                             "--http-port", "0", "--grpc-port", "0", "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=str(REPO))
     try:
         url, seen = None, []
@@ -112,7 +117,7 @@ def test_best_file_is_served_by_hasctl_up(tuned):
                 url = m.group(1)
                 break
         assert url, "".join(seen)
-        body = {"model": Path(tuned["model"]).name, "max_tokens": 3,
+        body = {"model": Path(model).name, "max_tokens": 3,
                 "messages": [{"role": "user", "content": "hello there"}]}
         req = urllib.request.Request(f"{url}/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -121,6 +126,24 @@ def test_best_file_is_served_by_hasctl_up(tuned):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
+
+
+def test_a_deployment_tuned_in_the_simulator_is_served_by_hasctl_up(tiny_root, tmp_path):
+    """`hasctl tune --evaluator sim` over this machine's two cores (every trial simulated from a
+    profile, nothing launched) writes a deployment file that `hasctl up` serves."""
+    from hasctl.cli import main
+    from hasctl.profile_format import dump
+    from tests.profiles import make_profile
+    model = str(cached_tiny("qwen2.5-vl", tiny_root))
+    prof = dump(make_profile(devices=("cpu:0", "cpu:1")), tmp_path / "p.json")
+    best, storage = tmp_path / "best.yaml", f"sqlite:///{tmp_path / 'tune.db'}"
+    assert main(["tune", "--model", model, "--rate", "2", "--trials", "4", "--storage", storage, "--study", "s",
+                 "--evaluator", "sim", "--profile", str(prof), "--slo", "moderate", "--devices", "cpu:0,cpu:1",
+                 "--requests", "40", "--out", str(best)]) == 0
+    trials = optuna.load_study(study_name="s", storage=storage).trials
+    assert len(trials) == 4 and all(t.user_attrs["evaluator"] == "sim" for t in trials)
+    assert {w.device for w in Deployment.load(best).workers()} <= {"cpu:0", "cpu:1", "cpu:0-1"}
+    serve_and_ask(best, model, tmp_path / "up")
 
 
 def test_best_file_is_consumed_by_compose(tuned, tmp_path):
