@@ -34,7 +34,7 @@ def test_dry_run_quick_sections(tmp_path) -> None:
     assert p.returncode == 0
 
 
-@pytest.mark.slow
+@pytest.mark.load  # ~10 min on 2 cores: with the long tests (.ci/run's second command)
 def test_dry_run_every_section(tmp_path) -> None:
     p, out = _run(tmp_path)
     report = json.loads(out.read_text())
