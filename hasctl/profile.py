@@ -313,7 +313,7 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
         sizes = sum(len(sizes_of(plan, m)) for m in prof.modalities) * len(plan.size_batches)
         bar.total = (n_enc + sizes + len(plan.prompt_lens) * len(plan.prefill_batches)
                      + len(plan.decode_batches) * len(plan.decode_contexts)
-                     + len(prof.modalities) + 1)
+                     + len(prof.modalities) + 1 + (1 if prof.modalities else 0))  # + interference
         encode = prof.measure_encode() if prof.modalities else None
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
         gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()

@@ -274,3 +274,37 @@ def test_a_message_over_the_size_limit_is_not_retried_on_another_instance():
         finally:
             await _stop(peers, stops, tasks)
     asyncio.run(main())
+
+
+def test_a_call_whose_instance_left_the_list_meanwhile_is_retried_on_another(tmp_path):
+    """The race CI met while prefill instances came and went: a call opened on an instance that
+    the next poll removed (and whose process was gone) failed UNAVAILABLE with one instance left
+    listed; that one must still get the retry, since nothing was committed anywhere."""
+    async def main():
+        stops, (port,), tasks = await _servers(1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            gone = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there any more
+        live, path = f"127.0.0.1:{port}", tmp_path / "encode.peers.json"
+        write_peers_file(path, {"prefill": [gone, live]})
+        cfg = GatewayConfig(model="m", prefill=(gone,), decode=(gone,), peers_file=str(path))
+        peers = peers_of(cfg, "prefill", lambda ch: ch.unary_stream("/grpc.health.v1.Health/Watch"), (),
+                         "easerve.v1.Prefill")
+        opened: list[str] = []
+
+        def open_call(peer):
+            opened.append(peer.addr)
+            if peer.addr == gone:  # the poll that follows finds it removed from the list
+                write_peers_file(path, {"prefill": [live]})
+                asyncio.ensure_future(peers.refresh())
+            return peer.stub(health_pb2.HealthCheckRequest(service="easerve.v1.Prefill").SerializeToString(),
+                             timeout=10)
+        try:
+            await peers.refresh()
+            peers.get(gone).up = peers.get(live).up = True
+            _, call, first = await peers.start_call(open_call, prefer=gone)
+            call.cancel()
+            assert opened == [gone, live] and first  # retried on the instance still listed
+        finally:
+            await _stop(peers, stops, tasks)
+    asyncio.run(main())

@@ -269,8 +269,8 @@ class Peers:
                     peer.up = False
                 tried.add(peer.addr)
                 err = from_rpc_error(e)
-                if e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge) \
-                        and len(tried) < min(2, len(self._peers)):
+                others = [a for a in self._peers if a not in tried]  # now: it may have left the list meanwhile
+                if e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge) and len(tried) < 2 and others:
                     log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
                     continue
                 raise err.where(f"{self.service or 'peer'} at {peer.addr}") from None
