@@ -15,7 +15,7 @@ from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.integration.test_multi_instance import N, ONE, _requests, _run_all, _scrape
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.load  # ~2 min (its own 2x2 stack): with the long tests, .ci/run's second command
 
 
 @pytest.fixture(scope="module")
