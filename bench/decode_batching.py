@@ -125,7 +125,7 @@ def engine_stepper(adapter, payloads, batch: int, args, total_steps: int):
 def engine_config(adapter, args, batch: int, per_req: int):
     """The decode service's way: KV sized from memory, layout chosen by the engine."""
     from easerve.engine.config import GIB
-    from easerve.engine.engine import EngineConfig
+    from easerve.engine.config import EngineConfig
     from easerve.engine.kv_pool import KVLayout
     common = dict(max_running=batch, max_waiting=batch, max_seq_len=per_req, block_size=16,
                   device=args.device, kv_layout=args.layout)

@@ -10,7 +10,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from easerve.engine.detok import prompt_tail
-from easerve.engine.engine import DEFAULT_KV_TOKENS, DecodeEngine, EngineConfig
+from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig
+from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter

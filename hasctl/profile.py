@@ -135,7 +135,8 @@ class Profiler:
         return out
 
     def _engine(self, batch: int, tokens_per_req: int):
-        from easerve.engine.engine import DecodeEngine, EngineConfig
+        from easerve.engine.config import EngineConfig
+        from easerve.engine.engine import DecodeEngine
         blocks = -(-tokens_per_req // 16) + 1
         return DecodeEngine(self.lm, EngineConfig(max_running=batch, max_waiting=batch,
                                                   kv_capacity_tokens=batch * blocks * 16, device=self.device))

@@ -23,8 +23,7 @@ import torch
 from easerve.engine import attention as att
 from easerve.engine import cpu_gemv
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.config import (DEFAULT_KV_TOKENS, EngineConfig, KVGeometry, default_max_len,  # noqa: F401
-                                   gpu_kv_budget)  # (DEFAULT_KV_TOKENS, EngineConfig, KVGeometry re-exported)
+from easerve.engine.config import EngineConfig, default_max_len, gpu_kv_budget
 from easerve.engine.logprobs import TokenLogprobs, token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool

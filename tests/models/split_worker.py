@@ -82,7 +82,8 @@ def prefill(adapter, work: Path, n: int) -> None:
 
 
 def decode(adapter, work: Path, n: int) -> None:
-    from easerve.engine.engine import DecodeEngine, EngineConfig
+    from easerve.engine.config import EngineConfig
+    from easerve.engine.engine import DecodeEngine
 
     engine = DecodeEngine(adapter, EngineConfig(num_slots=4, max_seq_len=2048))
     for k in range(n):

@@ -7,7 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.config import EngineConfig
+
+from easerve.engine.engine import DecodeEngine
 from easerve.errors import EngineFailed, NotFound, Overloaded
 from easerve.stages.decode.async_engine import AsyncEngine
 from easerve.types import SamplingParams

@@ -8,7 +8,8 @@ import torch
 from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
 
 from easerve.engine.attention import ATTN_IMPL
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.config import EngineConfig
+from easerve.engine.engine import DecodeEngine
 from easerve.errors import Overloaded, RequestTooLarge
 from easerve.types import SamplingParams
 from transformers import DynamicCache

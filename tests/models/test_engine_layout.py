@@ -11,7 +11,8 @@ from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, p
 
 from easerve.engine import attention as att
 from easerve.engine.config import GIB
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.config import EngineConfig
+from easerve.engine.engine import DecodeEngine
 from easerve.errors import Overloaded, RequestTooLarge
 from easerve.engine.kv_pool import KVLayout
 from easerve.types import SamplingParams

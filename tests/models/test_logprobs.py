@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.config import EngineConfig
+
+from easerve.engine.engine import DecodeEngine
 from easerve.engine.logprobs import token_logprobs
 from easerve.types import SamplingParams
 from tests.models.text_lm import TextLMSpec, build_text_lm, payload_for

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from easerve.engine.detok import prompt_tail
-from easerve.engine.engine import DecodeEngine, EngineConfig
+from easerve.engine.config import EngineConfig
+from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import penalty_prompt_ids
 from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.stages.prefill.loop import PrefillLoop
