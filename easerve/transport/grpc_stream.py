@@ -6,7 +6,10 @@ chunk does not come within `stall_s` is aborted (DEADLINE_EXCEEDED) and its buff
 `held_bytes` counts what is parked and what is still arriving. Sender: pushes to the
 receiver's address and returns a handle once the receiver has acknowledged the payload; a
 receiver that does not answer within the call's timeout (or is unreachable) is a
-DeadlineExceeded (or Unavailable) naming it.
+DeadlineExceeded (or Unavailable) naming it. Before a push the sender waits up to `connect_s`
+for its channel to be connected: a channel still backing off from an attempt made before the
+receiver was listening (at start-up, or while it restarted) would otherwise fail the push at
+once with the stale "connection refused", although the receiver is up.
 """
 from __future__ import annotations
 
@@ -37,12 +40,13 @@ class GrpcStreamConfig:
     max_parked_bytes: int = 8 << 30
     recv_timeout_s: float = 30.0  # how long recv() waits for a payload still in flight
     stall_s: float = 10.0  # receiver aborts a push whose next chunk takes longer than this
+    connect_s: float = 3.0  # sender waits this long (within the call's timeout) for the receiver's connection
 
     def __post_init__(self) -> None:
         if not 4 << 10 <= self.chunk_bytes <= 64 << 20:
             raise ValueError(f"chunk_bytes must be in [4 KiB, 64 MiB], got {self.chunk_bytes}")
-        if self.park_ttl_s <= 0 or self.recv_timeout_s <= 0 or self.stall_s <= 0:
-            raise ValueError("park_ttl_s, recv_timeout_s and stall_s must be > 0 seconds")
+        if min(self.park_ttl_s, self.recv_timeout_s, self.stall_s, self.connect_s) <= 0:
+            raise ValueError("park_ttl_s, recv_timeout_s, stall_s and connect_s must be > 0 seconds")
         if self.max_parked_bytes <= 0:
             raise ValueError(f"max_parked_bytes must be > 0, got {self.max_parked_bytes}")
 
@@ -163,6 +167,9 @@ class GrpcStreamTransport(KVTransport):
                    *, timeout: float | None = None) -> GrpcHandle:
         stub, t0 = self._stub(), time.perf_counter()
         total, key = codec.frame_size(header), f"{request_id}/{uuid.uuid4().hex[:12]}"
+        await self._connected(key, timeout)
+        if timeout is not None:
+            timeout = max(1e-3, timeout - (time.perf_counter() - t0))
         deadline_ms = int(timeout * 1000) if timeout else 0
         chunks = _chunks(key, total, deadline_ms, codec.iter_frame(header, tensors), self.config.chunk_bytes)
         try:
@@ -173,6 +180,19 @@ class GrpcStreamTransport(KVTransport):
             raise InvalidRequest(f"receiver took {ack.received_bytes} of {total} bytes of {key!r}")
         self._measured(total, t0)
         return GrpcHandle(request_id, self.peer, key, total)
+
+    async def _connected(self, key: str, timeout: float | None) -> None:
+        """Return once the channel to the receiver is connected; Unavailable naming it when
+        that takes longer than connect_s (or the call's timeout, if shorter)."""
+        ch = self._channel
+        if ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        wait = self.config.connect_s if timeout is None else min(self.config.connect_s, timeout)
+        try:
+            await asyncio.wait_for(ch.channel_ready(), wait)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"KV push {key!r} to {self.peer}: receiver unreachable "
+                              f"(not connected within {wait:g} s)") from None
 
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
         self._expect(handle, GrpcHandle)

@@ -180,6 +180,38 @@ def test_kv_push_to_an_unreachable_receiver_is_unavailable_naming_it():
     asyncio.run(main())
 
 
+def test_kv_push_to_a_receiver_that_just_came_up_waits_out_the_stale_backoff():
+    """First contact: a push tried before the receiver listened leaves the channel in
+    reconnect backoff (1.5 s here); the receiver then comes up and the next push, made
+    within that backoff, still lands (the sender waits for the connection, up to
+    connect_s) instead of failing at once with the old "connection refused"."""
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = f"127.0.0.1:{s.getsockname()[1]}"
+        backoff = [(f"grpc.{k}_reconnect_backoff_ms", 1500) for k in ("initial", "min", "max")]
+        sender = GrpcStreamTransport(peer=addr, channel_options=backoff)
+        server = None
+        try:
+            p = kv()
+            with pytest.raises(Unavailable, match=f"to {addr}: receiver unreachable"):
+                await sender.send(p.request_id, *codec.kv_to_parts(p), timeout=0.3)
+            servicer = KVStreamServicer()
+            server = grpc.aio.server()
+            kv_pb2_grpc.add_KVStreamServicer_to_server(servicer, server)
+            assert server.add_insecure_port(addr) == int(addr.rsplit(":", 1)[1])
+            await server.start()
+            handle = await sender.send(p.request_id, *codec.kv_to_parts(p), timeout=5)
+            got = await KVReceiver({"grpc": GrpcStreamTransport(servicer=servicer)}).fetch(
+                _grpc_msg(p.request_id, addr, handle.key), timeout=5)
+            assert got.request_id == p.request_id
+        finally:
+            await sender.close()
+            if server is not None:
+                await server.stop(0)
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("hole_kind", list(HOLES))
 def test_embedding_transfer_to_a_prefill_that_never_answers(hole_kind):
     """encode -> remote prefill goes through Peers.start_call (embeddings inline in the

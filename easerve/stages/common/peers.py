@@ -211,11 +211,22 @@ class Peers:
         Waits up to `ready_s` for our channel to it to connect first: another stage may hand
         us an instance (a decode reservation) that this process's channel still sees in
         reconnect backoff from before the instance listened (gRPC waits ~1 s to retry)."""
-        p = self.get(addr)
-        if p is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(p.channel.channel_ready(), ready_s)
+        await self.connected(addr, ready_s)
         return await self.node_of(addr), await self.shm_shared(addr)
+
+    async def connected(self, addr: str, ready_s: float = READY_S) -> bool:
+        """Wait up to `ready_s` for our channel to `addr` to connect; whether it did. A call
+        made on a channel still in reconnect backoff fails at once with the old error."""
+        p = self.get(addr)
+        if p is None:
+            return False
+        if p.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return True
+        try:
+            await asyncio.wait_for(p.channel.channel_ready(), ready_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     # ---- placement -------------------------------------------------------------------------
     def pick(self, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> Peer:

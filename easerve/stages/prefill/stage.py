@@ -24,7 +24,7 @@ from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
 from easerve.errors import InvalidRequest
 from easerve.stages.common.limits import InflightLimit
-from easerve.stages.common.peers import Peers, peers_of
+from easerve.stages.common.peers import READY_S, Peers, peers_of
 from easerve.stages.prefill.loop import PrefillLoop
 from easerve.transport.handoff import KVSenders
 from easerve.types import KVPayload, PrefillRequest
@@ -103,6 +103,7 @@ class PrefillStage:
             if self.m is not None:
                 self.m.on_kv_handoff("in_process", time.monotonic() - t0)
             return
+        await self.decode.connected(peer.addr, min(READY_S, deadline.timeout() or READY_S))  # first contact
         msg, transport = await self.senders.send(peer.addr, payload, timeout=deadline.timeout())
         meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
         try:
