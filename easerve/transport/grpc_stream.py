@@ -168,12 +168,11 @@ class GrpcStreamTransport(KVTransport):
         stub, t0 = self._stub(), time.perf_counter()
         total, key = codec.frame_size(header), f"{request_id}/{uuid.uuid4().hex[:12]}"
         await self._connected(key, timeout)
-        if timeout is not None:
-            timeout = max(1e-3, timeout - (time.perf_counter() - t0))
-        deadline_ms = int(timeout * 1000) if timeout else 0
+        left = None if timeout is None else max(1e-3, timeout - (time.perf_counter() - t0))
+        deadline_ms = int(left * 1000) if left else 0
         chunks = _chunks(key, total, deadline_ms, codec.iter_frame(header, tensors), self.config.chunk_bytes)
         try:
-            ack = await stub.Push(chunks, timeout=timeout)
+            ack = await stub.Push(chunks, timeout=left)
         except grpc.aio.AioRpcError as e:
             raise _push_error(e, self.peer, key, timeout) from None
         if ack.received_bytes != total:
@@ -182,8 +181,8 @@ class GrpcStreamTransport(KVTransport):
         return GrpcHandle(request_id, self.peer, key, total)
 
     async def _connected(self, key: str, timeout: float | None) -> None:
-        """Return once the channel to the receiver is connected; Unavailable naming it when
-        that takes longer than connect_s (or the call's timeout, if shorter)."""
+        """Return once the channel to the receiver is connected: Unavailable naming it when
+        that takes longer than connect_s, DeadlineExceeded when the call's timeout ends first."""
         ch = self._channel
         if ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
             return
@@ -191,6 +190,9 @@ class GrpcStreamTransport(KVTransport):
         try:
             await asyncio.wait_for(ch.channel_ready(), wait)
         except asyncio.TimeoutError:
+            if timeout is not None and timeout <= self.config.connect_s:
+                raise DeadlineExceeded(f"KV push {key!r} to {self.peer}: no answer within {timeout} s "
+                                       f"(not connected)") from None
             raise Unavailable(f"KV push {key!r} to {self.peer}: receiver unreachable "
                               f"(not connected within {wait:g} s)") from None
 

@@ -22,7 +22,7 @@ from easerve.policy.clock import Clock, MonotonicClock
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
-from easerve.errors import InvalidRequest
+from easerve.errors import InvalidRequest, Unavailable
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import READY_S, Peers, peers_of
 from easerve.stages.prefill.loop import PrefillLoop
@@ -103,7 +103,9 @@ class PrefillStage:
             if self.m is not None:
                 self.m.on_kv_handoff("in_process", time.monotonic() - t0)
             return
-        await self.decode.connected(peer.addr, min(READY_S, deadline.timeout() or READY_S))  # first contact
+        wait = min(READY_S, deadline.timeout() or READY_S)
+        if not await self.decode.connected(peer.addr, wait):  # first contact: not a channel still backing off
+            raise Unavailable(f"decode instance {peer.addr} unreachable: not connected within {wait:.1f} s")
         msg, transport = await self.senders.send(peer.addr, payload, timeout=deadline.timeout())
         meta = cpb.RequestMeta(request_id=payload.request_id, deadline_ms=deadline.to_ms())
         try:
