@@ -377,7 +377,15 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
     modes = tuple(m.strip() for m in args.batch_modes.split(",") if m.strip())
     if len(devices) == 1:  # one device: shared is split
         places = places[:1]
-    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes)
+    tp = _profile_tp(args.profile) if args.profile else 1
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes,
+                 tp=tp)
+
+
+def _profile_tp(path: str) -> int:
+    """A tensor-parallel profile's tp: each tuned instance spans that many GPUs (--devices: each group's first)."""
+    from hasctl.profile_format import load
+    return load(path).tp
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> list:
