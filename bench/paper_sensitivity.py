@@ -25,7 +25,6 @@ easerve_over_dynamo), "spread" (per modality and ratio: min and max over the var
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_setting import MODELS, WORKLOAD, tune, vllm_like  # noqa: E402
+from paper_setting import MODELS, WORKLOAD, machine_args, tune, vllm_like  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
 from hasctl import profile_format as pf  # noqa: E402
@@ -57,11 +56,7 @@ TIERS = pf.DEFAULT_MULTIPLIERS
 
 
 def args_of(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modalities", default="image,video,audio")
-    ap.add_argument("--gpu", default="rtx6000-ada")
-    ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--tp", type=int, default=2)
+    ap = machine_args(__doc__)
     ap.add_argument("--trials", type=int, default=30, help="TPE trials per variant (full mode)")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--rates", default="0.25,0.5,1,1.5,2,3,4,6,8,12,16,24,32,48")

@@ -52,12 +52,18 @@ WORKLOAD = dict(image_size=(672, 672), video_frames=16, video_size=(448, 448), a
                 output_tokens=128)
 
 
-def args_of(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def machine_args(doc: str) -> argparse.ArgumentParser:
+    """The parser with the flags of the paper's machine (also bench/paper_sensitivity.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modalities", default="image,video,audio")
     ap.add_argument("--gpu", default="rtx6000-ada")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
+    return ap
+
+
+def args_of(argv=None):
+    ap = machine_args(__doc__)
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--requests", type=int, default=200, help="requests per simulated cell")
     ap.add_argument("--tune-rate", type=float, default=None,
