@@ -65,6 +65,15 @@ def test_launching_refuses_tp_above_one_and_says_where_it_is_honoured():
     assert to_commands(dep(), "127.0.0.1", ports)  # tp 1 launches as before
 
 
+def test_compose_and_k8s_refuse_tp_above_one_before_renumbering_gpus():
+    from hasctl.compose import compose_dict
+    from hasctl.k8s import manifests
+    d = dep(decode_tp=2)
+    for make in (compose_dict, manifests):
+        with pytest.raises(ValueError, match=r"decode\[0\] \(tp 2\): the stage processes run on one device"):
+            make(d)
+
+
 # ---- the simulator --------------------------------------------------------------------------------
 def run(d: Deployment, profile, extra=(), n=40, rate=0.5, per_host=8):
     cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=n, seed=0,
