@@ -68,9 +68,9 @@ def test_launching_refuses_tp_above_one_and_says_where_it_is_honoured():
 def test_compose_and_k8s_refuse_tp_above_one_before_renumbering_gpus():
     from hasctl.compose import compose_dict
     from hasctl.k8s import manifests
-    d = dep(decode_tp=2)
+    d = dep(decode_tp=4, decode_device="cuda:4")  # compose would renumber it cuda:2, a misaligned group
     for make in (compose_dict, manifests):
-        with pytest.raises(ValueError, match=r"decode\[0\] \(tp 2\): the stage processes run on one device"):
+        with pytest.raises(ValueError, match=r"decode\[0\] \(tp 4\): the stage processes run on one device"):
             make(d)
 
 
