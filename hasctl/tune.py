@@ -78,7 +78,8 @@ class TuneConfig:
                 "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
                 "batch_modes": list(space.batch_modes),
                 "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos,
-                **({"evaluator": self.evaluator} if self.evaluator != "live" else {})}  # old live studies resume
+                **({"evaluator": self.evaluator} if self.evaluator != "live" else {}),  # old live studies resume
+                **({"tp": space.tp} if space.tp != 1 else {})}
 
 
 def json_safe(v: Any) -> Any:
@@ -442,6 +443,9 @@ def run(args, evaluate_live: Callable[..., dict] = evaluate) -> int:
         from hasctl.profile_format import load
         profile = load(args.profile)
     space = space_from_args(args)
+    if space.tp > 1 and args.evaluator == "live":
+        raise ValueError(f"{args.profile} is a tp={space.tp} profile: its instances span {space.tp} GPUs, which the "
+                         f"stage processes cannot run; tune it with --evaluator sim (without --prescreen)")
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"easerve-tune-{args.study}-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_from_args(args, str(run_dir))

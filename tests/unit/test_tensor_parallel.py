@@ -156,3 +156,18 @@ def test_tune_gives_every_instance_the_profiles_tp():
     assert mono.monolith[0].tp == 2
     with pytest.raises(ValueError, match=r"devices \(cuda:1\): a tp 2 group must start .* use cuda:0 or cuda:2"):
         Space(tuple(runnable_allocations(2)), ("cuda:0", "cuda:1"), tp=2)
+
+
+def test_tune_takes_a_tp_profile_in_the_simulator_only(tmp_path, capsys):
+    from hasctl import profile_format as pf
+    from hasctl.cli import main
+    prof = pf.dump(tp_profile(2, 400.0), tmp_path / "tp2.json")
+    common = ["tune", "--profile", str(prof), "--slo", "moderate", "--rate", "1", "--modality", "image",
+              "--devices", "cuda:0,cuda:2,cuda:4", "--trials", "2", "--requests", "10", "--model", "m",
+              "--image-size", "224x224", "--storage", f"sqlite:///{tmp_path / 't.db'}", "--study", "s",
+              "--out", str(tmp_path / "b.yaml")]
+    assert main([*common, "--evaluator", "live"]) == 2
+    assert "tp=2 profile" in capsys.readouterr().err and not (tmp_path / "b.yaml").exists()
+    assert main([*common, "--evaluator", "sim", "--run-dir", str(tmp_path / "run")]) == 0
+    best = Deployment.load(tmp_path / "b.yaml")
+    assert {w.tp for w in best.workers()} == {2}
