@@ -128,7 +128,8 @@ def run(args) -> int:
     bench, result = run_simulation(d, profile, config, ModelConfig(args.devices_per_host), extra)
     doc = bench.to_dict()
     doc["endpoint"] = ENDPOINT
-    doc["simulated"] = {"profile": str(args.profile), "tp_profiles": list(args.tp_profile), "deployment": d.to_dict(), "sim_seconds": result.sim_seconds,
+    doc["simulated"] = {"profile": str(args.profile), "tp_profiles": list(args.tp_profile),
+                        "deployment": d.to_dict(), "sim_seconds": result.sim_seconds,
                         "wall_seconds": result.wall_seconds, "events": result.events,
                         "sim_seconds_per_wall_second": result.speed, "busy_s": result.busy_s}
     out = Path(args.out)
