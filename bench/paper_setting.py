@@ -16,7 +16,7 @@ Workload choices the summary leaves open (stated, not the paper's): image 672x67
 largest anyres grid, 2,928 rows), video 16 frames of 448x448 (2,048 rows), audio 10 s (63 rows),
 32 text tokens, 128 output tokens decoded to the end; HAS tunes for the highest rate a baseline
 peaks at (a target where the baselines are stressed; at a rate every deployment carries, trials tie).
-Simplification: each tensor-parallel pair is one device in the simulator, encode instances included
+Every instance is a tensor-parallel group of --tp GPUs (deployment `tp`), encode instances included
 (an encode-only worker could run on a single card: understated here for EAServe and Dynamo alike).
 
   python bench/paper_setting.py --quick        # 4 tune trials, 60 requests per cell, 4 rates
@@ -52,12 +52,18 @@ WORKLOAD = dict(image_size=(672, 672), video_frames=16, video_size=(448, 448), a
                 output_tokens=128)
 
 
-def args_of(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def machine_args(doc: str) -> argparse.ArgumentParser:
+    """The parser with the flags of the paper's machine (also bench/paper_sensitivity.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modalities", default="image,video,audio")
     ap.add_argument("--gpu", default="rtx6000-ada")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
+    return ap
+
+
+def args_of(argv=None):
+    ap = machine_args(__doc__)
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--requests", type=int, default=200, help="requests per simulated cell")
     ap.add_argument("--tune-rate", type=float, default=None,
@@ -85,13 +91,17 @@ def goodput(d: Deployment, prof: pf.Profile, spec: WorkloadSpec, args) -> tuple[
     return best
 
 
-def tune(args, modality: str, model: str, prof_path: Path, devices: list[str], rate: float) -> Deployment:
-    out = args.out_dir / f"easerve-{modality}.json"
-    w = WORKLOAD
+def tune(args, modality: str, model: str, prof_path: Path, devices: list[str], rate: float,
+         w: dict = WORKLOAD, study: str | None = None, slo_ms: tuple[float, float] | None = None) -> Deployment:
+    """`hasctl tune --evaluator sim` at `rate` on workload `w` (SLO: the profile's moderate tier, or
+    `slo_ms` = (TTFT, TPOT) limits); its best deployment."""
+    study = study or modality
+    slo = ["--slo", "moderate"] if slo_ms is None else ["--ttft-ms", str(slo_ms[0]), "--tpot-ms", str(slo_ms[1])]
+    out = args.out_dir / f"easerve-{study}.json"
     cmd = [sys.executable, "-m", "hasctl.cli", "tune", "--evaluator", "sim", "--model", model,
-           "--profile", str(prof_path), "--slo", "moderate", "--rate", str(rate), "--modality", modality,
+           "--profile", str(prof_path), *slo, "--rate", str(rate), "--modality", modality,
            "--devices", ",".join(devices), "--trials", str(args.trials), "--requests", str(args.requests),
-           "--storage", f"sqlite:///{args.out_dir / 'tune.db'}", "--study", modality, "--seed", "0",
+           "--storage", f"sqlite:///{args.out_dir / 'tune.db'}", "--study", study, "--seed", "0",
            "--image-size", "x".join(map(str, w["image_size"])), "--video-frames", str(w["video_frames"]),
            "--video-size", "x".join(map(str, w["video_size"])), "--audio-s", str(w["audio_s"]),
            "--input-tokens", str(w["input_tokens"]), "--output-tokens", str(w["output_tokens"]), "--ignore-eos",
@@ -102,7 +112,7 @@ def tune(args, modality: str, model: str, prof_path: Path, devices: list[str], r
 
 def dynamo_like(model: str, prof: pf.Profile, spec: WorkloadSpec, devices: list[str], args) -> tuple[Deployment, tuple]:
     space = Space(tuple(a for a in runnable_allocations(len(devices)) if not a.colocated), tuple(devices), (1,),
-                  monolith=False, batch_modes=("request_at_a_time",))
+                  monolith=False, batch_modes=("request_at_a_time",), tp=prof.tp)
     found = [(goodput(d, prof, spec, args), d) for d in
              (deployment_for(space, {"alloc": a.name, "mode": "request_at_a_time"}, model, "dynamo-like")
               for a in space.allocations)]
@@ -110,17 +120,18 @@ def dynamo_like(model: str, prof: pf.Profile, spec: WorkloadSpec, devices: list[
     return d, g
 
 
-def vllm_like(model: str, devices: list[str]) -> Deployment:
+def vllm_like(model: str, devices: list[str], tp: int = 1) -> Deployment:
     mono = PRESETS[MONOLITH].monolith[0]
     return Deployment(name="vllm-like", model=model, prefill=(), decode=(),
-                      monolith=tuple(Worker(device=x, flags=dict(mono.flags)) for x in devices)).with_gateway_ports(0, 0)
+                      monolith=tuple(Worker(device=x, flags=dict(mono.flags), tp=tp) for x in devices)
+                      ).with_gateway_ports(0, 0)
 
 
 def main(argv=None) -> int:
     args = args_of(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     spec_dev = load_spec(args.gpu)
-    devices = [f"cuda:{i}" for i in range(args.gpus // args.tp)]
+    devices = [f"cuda:{i * args.tp}" for i in range(args.gpus // args.tp)]  # each tp group's first GPU
     rows, result = [], {"easerve_over_vllm": {}, "easerve_over_dynamo": {}, "goodput": {}, "paper_ratio_rel_err": {}}
     errs = []
     for m in args.modalities:
@@ -128,7 +139,7 @@ def main(argv=None) -> int:
         prof = build(model, spec_dev, args.tp)
         prof_path = pf.dump(prof, args.out_dir / f"roofline-{m}.json")
         spec = WorkloadSpec(modality=m, **WORKLOAD)
-        ours = {"vllm": goodput(vllm_like(model, devices), prof, spec, args)}
+        ours = {"vllm": goodput(vllm_like(model, devices, args.tp), prof, spec, args)}
         _, ours["dynamo"] = dynamo_like(model, prof, spec, devices, args)
         rate = args.tune_rate or max(ours["vllm"][1], ours["dynamo"][1])
         ours["easerve"] = goodput(tune(args, m, model, prof_path, devices, rate), prof, spec, args)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hasctl.deployment import STAGES, Command, Deployment, Worker, preset, to_commands
+from hasctl.tensor_parallel import check_launchable
 
 MODEL_DIR = "/models"          # where every container sees the checkpoint
 TINY_MODEL_NAME = "qwen2.5-vl-tiny-s0"  # served name of the image's tiny model (as `hasctl up` names it)
@@ -174,6 +175,7 @@ def grace_s(flags) -> float:
 
 def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict:
     """The compose file (as a mapping) that runs `d` on one host."""
+    check_launchable(d)  # before GPUs are renumbered
     d, gpus = _one_host(d, "cpu" if opts.cpu else opts.device)
     model_src = _model_source(d.model)
     if not dict(d.gateway.flags).get("served-model-name"):

@@ -8,12 +8,13 @@ The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compo
     gateway: {grpc_port: 50051, http_port: 8000, flags: {}}
     encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
     prefill: [{device: cpu}]
-    decode:  [{device: cpu, flags: {max-running: 64}}]
+    decode:  [{device: cpu, flags: {max-running: 64}}]     # {device: cuda:2, tp: 2}: one instance on 2 GPUs
     monolith: []              # encode + prefill + decode in one process (the aggregated baseline)
 
 A device is `cpu`, `cpu:0-1` (pinned to those cores: on a CPU host cores are the devices),
 `cuda` or `cuda:N`. Every stage may list several instances. A port of 0 is assigned at launch (from --base-port, else a free one). `flags` are the stage's
 own command-line flags without the dashes' prefix; a flag set to true is passed bare, false is left out.
+`tp` (default 1): the GPUs one instance spans (tensor parallel; rules in hasctl/tensor_parallel.py).
 Addresses of peers (--prefill, --decode, --encode) are wired by `to_commands`, never set by hand.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from easerve.stages.common.configs import STAGE_CONFIGS, check_device, cpu_cores, flag_kind, tunable_flags, to_argv
+from hasctl.tensor_parallel import check_groups, check_launchable, check_tp
 
 STAGES = ("decode", "prefill", "encode", "monolith")  # launch order; the gateway starts last
 # what each stage's config accepts besides the flags the launcher wires itself
@@ -59,6 +61,7 @@ class Worker:
     device: str = "cpu"
     port: int = 0
     flags: Flags | Mapping[str, Any] = ()
+    tp: int = 1      # GPUs the instance spans: cuda:N .. cuda:N+tp-1
 
     def check(self, stage: str, where: str) -> Worker:
         try:
@@ -66,6 +69,7 @@ class Worker:
         except ValueError as e:
             raise ValueError(f"{where}.{e}") from None
         _check_port(self.port, f"{where}.port")
+        check_tp(self.tp, self.device, where)
         return dataclasses.replace(self, flags=_norm_flags(self.flags, where, stage))
 
     def flag(self, name: str, default: Any = None) -> Any:
@@ -114,6 +118,7 @@ class Deployment:
             raise ValueError("a deployment needs at least one decode and one prefill worker "
                              "(the gateway sends text-only requests to prefill), or a monolith")
         self._check_flags()
+        check_groups((f"{s}[{i}]", w.device, w.tp) for s in STAGES for i, w in enumerate(getattr(self, s)))
         ports = [w.port for w in self.workers()] + [gw.grpc_port, gw.http_port]
         dup = sorted({p for p in ports if p and ports.count(p) > 1})
         if dup:
@@ -158,7 +163,7 @@ class Deployment:
     # ---- files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         def worker(w: Worker) -> dict:
-            return {"device": w.device, "port": w.port, "flags": dict(w.flags)}
+            return {"device": w.device, "port": w.port, "flags": dict(w.flags), **({"tp": w.tp} if w.tp != 1 else {})}
         g = self.gateway
         return {"name": self.name, "model": self.model, "served_model_name": self.served_model_name,
                 "gateway": {"grpc_port": g.grpc_port, "http_port": g.http_port, "flags": dict(g.flags)},
@@ -174,8 +179,8 @@ class Deployment:
             if stage in data:
                 items = data[stage] or []
                 if not isinstance(items, list):
-                    raise ValueError(f"{stage} must be a list of workers ({{device, port, flags}}), got {items!r}")
-                kw[stage] = tuple(Worker(**_mapping(w, f"{stage}[{i}]", {"device", "port", "flags"}))
+                    raise ValueError(f"{stage} must be a list of workers ({{device, port, flags, tp}}), got {items!r}")
+                kw[stage] = tuple(Worker(**_mapping(w, f"{stage}[{i}]", {"device", "port", "flags", "tp"}))
                                   for i, w in enumerate(items))
         return cls(**kw)
 
@@ -360,6 +365,7 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
     (127.0.0.1 when binding all interfaces). Workers sharing CPU cores get SHARED_CORES_ENV."""
     if not d.model:
         raise ValueError("the deployment has no model; set model (a checkpoint folder) or use hasctl up")
+    check_launchable(d)
     missing = [n for n in process_names(d) if n not in ports]
     if missing:
         raise ValueError(f"no port given for {missing}")

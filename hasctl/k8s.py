@@ -41,6 +41,7 @@ from typing import Any
 from hasctl.compose import (MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
                             replace_flag, served_name)
 from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, to_commands
+from hasctl.tensor_parallel import check_launchable
 
 STAGE_PORTS = {"encode": 50052, "prefill": 50053, "decode": 50054, "monolith": 50055}  # a worker's port when its port is 0
 _PEER_FLAGS = ("--decode", "--prefill", "--encode")
@@ -112,6 +113,7 @@ def _service_names(gs: list[Group], opts: K8sOptions) -> dict[str, str]:
 
 def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str, list[str]]]:
     """The groups and the argv of each process (decode-0, ..., gateway) as the pods run it."""
+    check_launchable(d)  # before devices become the pod's cuda:0
     gs = groups(d, opts)
     by_proc = {f"{g.stage}-{i}": g for g in gs for i in g.instances}
     pod_d = dataclasses.replace(d, **{s: tuple(by_proc[f"{s}-{i}"].worker for i in range(len(getattr(d, s))))

@@ -343,6 +343,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", default=None, help="with --roofline: a shipped device spec name or a SPEC.json "
                    "(easerve/roofline/specs: a100-80g, h100-sxm, h200, l40s, rtx6000-ada, cpu-epyc-2c)")
     p.add_argument("--tp", type=int, default=1, help="with --roofline: devices per instance (tensor parallel)")
+    p.add_argument("--network-gbps", type=float, default=None,
+                   help="with --roofline: the network between nodes, Gb/s (the simulator's cross-node link)")
     p.set_defaults(func=run)
 
 
@@ -352,8 +354,8 @@ def run(args) -> int:
             raise ValueError("--roofline and --gpu go together: hasctl profile --roofline --gpu NAME|SPEC.json --model DIR")
         from hasctl import roofline_profile
         return roofline_profile.run(args)
-    if args.tp != 1:
-        raise ValueError("--tp is for --roofline profiles; a measured profile runs on one device")
+    if args.tp != 1 or args.network_gbps is not None:
+        raise ValueError("--tp and --network-gbps are for --roofline profiles; a measured profile runs on one device")
     import torch
     multipliers = parse_tiers(args.tiers)
     if args.devices:

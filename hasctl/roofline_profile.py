@@ -25,6 +25,7 @@ ROOFLINE_PLAN = Plan(image_sizes=((336, 336), (672, 672), (1024, 768)),
                      prompt_lens=(256, 1024, 4096), prefill_batches=(1, 4),
                      decode_batches=(1, 8, 32, 128), decode_contexts=(512, 2048), output_tokens=128, repeats=1)
 TEXT_TOKENS = 48  # the unloaded request's text and chat template, as hasctl profile's (32 words + template)
+NETWORK_LATENCY_S = 20e-6  # stated: one cross-node message (RDMA-class NICs: a few us; TCP: tens)
 
 
 class RooflineModel:
@@ -47,7 +48,11 @@ class RooflineModel:
 
 
 def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_PLAN,
-          multipliers: dict[str, float] | None = None) -> pf.Profile:
+          multipliers: dict[str, float] | None = None, network_gbps: float | None = None) -> pf.Profile:
+    """`network_gbps`: the nodes' network (Gb/s per instance), written as the `other_host` link
+    (stated, not measured; without it the simulator moves data between nodes for free)."""
+    if network_gbps is not None and not network_gbps > 0:
+        raise ValueError(f"--network-gbps must be > 0 (Gb/s between nodes), got {network_gbps}")
     arch = load_arch(model_dir)
     rm = RooflineModel(arch, spec, tp)
     mods = arch.modalities
@@ -72,7 +77,9 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
     own = spec.mem_gb_per_s * e.memory
     transfer = pf.Transfer(arch.lm.block.hidden * spec.dtype_bytes, arch.lm.kv_bytes_per_token(spec.dtype_bytes),
                            (pf.LinkPoint("same_device", own, 0.0, measured=False),
-                            pf.LinkPoint("same_host", spec.interconnect_gb_per_s, 1e-5, measured=False)))
+                            pf.LinkPoint("same_host", spec.interconnect_gb_per_s, 1e-5, measured=False),
+                            *([pf.LinkPoint("other_host", network_gbps / 8, NETWORK_LATENCY_S, measured=False)]
+                              if network_gbps else [])))
     info = pf.Roofline(spec.name, spec.source, spec.dtype, spec.tflops, spec.mem_gb_per_s, spec.interconnect_gb_per_s,
                        e.compute, e.memory, e.layer_overhead_s, e.call_overhead_s)
     hw = pf.Hardware(f"roofline {spec.name} (not measured)", 1, (spec.name,) * tp, f"{spec.name}:0",
@@ -96,7 +103,8 @@ def _version() -> str:
 def run(args) -> int:
     from hasctl.profile import QUICK, parse_tiers
     spec = load_spec(args.gpu)
-    prof = build(args.model, spec, args.tp, QUICK if args.quick else ROOFLINE_PLAN, parse_tiers(args.tiers))
+    prof = build(args.model, spec, args.tp, QUICK if args.quick else ROOFLINE_PLAN, parse_tiers(args.tiers),
+                 args.network_gbps)
     pf.dump(prof, args.out)
     print(f"wrote {args.out}: roofline of {prof.model.family} on {spec.name} x tp={args.tp} (measured: false)")
     for u in prof.unloaded:

@@ -41,7 +41,8 @@ def topology(d: Deployment) -> Topology:
     cfgs = {s: tuple(_stage_config(s, {"model": model, "device": w.device, **wiring[s]}, w.flags, f"{s}[{i}]")
                      for i, w in enumerate(getattr(d, s))) for s in STAGES}
     gw = _stage_config("gateway", {"model": model, "prefill": _ADDR, "decode": _ADDR}, d.gateway.flags, "gateway")
-    return Topology(gw, cfgs["encode"], cfgs["prefill"], cfgs["decode"], cfgs["monolith"])
+    return Topology(gw, cfgs["encode"], cfgs["prefill"], cfgs["decode"], cfgs["monolith"],
+                    tp={s: tuple(w.tp for w in getattr(d, s)) for s in STAGES})
 
 
 def media_of(spec: WorkloadSpec, modality: str) -> str:
@@ -82,9 +83,11 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
             for i, (t, m) in enumerate(zip(times, modalities(spec, len(times), config.seed)))]
 
 
-def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None):
-    """(BenchResult in hasctl bench's fields, the simulator's SimResult)."""
-    result = simulate(topology(d), profile, sim_requests(config, profile), model)
+def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None,
+                   tp_profiles=()):
+    """(BenchResult in hasctl bench's fields, the simulator's SimResult). A worker with `tp: k`
+    takes its service times from the profile of `profile` and `tp_profiles` whose tp is k."""
+    result = simulate(topology(d), profile, sim_requests(config, profile), model, tp_profiles)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result
@@ -105,6 +108,9 @@ def add_parser(sub) -> None:
     where.add_argument("--preset", help="a named deployment (default, colocated, dynamo-like, monolith, ...)")
     add_workload_args(p)  # --profile among them: here it also gives the service times (required)
     p.add_argument("--devices-per-host", type=int, default=8, help="GPUs per node (cuda:N is on node N // this)")
+    p.add_argument("--tp-profile", action="append", default=[], metavar="FILE",
+                   help="a profile taken with another --tp, for the deployment's workers of that tp (repeatable; "
+                        "--profile serves the workers of its own tp)")
     p.add_argument("--label", default="", help="name recorded for hasctl report (default: the deployment's)")
     p.add_argument("--trace", default=None, help="encode utilization traces (default: OUT with .trace.json)")
     p.add_argument("--out", required=True, help="result JSON (hasctl bench's fields)")
@@ -118,10 +124,12 @@ def run(args) -> int:
     profile = load(args.profile)
     d = Deployment.load(args.deployment) if args.deployment else preset(args.preset)
     config = bench_config(args, slo_from_args(args), args.label or d.name)
-    bench, result = run_simulation(d, profile, config, ModelConfig(args.devices_per_host))
+    extra = [load(p) for p in args.tp_profile]
+    bench, result = run_simulation(d, profile, config, ModelConfig(args.devices_per_host), extra)
     doc = bench.to_dict()
     doc["endpoint"] = ENDPOINT
-    doc["simulated"] = {"profile": str(args.profile), "deployment": d.to_dict(), "sim_seconds": result.sim_seconds,
+    doc["simulated"] = {"profile": str(args.profile), "tp_profiles": list(args.tp_profile),
+                        "deployment": d.to_dict(), "sim_seconds": result.sim_seconds,
                         "wall_seconds": result.wall_seconds, "events": result.events,
                         "sim_seconds_per_wall_second": result.speed, "busy_s": result.busy_s}
     out = Path(args.out)

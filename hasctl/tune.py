@@ -78,7 +78,8 @@ class TuneConfig:
                 "choices": list(space.choices), "batch_sizes": list(space.batch_sizes),
                 "batch_modes": list(space.batch_modes),
                 "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos,
-                **({"evaluator": self.evaluator} if self.evaluator != "live" else {})}  # old live studies resume
+                **({"evaluator": self.evaluator} if self.evaluator != "live" else {}),  # old live studies resume
+                **({"tp": space.tp} if space.tp != 1 else {})}
 
 
 def json_safe(v: Any) -> Any:
@@ -377,7 +378,15 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
     modes = tuple(m.strip() for m in args.batch_modes.split(",") if m.strip())
     if len(devices) == 1:  # one device: shared is split
         places = places[:1]
-    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes)
+    tp = _profile_tp(args.profile) if args.profile else 1
+    return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes,
+                 tp=tp)
+
+
+def _profile_tp(path: str) -> int:
+    """A tensor-parallel profile's tp: each tuned instance spans that many GPUs (--devices: each group's first)."""
+    from hasctl.profile_format import load
+    return load(path).tp
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> list:
@@ -434,6 +443,9 @@ def run(args, evaluate_live: Callable[..., dict] = evaluate) -> int:
         from hasctl.profile_format import load
         profile = load(args.profile)
     space = space_from_args(args)
+    if space.tp > 1 and args.evaluator == "live":
+        raise ValueError(f"{args.profile} is a tp={space.tp} profile: its instances span {space.tp} GPUs, which the "
+                         f"stage processes cannot run; tune it with --evaluator sim (without --prescreen)")
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=f"easerve-tune-{args.study}-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_from_args(args, str(run_dir))

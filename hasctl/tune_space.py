@@ -19,6 +19,8 @@ Placement (`place`, one of the space's `placements`):
   draws `sm`: `timeslice` (encode and prefill both use every core, uncontrolled) or `dynamic`
   (the SM backend `auto`, on CPU a per-batch core split, with the dynamic partition policy).
 The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs.
+With `tp` > 1 (a tensor-parallel profile: `hasctl tune` takes the profile's tp) every instance
+spans tp GPUs and `devices` lists each group's first GPU (cuda:0,cuda:2,... for tp 2).
 
 Parameters a trial draws (`suggest`): `alloc` (a candidate's name), `mode` (the encode /
 monolith batch mode, from `batch_modes`: by default every mode of `easerve.policy.batcher`),
@@ -40,6 +42,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from easerve.policy.batcher import MODES as BATCH_MODES, batch_limit
 from easerve.stages.common.configs import check_device, cpu_cores
 from hasctl.deployment import PRESETS, Deployment, Worker
+from hasctl.tensor_parallel import check_tp
 from hasctl.screen import Allocation, enumerate_allocations
 
 MONOLITH = "monolith"
@@ -59,12 +62,14 @@ class Space:
     monolith: bool = True
     batch_modes: tuple[str, ...] = BATCH_MODES
     placements: tuple[str, ...] = ("split",)
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise ValueError("devices must name at least one device (cpu:0, cuda:0, ...); pass --cores or --devices")
         for d in self.devices:
             check_device(d)
+            check_tp(self.tp, d, f"devices ({d})")
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes!r}")
         bad = [a.name for a in self.allocations if a.prefill < 1 or a.decode < 1 or (a.colocated and a.encode < 1)]
@@ -186,7 +191,8 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
         raise ValueError(f"batch mode {mode!r} needs 'B' (max-batch) in the params")
     if a is None:
         mono = PRESETS[MONOLITH].monolith[0]
-        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b, "batch-mode": mode})
+        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b, "batch-mode": mode},
+                   tp=space.tp)
         return Deployment(name=name, model=model, prefill=(), decode=(), monolith=(w,)).with_gateway_ports(0, 0)
     if a.colocated and "s" not in params:
         raise ValueError(f"{a.name} co-locates prefill: params need 's' (remote fraction in [0, 1])")
@@ -206,7 +212,7 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
     dev = space.devices
 
     def workers(n: int, flags: dict[str, Any] | None = None) -> tuple[Worker, ...]:
-        return tuple(Worker(device=dev[next(devs) % len(dev)], flags=flags or {}) for _ in range(n))
+        return tuple(Worker(device=dev[next(devs) % len(dev)], flags=flags or {}, tp=space.tp) for _ in range(n))
     return Deployment(name=name, model=model, encode=workers(a.encode, enc_flags), prefill=workers(a.prefill),
                       decode=workers(a.decode)).with_gateway_ports(0, 0)
 
@@ -221,7 +227,7 @@ def _shared(space: Space, a: Allocation, enc_flags: dict[str, Any], decode_threa
     dec = {"threads": decode_threads} if n else {}
 
     def workers(k: int, flags: dict[str, Any]) -> tuple[Worker, ...]:
-        return tuple(Worker(device=dev, flags=flags) for _ in range(k))
+        return tuple(Worker(device=dev, flags=flags, tp=space.tp) for _ in range(k))
     return Deployment(name=name, model=model, encode=workers(a.encode, {**enc_flags, **compute}),
                       prefill=workers(a.prefill, compute), decode=workers(a.decode, dec)).with_gateway_ports(0, 0)
 

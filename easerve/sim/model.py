@@ -5,16 +5,21 @@ imports nothing of hasctl).
 - encode: `profile.encode_latency(batch, share, modality, media)`;
 - prefill of a batch: `profile.prefill_latency(mean prompt length, batch size)`;
 - decode step: `profile.decode_step_s(batch, mean context)`;
+- each from the profile taken with the instance's tensor-parallel degree: an instance with tp=k
+  spans the GPUs cuda:N .. cuda:N+k-1 and reads the profile whose `tp` is k (the main one, or one
+  of `profiles`); media rows and transfer sizes come from the main profile;
 - transfers: `latency_s + bytes / GB/s` of the link kind between the two devices (0 when the
   profile has no `transfer` section); links are not modelled as contended;
 - interference: a stage's latency times 1 + the sum over the busy workers that share its
   device or cores of (`profile.slowdown(stage, by)` - 1) for a pair the profile measured; a
   pair it did not measure counts CPU_SHARE_SLOWDOWN (2.0, processor sharing: two compute-bound
   workers with a thread per core on the same cores each run at half speed) on CPU cores and
-  1.0 on a GPU. The factor is taken when a batch or step starts.
+  1.0 on a GPU; instances share a GPU when their GPU groups intersect. The factor is taken when
+  a batch or step starts.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,24 +41,48 @@ class ModelConfig:
 
 
 class ServiceModel:
-    def __init__(self, profile: Any, config: ModelConfig | None = None) -> None:
+    def __init__(self, profile: Any, config: ModelConfig | None = None, profiles: Sequence[Any] = ()) -> None:
         self.profile = profile
         self.config = config or ModelConfig()
+        self.by_tp: dict[int, Any] = {}
+        for p in (profile, *profiles):
+            tp = int(getattr(p, "tp", 1))
+            if self.by_tp.setdefault(tp, p) is not p:
+                raise ValueError(f"two profiles were given for tp={tp}; give one profile per tensor-parallel degree")
         self._cache: dict[tuple, float] = {}
         enc = profile.encode
         self._tokens = {(p.modality, p.media): p.tokens_per_item for p in (enc.by_size if enc else ())}
+
+    def for_tp(self, tp: int, where: str = "an instance") -> Any:
+        """The profile taken with `--tp tp`."""
+        p = self.by_tp.get(tp)
+        if p is None:
+            raise ValueError(f"{where} has tp={tp} but no profile taken with tp={tp} was given (have tp "
+                             f"{sorted(self.by_tp)}); add one (hasctl profile --roofline --tp {tp} ...; "
+                             f"hasctl simulate --tp-profile FILE) or set the instance's tp to one of those")
+        return p
+
+    def check_group(self, device: str, tp: int, where: str) -> None:
+        """The instance's GPUs lie on one node and its tp has a profile."""
+        self.for_tp(tp, where)
+        g = gpu_group(device, tp)
+        if g and g[0] // self.config.devices_per_host != g[-1] // self.config.devices_per_host:
+            raise ValueError(f"{where} spans cuda:{g[0]}..cuda:{g[-1]}, across nodes of "
+                             f"{self.config.devices_per_host} GPUs; start it on one node")
 
     # ---- per stage --------------------------------------------------------------------------
     def gateway_s(self, modality: str, media: str) -> float:
         return self._memo(("g", modality, media), lambda: self.profile.gateway_latency(modality, media or None))
 
-    def encode_s(self, batch: int, share: float, modality: str, media: str) -> float:
+    def encode_s(self, batch: int, share: float, modality: str, media: str, tp: int = 1) -> float:
+        prof = self.for_tp(tp)
+
         def f() -> float:
             try:
-                return self.profile.encode_latency(batch, share, modality, media)
+                return prof.encode_latency(batch, share, modality, media)
             except ValueError:  # no by_size point for this media: the reference grid as it is
-                return self.profile.encode_latency(batch, share)
-        return self._memo(("e", batch, share, modality, media), f)
+                return prof.encode_latency(batch, share)
+        return self._memo(("e", batch, share, modality, media, tp), f)
 
     def media_tokens(self, modality: str, media: str) -> int:
         if modality == "text":
@@ -64,13 +93,13 @@ class ServiceModel:
         same = [n for (m, _), n in self._tokens.items() if m == modality]
         return max(same) if same else DEFAULT_MEDIA_TOKENS
 
-    def prefill_s(self, total_tokens: int, batch: int) -> float:
+    def prefill_s(self, total_tokens: int, batch: int, tp: int = 1) -> float:
         mean = max(1, round(total_tokens / batch))
-        return self._memo(("p", mean, batch), lambda: self.profile.prefill_latency(mean, batch))
+        return self._memo(("p", mean, batch, tp), lambda: self.for_tp(tp).prefill_latency(mean, batch))
 
-    def decode_step_s(self, batch: int, context: int) -> float:
+    def decode_step_s(self, batch: int, context: int, tp: int = 1) -> float:
         ctx = 1 << max(0, int(context).bit_length() - 1)  # memo by power of two; nearest point is taken anyway
-        return self._memo(("d", batch, ctx), lambda: self.profile.decode_step_s(batch, context))
+        return self._memo(("d", batch, ctx, tp), lambda: self.for_tp(tp).decode_step_s(batch, context))
 
     def slowdown(self, stage: str, by: str, cpu: bool = False) -> float:
         """`stage`'s latency factor while a `by` worker is busy on its device (`cpu`: on its cores)."""
@@ -113,9 +142,18 @@ class ServiceModel:
         return v
 
 
-def shares_compute(a: str, b: str) -> bool:
-    """Two devices share compute: the same GPU, or overlapping CPU cores (plain `cpu` is all)."""
+def gpu_group(device: str, tp: int = 1) -> tuple[int, ...]:
+    """The GPU indices of an instance on `device` spanning `tp` GPUs (plain `cuda` is cuda:0); () on CPU."""
+    if device == "cuda":
+        return tuple(range(tp))
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return tuple(range(int(device[5:]), int(device[5:]) + tp))
+    return ()
+
+
+def shares_compute(a: str, b: str, tp_a: int = 1, tp_b: int = 1) -> bool:
+    """Two instances share compute: intersecting GPU groups, or overlapping CPU cores (plain `cpu` is all)."""
     if a.startswith("cuda") or b.startswith("cuda"):
-        return a == b or {a, b} <= {"cuda", "cuda:0"}
+        return bool(set(gpu_group(a, tp_a)) & set(gpu_group(b, tp_b)))
     ca, cb = cpu_cores(a), cpu_cores(b)
     return ca is None or cb is None or bool(set(ca) & set(cb))

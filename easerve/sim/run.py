@@ -75,24 +75,32 @@ class SimResult:
 
 
 class Sim:
-    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None) -> None:
+    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None,
+                 profiles: Sequence[Any] = ()) -> None:
         self.topology = topology
-        self.model = ServiceModel(profile, model_config or ModelConfig())
+        self.model = ServiceModel(profile, model_config or ModelConfig(), profiles)
+        for stage in ("encode", "prefill", "decode", "monolith"):
+            for i, c in enumerate(getattr(topology, stage)):
+                self.model.check_group(c.device, topology.tp_of(stage, i), f"{stage}-{i}")
+        tp = topology.tp_of
         self.events = EventQueue()
         self.gateway_device = GATEWAY_DEVICE
         self.gateway = Gateway(self, topology.gateway)
-        self.encode = [EncodeInstance(self, c, f"encode-{i}") for i, c in enumerate(topology.encode)]
-        self.monolith = [EncodeInstance(self, c, f"monolith-{i}") for i, c in enumerate(topology.monolith)]
-        self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}") for i, c in enumerate(topology.prefill)]
-        self.decode = [DecodeInstance(self, c, f"decode-{i}") for i, c in enumerate(topology.decode)]
-        self.mono_decode = [DecodeInstance(self, c, f"monolith-{i}/decode") for i, c in enumerate(topology.monolith)]
+        self.encode = [EncodeInstance(self, c, f"encode-{i}", tp("encode", i)) for i, c in enumerate(topology.encode)]
+        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i))
+                         for i, c in enumerate(topology.monolith)]
+        self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}", tp=tp("prefill", i))
+                                for i, c in enumerate(topology.prefill)]
+        self.decode = [DecodeInstance(self, c, f"decode-{i}", tp("decode", i)) for i, c in enumerate(topology.decode)]
+        self.mono_decode = [DecodeInstance(self, c, f"monolith-{i}/decode", tp("monolith", i))
+                            for i, c in enumerate(topology.monolith)]
         self.encoders = self.encode + self.monolith
         self.text_prefills = self.remote_prefills + [m.local for m in self.monolith]
         self.decoders = self.decode + self.mono_decode
         computes = ([e.compute for e in self.encoders] + [e.local.compute for e in self.encoders if e.local]
                     + [p.compute for p in self.remote_prefills] + [d.compute for d in self.decoders])
         for c in computes:
-            c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device)]
+            c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device, c.tp, o.tp)]
         self._computes = computes
         self.outcomes: list[Req] = []
 
@@ -157,6 +165,7 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig | None = None) -> SimResult:
-    """Run `requests` through `topology` with service times from `profile`."""
-    return Sim(topology, profile, model_config).run(requests)
+             model_config: ModelConfig | None = None, profiles: Sequence[Any] = ()) -> SimResult:
+    """Run `requests` through `topology` with service times from `profile` (and, for instances of
+    another tensor-parallel degree, from the one of `profiles` taken with it)."""
+    return Sim(topology, profile, model_config, profiles).run(requests)

@@ -32,11 +32,12 @@ if TYPE_CHECKING:
 
 
 class Compute:
-    """One worker's compute on a device; `factor()` is the interference slowdown it suffers
-    from the busy workers that share its device or cores (see easerve/sim/model.py)."""
+    """One worker's compute on a device (with `tp` > 1: the GPUs cuda:N .. cuda:N+tp-1);
+    `factor()` is the interference slowdown it suffers from the busy workers that share its
+    device or cores (see easerve/sim/model.py)."""
 
-    def __init__(self, sim: Sim, kind: str, device: str) -> None:
-        self.sim, self.kind, self.device = sim, kind, device
+    def __init__(self, sim: Sim, kind: str, device: str, tp: int = 1) -> None:
+        self.sim, self.kind, self.device, self.tp = sim, kind, device, tp
         self.busy_kind: str | None = None
         self.neighbours: list[Compute] = []
         self.busy_s = 0.0
@@ -111,10 +112,11 @@ class Gateway:
 class PrefillWorker:
     """A remote prefill instance, or the prefill co-located in an encode process (`host`)."""
 
-    def __init__(self, sim: Sim, cfg, device: str, name: str, host: EncodeInstance | None = None) -> None:
+    def __init__(self, sim: Sim, cfg, device: str, name: str, host: EncodeInstance | None = None,
+                 tp: int = 1) -> None:
         self.sim, self.cfg, self.name, self.host = sim, cfg, name, host
         self.planner = PrefillBatcher(prefill_batch_config(cfg))
-        self.compute = Compute(sim, "prefill", device)
+        self.compute = Compute(sim, "prefill", device, tp)
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
         self.reqs: dict[int, Req] = {}   # queued or running
@@ -158,7 +160,7 @@ class PrefillWorker:
         plan = self.planner.next_batch(now)
         if plan is None:
             return
-        base = self.sim.model.prefill_s(plan.total_tokens, plan.size)
+        base = self.sim.model.prefill_s(plan.total_tokens, plan.size, self.compute.tp)
         self.busy = True
         self.compute.busy_kind = "prefill"
         t = base * self._factor()
@@ -204,13 +206,14 @@ class PrefillWorker:
 
 
 class EncodeInstance:
-    def __init__(self, sim: Sim, cfg, name: str) -> None:
+    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.batching = EncodeBatching(batcher_config(cfg))
         self.router = router(cfg)
-        self.partitioner = partitioner(cfg, sim.model.profile)
-        self.compute = Compute(sim, "encode", cfg.device)
-        self.local = PrefillWorker(sim, cfg, cfg.device, f"{name}/prefill", host=self) if cfg.colocate_prefill else None
+        self.partitioner = partitioner(cfg, sim.model.for_tp(tp, name))
+        self.compute = Compute(sim, "encode", cfg.device, tp)
+        self.local = (PrefillWorker(sim, cfg, cfg.device, f"{name}/prefill", host=self, tp=tp)
+                      if cfg.colocate_prefill else None)
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: queued or encoding
         self.reqs: dict[int, Req] = {}   # queued in the batcher
@@ -273,7 +276,7 @@ class EncodeInstance:
         groups: dict[tuple[str, str], int] = {}
         for r in reqs:
             groups[(r.spec.modality, r.spec.media)] = groups.get((r.spec.modality, r.spec.media), 0) + 1
-        base = sum(self.sim.model.encode_s(n, share, m, media) for (m, media), n in groups.items())
+        base = sum(self.sim.model.encode_s(n, share, m, media, self.compute.tp) for (m, media), n in groups.items())
         partitioned = self.alloc is not None and not (self.alloc.encode_share == 1.0 and self.alloc.prefill_share == 1.0)
         t = base * self.compute.factor(skip=self.local.compute if partitioned else None)
         self.busy = True
@@ -307,10 +310,10 @@ class EncodeInstance:
 
 
 class DecodeInstance:
-    def __init__(self, sim: Sim, cfg, name: str) -> None:
+    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
-        self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb)
-        self.compute = Compute(sim, "decode", cfg.device)
+        self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb, tp)
+        self.compute = Compute(sim, "decode", cfg.device, tp)
         self.capacity = 0
         self.held: dict[int, Req] = {}
         self.stepping = False
@@ -359,7 +362,7 @@ class DecodeInstance:
         if n == 0:
             return
         ctx = sum(self.held[int(r)].prompt_tokens + len(self.held[int(r)].tokens) for r in plan.request_ids) // n
-        t = self.sim.model.decode_step_s(n, ctx) * self.compute.factor()
+        t = self.sim.model.decode_step_s(n, ctx, self.compute.tp) * self.compute.factor()
         self.stepping = True
         self.compute.busy_kind = "decode"
         self.compute.busy_s += t

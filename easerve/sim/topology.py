@@ -4,7 +4,8 @@ easerve/stages/encode/colocate.py, easerve/stages/prefill/stage.py, easerve/stag
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from easerve.policy.batcher import BatcherConfig
@@ -34,19 +35,29 @@ DEFAULT_GPU_KV_GB = 40.0                # KV budget of a gpu_memory_utilization-
 
 @dataclass(frozen=True)
 class Topology:
-    """Instances per stage (a monolith is encode + co-located prefill + decode in one)."""
+    """Instances per stage (a monolith is encode + co-located prefill + decode in one). `tp`: per
+    stage, the GPUs each instance spans (cuda:N .. cuda:N+tp-1; default 1 each)."""
     gateway: GatewayConfig
     encode: tuple[EncodeConfig, ...] = ()
     prefill: tuple[PrefillConfig, ...] = ()
     decode: tuple[DecodeConfig, ...] = ()
     monolith: tuple[MonolithConfig, ...] = ()
     gpu_kv_gb: float = DEFAULT_GPU_KV_GB
+    tp: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.monolith and (not self.prefill or not self.decode):
             raise ValueError("a topology needs at least one prefill and one decode instance, or a monolith")
         if not self.gpu_kv_gb > 0:
             raise ValueError(f"gpu_kv_gb must be > 0, got {self.gpu_kv_gb}")
+        for stage, tps in self.tp.items():
+            n = len(getattr(self, stage, ())) if stage in ("encode", "prefill", "decode", "monolith") else -1
+            if n != len(tps) or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tps):
+                raise ValueError(f"tp[{stage!r}] must list one int >= 1 per {stage} instance, got {tps!r}")
+
+    def tp_of(self, stage: str, index: int) -> int:
+        tps = self.tp.get(stage)
+        return tps[index] if tps else 1
 
     @property
     def instances(self) -> int:
@@ -92,11 +103,13 @@ def no_partition() -> Allocation:
     return TIMESLICE
 
 
-def scheduler(cfg: DecodeConfig | MonolithConfig, kv_bytes_per_token: int | None, gpu_kv_gb: float) -> Scheduler:
+def scheduler(cfg: DecodeConfig | MonolithConfig, kv_bytes_per_token: int | None, gpu_kv_gb: float,
+              tp: int = 1) -> Scheduler:
     """The engine's Scheduler over a BlockManager of the geometry the engine would pick (the
     stage config is the engine's config), with the model's length DEFAULT_MAX_MODEL_LEN and, for
-    a GPU sized by --gpu-memory-utilization, the stated KV budget `gpu_kv_gb`."""
-    g = cfg.kv_geometry(kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN, memory_bytes=int(gpu_kv_gb * GIB),
+    a GPU sized by --gpu-memory-utilization, the stated KV budget `gpu_kv_gb` (per GPU: an
+    instance spanning tp GPUs holds tp x it)."""
+    g = cfg.kv_geometry(kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN, memory_bytes=int(gpu_kv_gb * tp * GIB),
                         model_len=DEFAULT_MAX_MODEL_LEN)
     blocks = BlockManager(g.num_blocks, g.block_size, g.max_seq_tokens)
     return Scheduler(blocks, cfg.max_running, cfg.max_waiting, compact=g.layout == "slots")
