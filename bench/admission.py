@@ -140,8 +140,9 @@ def start_stack(args, model: str, profile: str, admission: str):
     from hasctl.deployment import preset
     from hasctl.launch import Stack
     d = (preset(args.preset).with_model(model).with_gateway_ports(0, 0)
-         .with_flags("encode", threads=1).with_flags("prefill", threads=1).with_flags("decode", threads=1)
-         .with_flags("gateway", profile=profile, admission=admission, slo_tier=args.tier))
+         .with_flags("encode", threads=1, grace_s=1.0).with_flags("prefill", threads=1, grace_s=1.0)
+         .with_flags("decode", threads=1, grace_s=1.0)
+         .with_flags("gateway", profile=profile, admission=admission, slo_tier=args.tier, grace_s=1.0))
     return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=600)
 
 
@@ -151,9 +152,11 @@ def trace_records(url: str) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    t0 = time.perf_counter()
     model = bench_model(args)
     name = Path(model).resolve().name
     profile = profile_of(args, model)
+    print(f"checkpoint and profile ready after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     from hasctl import profile_format as pf
     limits = pf.load(profile).slo(args.tier).limits("image")
     run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
         for mode, adm in (("off", "off"), ("on", "reject")):
             stacks[mode] = start_stack(args, model, profile, adm)
         urls = {m: st.endpoints.http for m, st in stacks.items()}
+        print(f"both stacks serving after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for url in urls.values():  # warm-up, sequential
             run(url, [(0.1 * k, 900 + k) for k in range(2)])
         burst, wall = run(urls["off"], [(0.0, 1000 + k) for k in range(args.burst)])
@@ -186,6 +190,7 @@ def main(argv=None) -> int:
     missed = [i for i in refused if not met(results["off"][i], limits)]
     off, on = (summarize(results[m], walls[m], limits) for m in ("off", "on"))
     print("off:", json.dumps(off), "\non:", json.dumps(on), file=sys.stderr)
+    print(f"done after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     out = {"goodput_on_over_off": on["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None,
            "ttft_pred_rel_err_median": float(np.median(errs)) if errs else None,
            "refused_would_have_missed": len(missed) / len(refused) if refused else None,

@@ -1,9 +1,9 @@
 """SLO-aware admission live: two encode instances, a burst of image requests at a gateway with
-`--admission reject` and a tight tier. The profile handed to the gateway states a slow encoder
-(1 s per item, no batching gain), so the predictor sees the burst's queues grow past the tier:
-some requests are refused at once with RESOURCE_EXHAUSTED and a `retry-after-ms` equal to the
-gateway's own prediction (its /trace), every admitted one finishes (nothing accepted is lost)
-and meets the tier, and a request sent after the burst is admitted again."""
+`--admission reject` and a tight tier (TTFT 6 s). The profile handed to the gateway states a slow
+encoder (3 s per item, no batching gain), so an instance with one request queued is predicted
+past the tier: some requests are refused at once with RESOURCE_EXHAUSTED and a `retry-after-ms`
+equal to the gateway's own prediction (its /trace), every admitted one finishes (nothing
+accepted is lost) and meets the tier, and a request sent after the burst is admitted again."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,6 +15,7 @@ import urllib.request
 import grpc
 import pytest
 
+from easerve.models.tiny import cached_tiny
 from easerve.rpc.errors import RETRY_AFTER_KEY
 from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from hasctl import profile_format as pf
@@ -30,15 +31,15 @@ BURST, N = 24, 4
 
 def _profile(path) -> str:
     unloaded = (pf.Unloaded("image", "224x224", 64, N, 3.0, 0.25), pf.Unloaded("text", "", 32, N, 3.0, 0.25))
-    prof = dataclasses.replace(make_profile(encode_s_per_item=1.0, prefill_tok_s=1e5, decode_tok_s=1e5),
+    prof = dataclasses.replace(make_profile(encode_s_per_item=3.0, prefill_tok_s=1e5, decode_tok_s=1e5),
                                unloaded=unloaded, tiers=pf.tiers_from(unloaded))  # tight: TTFT 6 s, TPOT 0.5 s
     return str(pf.dump(prof, path))
 
 
 @pytest.fixture(scope="module")
-def admit_stack(vl_stack, tmp_path_factory):
+def admit_stack(tiny_root, tmp_path_factory):
     cores = sorted(os.sched_getaffinity(0))
-    d = Deployment(model=vl_stack.deployment.model, name="admission",
+    d = Deployment(model=str(cached_tiny("qwen2.5-vl", tiny_root)), name="admission",
                    encode=tuple(Worker(f"cpu:{cores[i % len(cores)]}", flags={"max-batch": 4, **ONE}) for i in range(2)),
                    prefill=(Worker(flags=ONE),), decode=(Worker(flags={"num-slots": 32, **ONE}),))
     d = d.with_flags("gateway", admission="reject", slo_tier="tight", admission_encode_batch=4,
