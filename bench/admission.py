@@ -32,14 +32,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import encoder_cache  # noqa: E402
 from bench.encoder_cache import png_uri  # noqa: E402
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny checkpoint, quick profile, few requests")
+    ap.add_argument("--profile", default=None, help="profile of this checkpoint (default: made with hasctl profile)")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bench-scale tiny qwen2.5-vl)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
-    ap.add_argument("--profile", default=None, help="profile of this checkpoint (default: made with hasctl profile)")
     ap.add_argument("--preset", default="default")
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
     ap.add_argument("--mult", type=float, default=2.0, help="trace rate = this x the measured capacity")
@@ -48,7 +50,6 @@ def parse_args(argv=None):
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny checkpoint, quick profile, few requests")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.burst, args.image_size, args.max_tokens = 16, 6, 56, 6
@@ -63,29 +64,15 @@ def workload(n: int, rate: float, seed: int) -> list[tuple[float, int]]:
 
 # ---- client ------------------------------------------------------------------------------------
 async def one(client, model: str, image: str, max_tokens: int) -> dict:
-    """One streamed image request: TTFT, TPOT, tokens; or refused (429) with its Retry-After."""
+    """One streamed image request (bench/encoder_cache.py's): TTFT, TPOT, tokens; or refused
+    (429) with its Retry-After, or failed."""
     import openai
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
     try:
-        stream = await client.chat.completions.create(
-            model=model, max_tokens=max_tokens, stream=True, temperature=0.0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                                   {"type": "text", "text": "Describe the image."}]}])
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content is not None:
-                last = time.perf_counter()
-                first = first or last
-            if chunk.usage is not None:
-                n = chunk.usage.completion_tokens
+        return await encoder_cache.one(client, model, image, max_tokens)
     except openai.RateLimitError as e:
         return {"refused": True, "retry_after": e.response.headers.get("retry-after")}
     except Exception as e:  # noqa: BLE001 - a failed request counts as failed
         return {"error": f"{type(e).__name__}: {e}"}
-    return {"ttft": (first - t0) if first else float("inf"), "tokens": n,
-            "tpot": (last - first) / (n - 1) if first and n > 1 else 0.0}
 
 
 async def run_load(url: str, model: str, reqs, size: int, max_tokens: int) -> tuple[list[dict], float]:
@@ -118,10 +105,10 @@ def summarize(results: list[dict], wall: float, limits: tuple[float, float]) -> 
 
 # ---- stacks and profile --------------------------------------------------------------------------
 def bench_model(args) -> str:
-    if args.model:
-        return args.model
-    from easerve.models.tiny import cached_tiny
-    return str(cached_tiny("qwen2.5-vl", args.cache_dir, **({} if args.quick else {"scale": "bench"})))
+    if args.quick and not args.model:
+        from easerve.models.tiny import cached_tiny
+        return str(cached_tiny("qwen2.5-vl", args.cache_dir))
+    return encoder_cache.bench_model(args)
 
 
 def profile_of(args, model: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from easerve.fields import PosFloat, check_fields
+from easerve.fields import Checked, PosFloat
 from easerve.policy.clock import Clock
 from easerve.policy.latency import LatencyPredictor, LiveState, Prediction, RequestShape, retry_after_s
 
@@ -28,13 +28,11 @@ Action = Literal["admit", "best_effort", "reject"]
 
 
 @dataclass(frozen=True)
-class TierLimits:
-    name: str
+class TierLimits(Checked):
+    """One SLO tier's limits for the request's modality, in seconds."""
     ttft_s: PosFloat
     tpot_s: PosFloat
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    name: TierName = "moderate"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from easerve.fields import NonNegFloat, NonNegInt, PosInt, check_fields
+from easerve.fields import Checked, NonNegFloat, NonNegInt, PosInt
 from easerve.policy.clock import Clock
 
 
@@ -39,7 +39,7 @@ class ServiceTimes(Protocol):
 
 
 @dataclass(frozen=True)
-class EncodeState:
+class EncodeState(Checked):
     """One encode instance: `queued` requests in its batcher (plus those sent since the
     look), batches of up to `max_batch`; `dispatch_wait_s`: how long the batcher is expected
     to hold an arrival before dispatching (0 when the caller cannot see its clock)."""
@@ -47,28 +47,20 @@ class EncodeState:
     max_batch: PosInt
     dispatch_wait_s: NonNegFloat = 0.0
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True)
-class PrefillState:
+class PrefillState(Checked):
     """One prefill instance: `queued` requests waiting, batched under `token_budget` tokens."""
     queued: NonNegInt
     token_budget: PosInt
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True)
-class DecodeState:
+class DecodeState(Checked):
+    """One decode instance: requests decoding, requests waiting for room, KV room in tokens."""
     running: NonNegInt
     waiting: NonNegInt
     kv_free_tokens: NonNegInt
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -82,14 +74,11 @@ class LiveState:
 
 
 @dataclass(frozen=True)
-class RequestShape:
+class RequestShape(Checked):
     modality: str          # image, video, audio or text
     media: str             # its media size as the profile names it ("" for text, or unknown)
     prompt_tokens: PosInt
     max_tokens: PosInt
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
     @property
     def has_media(self) -> bool:

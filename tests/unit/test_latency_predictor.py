@@ -91,7 +91,7 @@ def test_states_are_checked_and_name_the_field():
 
 
 # ---- admission ---------------------------------------------------------------------------------------
-TIGHT = TierLimits("tight", ttft_s=0.5, tpot_s=0.05)
+TIGHT = TierLimits(ttft_s=0.5, tpot_s=0.05, name="tight")
 
 
 def admission(mode: str, now: float = 0.0) -> Admission:

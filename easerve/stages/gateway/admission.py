@@ -72,7 +72,7 @@ class GatewayAdmission:
 
     def tier(self, name: str, modality: str) -> TierLimits:
         ttft_ms, tpot_ms = self.profile.slo(name).limits(modality)
-        return TierLimits(name, ttft_ms / 1e3, tpot_ms / 1e3)
+        return TierLimits(ttft_ms / 1e3, tpot_ms / 1e3, name)
 
     # ---- per request ---------------------------------------------------------------------------
     def admit(self, job: Job, modality: str, prompt_tokens: int) -> Decision:
