@@ -15,6 +15,8 @@ import urllib.request
 import grpc
 import pytest
 
+from easerve import Client
+from easerve.errors import InvalidRequest
 from easerve.models.tiny import cached_tiny
 from easerve.rpc.errors import RETRY_AFTER_KEY
 from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -96,3 +98,14 @@ def test_a_burst_past_the_tier_is_partly_refused_and_what_is_admitted_meets_it(a
             assert rec["ttft_ms"] <= rec["ttft_limit_ms"], rec
         after = _send(stub, BURST)                                  # queues drained: admitted again
         assert after == ("ok", N), after
+
+
+def test_the_sdk_sends_the_tier_and_priority_as_metadata(admit_stack):
+    client = Client(admit_stack.endpoints.grpc, timeout=120)
+    out = client.generate("Hi", max_tokens=N, ignore_eos=True, slo_tier="loose", priority="batch",
+                          request_id="sdk-loose")
+    assert len(out.token_ids) == N
+    rec = next(r for r in _trace(admit_stack)["requests"] if r["request_id"] == "sdk-loose")
+    assert (rec["tier"], rec["priority"], rec["modality"], rec["decision"]) == ("loose", "batch", "text", "admit")
+    with pytest.raises(InvalidRequest, match="x-easerve-slo-tier"):
+        client.generate("Hi", max_tokens=N, slo_tier="instant")
