@@ -1,6 +1,6 @@
 """SLO-aware admission at the gateway's HTTP front (a real GatewayCore, no stage listening): a
 request predicted to miss its tier is refused with 429 and a Retry-After from the prediction,
-before any stage is called; the tier comes from the body, else the header, else --slo-tier;
+before any stage is called (with --admission best-effort: admitted, marked best-effort); the tier comes from the body, else the header, else --slo-tier;
 /trace shows each prediction and decision."""
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def profile_path(tmp_path_factory):
 def client(loop, adapter, profile_path):  # noqa: F811
     from easerve.stages.gateway.core import GatewayCore
     yield from _http_client(loop, adapter, GatewayCore, admission="reject", profile=profile_path, slo_tier="tight")
+
+
+@pytest.fixture(scope="module")
+def best_effort(loop, adapter, profile_path):  # noqa: F811
+    from easerve.stages.gateway.core import GatewayCore
+    yield from _http_client(loop, adapter, GatewayCore, admission="best-effort", profile=profile_path,
+                            slo_tier="tight")
 
 
 def send(loop, client, body, headers=None):
@@ -75,3 +82,10 @@ def test_a_bad_tier_header_is_a_400_naming_it(loop, client):
     assert status == 400 and "x-easerve-slo-tier" in answer["error"]["message"]
     status, _, answer = send(loop, client, CHAT, headers={"x-easerve-priority": "vip"})
     assert status == 400 and "x-easerve-priority" in answer["error"]["message"]
+
+
+def test_best_effort_admits_the_predicted_miss_and_marks_it(loop, best_effort):
+    status, retry, answer = send(loop, best_effort, CHAT)
+    assert status == 503 and retry == "1", answer  # admitted: the dead prefill answers, not admission
+    rec = trace(loop, best_effort)[-1]
+    assert rec["decision"] == "best_effort" and rec["predicted_ttft_ms"] > rec["ttft_limit_ms"]
