@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -149,8 +150,17 @@ def main(argv=None) -> int:
     run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
     stacks = {}
     try:
-        for mode, adm in (("off", "off"), ("on", "reject")):
-            stacks[mode] = start_stack(args, model, profile, adm)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            futs = {m: pool.submit(start_stack, args, model, profile, adm) for m, adm in (("off", "off"),
+                                                                                        ("on", "reject"))}
+            errors = []
+            for mode, fut in futs.items():
+                try:
+                    stacks[mode] = fut.result()
+                except Exception as e:  # noqa: BLE001 - stop the other one, then raise
+                    errors.append(e)
+            if errors:
+                raise errors[0]
         urls = {m: st.endpoints.http for m, st in stacks.items()}
         print(f"both stacks serving after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for url in urls.values():  # warm-up, sequential
@@ -170,8 +180,8 @@ def main(argv=None) -> int:
             results[mode], walls[mode] = run(urls[mode], reqs)
         recs = trace_records(urls["off"])[before:]
     finally:
-        for st in stacks.values():
-            st.stop()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda st: st.stop(grace_s=3.0), stacks.values()))  # idle by now
     errs = [abs(r["predicted_ttft_ms"] - r["ttft_ms"]) / r["ttft_ms"] for r in recs if r["ttft_ms"]]
     refused = [i for i, r in enumerate(results["on"]) if "refused" in r]
     missed = [i for i in refused if not met(results["off"][i], limits)]
