@@ -209,6 +209,12 @@ class _Base:
     def _request(self, prompt, model, kw) -> gpb.GenerateRequest:
         return build_request(prompt, model=model if model is not None else self.model, **kw)
 
+    def _call_metadata(self, slo_tier: str | None, priority: str | None) -> tuple:
+        """The key's metadata plus the request's SLO tier and priority class (the gateway's
+        SLO-aware admission; None: the gateway's defaults)."""
+        extra = tuple((k, v) for k, v in (("x-easerve-slo-tier", slo_tier), ("x-easerve-priority", priority)) if v)
+        return self._metadata + extra
+
 
 class Client(_Base):
     """Blocking client of the gateway's gRPC API.
@@ -219,7 +225,8 @@ class Client(_Base):
     file paths or data: URIs; video: list of frames or a file; audio: WAV bytes, a path or
     (float32 samples, sample_rate). Returns a `Completion`, or with stream=True a `Stream` of `Chunk`s.
     Sampling arguments take vLLM's meanings (see `easerve.types.SamplingParams`); `logit_bias` maps
-    token ids to a bias in [-100, 100].
+    token ids to a bias in [-100, 100]. `slo_tier` ("tight", "moderate", "loose") and `priority`
+    ("interactive", "batch") go as metadata to the gateway's SLO-aware admission.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
@@ -234,14 +241,16 @@ class Client(_Base):
                  stop_token_ids=(), ignore_eos: bool = False, logprobs: int | None = None, stream: bool = False,
                  timeout: float | None = None, request_id: str | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
-                 min_tokens: int = 0, logit_bias: dict[int, float] | None = None) -> Completion | Stream:
+                 min_tokens: int = 0, logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
+                 priority: str | None = None) -> Completion | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
-        out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
+        out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout),
+                                         metadata=self._call_metadata(slo_tier, priority)))
         if stream:
             return out
         with out:
@@ -285,14 +294,16 @@ class AsyncClient(_Base):
                        logprobs: int | None = None, stream: bool = False, timeout: float | None = None,
                        request_id: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
-                       logit_bias: dict[int, float] | None = None) -> Completion | AsyncStream:
+                       logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
+                       priority: str | None = None) -> Completion | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
-        out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
+        out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout),
+                                                metadata=self._call_metadata(slo_tier, priority)))
         if stream:
             return out
         async with out:

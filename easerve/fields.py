@@ -101,6 +101,14 @@ _KINDS = {"int_type": "an integer", "float_type": "a number", "string_type": "a 
           "bool_type": "true or false", "tuple_type": "a tuple", "finite_number": "a finite number"}
 
 
+class Checked:
+    """Base of a frozen dataclass whose fields are checked against their declared bounds on
+    construction (`check_fields`)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
 def _problem(err: dict, hint: Any, value: Any, note: str | None) -> str:
     kind, ctx = err["type"], err.get("ctx", {})
     if kind == "value_error":  # a validator's ValueError says what is wrong

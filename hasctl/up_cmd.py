@@ -34,6 +34,12 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every process binds (default loopback only; "
                    "0.0.0.0 or a host address to be reached from elsewhere)")
     p.add_argument("--api-key-file", default=None, help="gateway API keys, one a line (clients send Bearer KEY)")
+    p.add_argument("--admission", default=None, choices=("off", "reject", "best-effort"),
+                   help="gateway SLO-aware admission (needs --profile); default: the deployment's, else off")
+    p.add_argument("--profile", default=None, help="hasctl profile file of this deployment: the gateway's latency "
+                   "predictor and SLO tiers")
+    p.add_argument("--slo-tier", default=None, choices=("tight", "moderate", "loose"),
+                   help="default SLO tier of a request (default: the deployment's, else moderate)")
     p.add_argument("--tls-cert", default="", help="PEM certificate every process serves TLS with (SANs: --host)")
     p.add_argument("--tls-key", default="", help="its PEM private key")
     p.add_argument("--tls-ca", default="", help="PEM CA that verifies the processes' certificates")
@@ -60,6 +66,10 @@ def resolve(args) -> Deployment:
         d = dataclasses.replace(d, served_model_name=args.served_model_name)
     if args.api_key_file:
         d = d.with_flags("gateway", api_key_file=str(Path(args.api_key_file).resolve()))
+    gw = {k: v for k, v in (("admission", args.admission), ("slo_tier", args.slo_tier),
+                            ("profile", args.profile and str(Path(args.profile).resolve()))) if v}
+    if gw:
+        d = d.with_flags("gateway", **gw)
     g = d.gateway
     d = d.with_gateway_ports(g.grpc_port if args.grpc_port is None else args.grpc_port,
                              g.http_port if args.http_port is None else args.http_port)

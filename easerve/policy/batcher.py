@@ -20,6 +20,14 @@ Dynamo-like baseline: the oldest request alone as soon as the worker is free, "s
 `continuous` (no timer at all: a free worker takes whatever is pending at once, "idle").
 An item that waited past the cap while the worker was busy leaves the moment it frees.
 
+Deadline order (SLO-aware admission): an item may carry the time its first token is due by
+its SLO tier (`deadline`) and whether it yields (`yields`: admitted best-effort, or of the
+`batch` priority class). When more items are due than a batch holds, the batch takes first the
+items that can still meet their tier (no yield, deadline not passed), earliest deadline first
+(an item without a deadline counts as due last among them), then the rest in arrival order;
+so best-effort and batch work never takes the place of an item that can still meet its tier.
+The timers (gap, cap) still look at arrivals only.
+
 Rate estimate: an EWMA of inter-arrival gaps, weighted per arrival with a half-life of
 RATE_HALFLIFE arrivals; lambda = 1 / EWMA(gap) and the threshold is
 `gap_coef * EWMA(gap) = gap_coef / lambda`, clamped to [MIN_GAP_S, max_gap_s]. A gap sample
@@ -110,6 +118,7 @@ class AdaptiveBatcher:
         self._sample_cap = c.gap_ceiling_s / c.gap_coef
         self._ewma_gap: float | None = None
         self._queue: deque[tuple[Hashable, float]] = deque()
+        self._slo: dict[Hashable, tuple[float, bool]] = {}  # item -> (deadline, yields), when given
         self._last_arrival: float | None = None
         self._last_now = -math.inf
         self._threshold = self._compute_threshold()
@@ -145,15 +154,19 @@ class AdaptiveBatcher:
         return min(c.gap_ceiling_s, max(MIN_GAP_S, c.gap_coef * self._ewma_gap))
 
     # ---- decisions ---------------------------------------------------------------------
-    def add(self, item_id: Hashable, now: float) -> Dispatch | None:
+    def add(self, item_id: Hashable, now: float, deadline: float | None = None,
+            yields: bool = False) -> Dispatch | None:
         """Enqueue one arrival. With the worker free, returns a dispatch if one is due at
         `now`: a full batch, the item alone (request_at_a_time), all that is pending
         (continuous), or a batch whose gap/cap timer had already expired before this arrival
-        (the caller polled late; the new item joins it). With the worker busy, None."""
+        (the caller polled late; the new item joins it). With the worker busy, None.
+        `deadline` / `yields`: see "Deadline order" above."""
         self._tick(now)
         expired = self._due(now)  # before this arrival restarts the gap timer
         self._observe_arrival(now)
         self._queue.append((item_id, now))
+        if deadline is not None or yields:
+            self._slo[item_id] = (math.inf if deadline is None else deadline, yields)
         reason = self._due(now) or expired
         return None if reason is None else self._take(reason, now)
 
@@ -196,6 +209,7 @@ class AdaptiveBatcher:
         for i, (iid, _) in enumerate(self._queue):
             if iid == item_id:
                 del self._queue[i]
+                self._slo.pop(item_id, None)
                 return True
         return False
 
@@ -219,10 +233,27 @@ class AdaptiveBatcher:
     def _take(self, reason: DispatchReason, now: float) -> Dispatch:
         n = 1 if reason == "single" else min(len(self._queue), self.config.max_batch)
         oldest = self._queue[0][1]
-        ids = tuple(self._queue.popleft()[0] for _ in range(n))
+        if self._slo:
+            ids = self._by_deadline(n, now)
+        else:
+            ids = tuple(self._queue.popleft()[0] for _ in range(n))
+        for i in ids:
+            self._slo.pop(i, None)
         self.dispatched += 1
         self._busy = True
         return Dispatch(ids, reason, now, now - oldest)
+
+    def _by_deadline(self, n: int, now: float) -> tuple[Hashable, ...]:
+        """The `n` items to take when more are pending: those that can still meet their tier
+        by deadline (then arrival), then the others by arrival; the rest stay queued in order."""
+        def key(pos: int) -> tuple:
+            deadline, yields = self._slo.get(self._queue[pos][0], (math.inf, False))
+            can_meet = not yields and deadline >= now
+            return (0, deadline, pos) if can_meet else (1, 0.0, pos)
+        take = set(sorted(range(len(self._queue)), key=key)[:n])
+        ids = tuple(self._queue[p][0] for p in sorted(take, key=key))
+        self._queue = deque(e for p, e in enumerate(self._queue) if p not in take)
+        return ids
 
     def _observe_arrival(self, now: float) -> None:
         if self._last_arrival is not None:

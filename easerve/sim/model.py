@@ -2,7 +2,8 @@
 imports nothing of hasctl).
 
 - gateway: `profile.gateway_latency(modality, media)` per request (0 in a revision-1 profile);
-- encode: `profile.encode_latency(batch, share, modality, media)`;
+- encode: `profile.encode_latency(batch, share, modality, media)`; a batch mixing media is the sum
+  of its groups' (`encode_batch_s`, also the latency predictor's: easerve/policy/latency.py);
 - prefill of a batch: `profile.prefill_latency(mean prompt length, batch size)`;
 - decode step: `profile.decode_step_s(batch, mean context)`;
 - each from the profile taken with the instance's tensor-parallel degree: an instance with tp=k
@@ -83,6 +84,10 @@ class ServiceModel:
             except ValueError:  # no by_size point for this media: the reference grid as it is
                 return prof.encode_latency(batch, share)
         return self._memo(("e", batch, share, modality, media, tp), f)
+
+    def encode_batch_s(self, mix: dict[tuple[str, str], int], share: float = 1.0, tp: int = 1) -> float:
+        """One encode batch of `mix` ((modality, media) -> items): each group at its batch size."""
+        return sum(self.encode_s(n, share, m, media, tp) for (m, media), n in mix.items() if n > 0)
 
     def media_tokens(self, modality: str, media: str) -> int:
         if modality == "text":

@@ -276,7 +276,7 @@ class EncodeInstance:
         groups: dict[tuple[str, str], int] = {}
         for r in reqs:
             groups[(r.spec.modality, r.spec.media)] = groups.get((r.spec.modality, r.spec.media), 0) + 1
-        base = sum(self.sim.model.encode_s(n, share, m, media, self.compute.tp) for (m, media), n in groups.items())
+        base = self.sim.model.encode_batch_s(groups, share, self.compute.tp)
         partitioned = self.alloc is not None and not (self.alloc.encode_share == 1.0 and self.alloc.prefill_share == 1.0)
         t = base * self.compute.factor(skip=self.local.compute if partitioned else None)
         self.busy = True

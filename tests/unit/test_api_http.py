@@ -37,8 +37,9 @@ def adapter(tmp_path_factory):
     return load_adapter(cached_tiny("qwen2.5-vl", root), role="processor")
 
 
-def _http_client(loop, adapter, core_cls):
-    """An aiohttp test client of HttpApi(core_cls(...)) on 127.0.0.1 (yields it, then closes)."""
+def _http_client(loop, adapter, core_cls, **flags):
+    """An aiohttp test client of HttpApi(core_cls(...)) on 127.0.0.1 (yields it, then closes);
+    `flags`: more GatewayConfig fields."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from easerve.stages.gateway.core import GatewayConfig
@@ -46,7 +47,7 @@ def _http_client(loop, adapter, core_cls):
     from easerve.stages.gateway.metrics import GatewayMetrics
 
     cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
-                        max_model_len=256)
+                        max_model_len=256, **flags)
 
     async def start():  # gRPC channels bind to the running loop
         api = HttpApi(core_cls(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)

@@ -66,3 +66,21 @@ def test_tiny_checkpoints_are_announced_with_how_to_serve_a_real_model(tmp_path,
     up_cmd._notice_if_tiny(str(tiny))
     out = capsys.readouterr().out
     assert out.strip() == tiny_notice(tiny) and "RANDOM weights" in out and "noise" in out and "--model" in out
+
+
+def test_admission_flags_of_hasctl_up_reach_the_gateway(tmp_path):
+    prof = tmp_path / "prof.json"
+    argv = gateway_argv(up_cmd.resolve(up_args(model="/models/qwen", admission="reject", profile=prof,
+                                               slo_tier="tight")))
+    assert argv[argv.index("--admission") + 1] == "reject"
+    assert argv[argv.index("--slo-tier") + 1] == "tight"
+    assert argv[argv.index("--profile") + 1] == str(prof.resolve())
+    assert "--admission" not in gateway_argv(up_cmd.resolve(up_args(model="/models/qwen")))
+
+
+def test_admission_without_a_profile_is_refused_naming_both_flags():
+    from easerve.stages.common.configs import GatewayConfig
+    with pytest.raises(ValueError, match="--admission reject needs --profile"):
+        GatewayConfig(model="m", prefill=("a:1",), decode=("a:2",), admission="reject")
+    with pytest.raises(ValueError, match="--admission"):
+        GatewayConfig(model="m", prefill=("a:1",), decode=("a:2",), admission="sometimes")

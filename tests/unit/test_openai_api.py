@@ -216,3 +216,14 @@ def test_bad_media_is_refused_when_the_request_is_resolved():
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]})
     with pytest.raises(MediaError, match="not valid base64"):
         resolved(req)
+
+
+def test_slo_tier_and_priority_come_from_the_body_and_a_bad_one_names_the_field():
+    msgs = [{"role": "user", "content": "hi"}]
+    req = parse({"messages": msgs, "slo_tier": "tight", "priority": "batch"})
+    assert (req.slo_tier, req.priority) == ("tight", "batch")
+    assert (parse({"messages": msgs}).slo_tier, parse({"messages": msgs}).priority) == (None, None)
+    with pytest.raises(BadRequest, match="slo_tier"):
+        parse({"messages": msgs, "slo_tier": "fast"})
+    with pytest.raises(BadRequest, match="priority"):
+        parse({"messages": msgs, "priority": "urgent"})

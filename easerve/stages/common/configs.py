@@ -29,6 +29,7 @@ from easerve.fields import check_device  # noqa: F401 (re-exported: hasctl check
 from easerve.fields import (Addresses, Device, Fraction, HostPort, NonNegFloat, NonNegInt, PosFloat, PosInt,
                             check_fields, choices, flag_name, flags_for, hints, is_flag, opt, torch_device)
 from easerve.partition.backends import Preference
+from easerve.policy.admission import AdmissionMode, Priority, TierName
 from easerve.policy.batcher import BatchMode, BatcherConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
@@ -241,10 +242,28 @@ class GatewayConfig(PeerFields, StageConfig):
                                    "deployment files (keys on a command line show in ps): use --api-key-file",
                                    repeat=True, secret=True, wired=True)
     api_key_file: str = opt("", "file of API keys, one a line (# comments); adds to --api-key")
+    admission: AdmissionMode = opt(
+        "off", "SLO-aware admission of a request predicted (from --profile and the stages' load) to miss its "
+        "SLO tier: reject (429 / RESOURCE_EXHAUSTED with Retry-After) or admit it as best-effort; off: admit all")
+    slo_tier: TierName = opt(
+        "moderate", "default SLO tier of a request (the profile's tiers); per request: body field slo_tier, "
+        "HTTP header / gRPC metadata x-easerve-slo-tier")
+    priority: Priority = opt(
+        "interactive", "default priority class; per request: body field priority, header / metadata "
+        "x-easerve-priority")
+    profile: str = opt("", "easerve.profile/v1 file (hasctl profile) of this deployment: the latency predictor's "
+                       "service times and the SLO tiers; with it, predicted and actual TTFT are exported "
+                       "(metrics, GET /trace) even with --admission off")
+    admission_encode_batch: PosInt = opt(8, "the encode instances' --max-batch, for the latency predictor")
+    admission_prefill_tokens: PosInt = opt(2048, "the prefill instances' --max-batched-tokens, for the latency "
+                                           "predictor")
 
     def _check(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the gateway needs --prefill and --decode addresses")
+        if self.admission != "off" and not self.profile:
+            raise ValueError(f"--admission {self.admission} needs --profile (a hasctl profile file of this "
+                             "deployment); set it or use --admission off")
 
     @property
     def served_model(self) -> str:

@@ -52,6 +52,8 @@ class Peer:
     outstanding: int = 0     # calls this caller has open on it
     sent_since_poll: int = 0
     polled_at: float = 0.0
+    queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
+    kv_free_tokens: int = 0  # decode only: KV room at the last poll
     load_stub: object = field(default=None, repr=False)
     health_stub: object = field(default=None, repr=False)
 
@@ -89,6 +91,10 @@ class Peers:
 
     def __len__(self) -> int:
         return len(self._peers)
+
+    def up_peers(self) -> list[Peer]:
+        """The instances that were up and serving at the last look."""
+        return [p for p in self._peers.values() if p.up]
 
     @property
     def addrs(self) -> list[str]:
@@ -180,6 +186,7 @@ class Peers:
             log.info("%s is %s", p.addr, "serving" if serving else "not serving")
         p.up, p.reported, p.capacity = serving, load.inflight, load.max_inflight
         p.node, p.sent_since_poll, p.polled_at = NodeIdentity.from_proto(load.node), 0, time.monotonic()
+        p.queued, p.kv_free_tokens = load.queued, load.kv_free_tokens
 
     async def node_of(self, addr: str, timeout: float = 5.0) -> NodeIdentity | None:
         """The instance's node identity (asks it once if no poll has answered yet)."""

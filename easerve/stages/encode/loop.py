@@ -69,15 +69,18 @@ class EncodeLoop:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def encode(self, request_id: str, items: list[MMItem]) -> EncodeResult:
-        """Queue one request's items; resolves when its batch has been encoded."""
+    async def encode(self, request_id: str, items: list[MMItem], slo_s: float | None = None,
+                     yields: bool = False) -> EncodeResult:
+        """Queue one request's items; resolves when its batch has been encoded. `slo_s`: seconds
+        until its first token is due by its SLO tier; `yields`: best-effort or batch work (the
+        batcher's deadline order)."""
         dead = [t for t in self._tasks if t.done()]
         if not self._tasks or dead:
             raise RuntimeError("the encode loop is not running; restart this encode worker")
         fut = asyncio.get_running_loop().create_future()
         now = self.clock.now()
         self._pending[request_id] = _Pending(items, fut, now)
-        d = self.batcher.add(request_id, now)
+        d = self.batcher.add(request_id, now, None if slo_s is None else now + slo_s, yields)
         if d is not None:  # the encoder was free: the batcher is now busy until the worker runs it
             self._ready = d
         self._arrival.set()

@@ -7,6 +7,7 @@ decode; encode holds nothing for a request that is decoding.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from easerve.wire.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
@@ -36,14 +37,16 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         held = self.cache.holds(hashes) if self.cache is not None else [False] * len(hashes)
         return encode_pb2.HoldsResponse(held=held)
 
-    async def _embed(self, rid: str, items) -> CachedEncode:
+    async def _embed(self, rid: str, items, meta=None) -> CachedEncode:
+        slo_s = meta.slo_ttft_ms / 1000.0 if meta is not None and meta.slo_ttft_ms else None
+        encode = functools.partial(self.loop.encode, slo_s=slo_s, yields=bool(meta is not None and meta.yields))
         if self.cache is not None:
-            return await self.cache.encode(rid, items, self.loop.encode)
+            return await self.cache.encode(rid, items, encode)
         for i, it in enumerate(items):
             if not it.pixels:
                 raise CacheMiss.of_item(i, it.modality, "came without inputs and this instance has no "
                                         "encoder cache (--encoder-cache-gb 0)")
-        res = await self.loop.encode(rid, items)
+        res = await encode(rid, items)
         return CachedEncode(res.embeddings, res.queue_ms, res.encode_ms, 0)
 
     def _route(self) -> str:
@@ -68,7 +71,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         if not items:
             raise InvalidRequest("an encode request needs at least one media item; send text-only requests to prefill")
         sampling = sampling_from_proto(request.sampling)
-        res = await self._embed(rid, items)
+        res = await self._embed(rid, items, request.meta)
         deadline.check("encode")
         route = self._route()
         if self.m is not None:

@@ -43,6 +43,8 @@ from easerve.types import (MODALITIES, ChatMessage, MediaPart, ProcessedPrompt, 
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from easerve.cache.gateway import MediaCache, MediaPlan
+from easerve.policy.admission import Decision
+from easerve.stages.gateway.admission import GatewayAdmission
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
@@ -76,6 +78,10 @@ class Job:
     internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
     media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
     preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
+    slo_tier: str | None = None          # None: the gateway's --slo-tier
+    priority: str | None = None          # None: the gateway's --priority
+    admission: Decision | None = None    # set at admission (with --profile)
+    trace: dict | None = None            # its /trace record
 
     def media_parts(self) -> list[MediaPart]:
         """Every media part, in request order."""
@@ -101,6 +107,7 @@ class GatewayCore:
         self._enc = peers_of(cfg, "encode", encode_pb2_grpc.EncodeStub, opts, "easerve.v1.Encode", tls=tls)
         self._pre = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, opts, "easerve.v1.Prefill", tls=tls)
         self._dec = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, opts, "easerve.v1.Decode", tls=tls)
+        self.admission = GatewayAdmission.of(cfg, self._enc, self._pre, self._dec, metrics)
         self.cache = MediaCache(adapter, self.media.cfg, self._enc, cfg.media_hash_entries,
                                 cfg.encoder_cache_affinity) if cfg.media_hash_entries and cfg.encode else None
 
@@ -179,7 +186,12 @@ class GatewayCore:
         return Deadline.after(left)
 
     def _meta(self, job: Job, deadline: Deadline) -> cpb.RequestMeta:
-        return cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
+        meta = cpb.RequestMeta(request_id=job.internal_id, deadline_ms=deadline.to_ms(), model=self.cfg.served_model)
+        d = job.admission
+        if d is not None:  # its SLO deadline and class, for the batcher's deadline order
+            meta.slo_ttft_ms = max(1, round((d.deadline - time.monotonic()) * 1000))
+            meta.yields = d.action == "best_effort" or d.priority == "batch"
+        return meta
 
     async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
         """(peers, peer, call, first message) of the stage that computes the first token."""
@@ -256,6 +268,8 @@ class GatewayCore:
         waiting = True
         try:
             prompt = await self.preprocess(job)
+            if self.admission is not None:  # text only too: it skips encode, not admission
+                self.admission.admit(job, prompt.items[0].modality if prompt.items else "text", len(prompt.input_ids))
             async for d in self._stream(job, prompt):
                 if waiting:
                     waiting = False
@@ -297,6 +311,8 @@ class GatewayCore:
     def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
         ttft = time.monotonic() - job.received
         self.m.ttft.observe(ttft)
+        if self.admission is not None:
+            self.admission.first_token(job, ttft)
         t = chunk.timings
         for stage, ms in (("encode", t.encode_ms), ("prefill", t.prefill_ms), ("queue", t.queue_ms),
                           ("embed_transfer", t.embed_transfer_ms), ("preprocess", job.preprocess_ms)):
@@ -351,6 +367,8 @@ class GatewayCore:
         tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
         if n > 1:
             self.m.tpot.observe(tpot)
+        if self.admission is not None:
+            self.admission.finished(job, tpot if n > 1 else None)
         self.m.e2e.observe(now - job.received)
         self.m.finished.inc(finished_reason=finish)
         self.m.prompt_tokens.inc(len(prompt.input_ids))

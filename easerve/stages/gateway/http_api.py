@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP front of the gateway (aiohttp).
 
 POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
-[DONE]), GET /v1/models, GET /health, GET /metrics. Errors: 400 with what to change, 429 on overload,
+[DONE]), GET /v1/models, GET /health, GET /metrics, GET /trace (with --profile: each request's predicted
+and actual TTFT and its admission decision). Errors: 400 with what to change, 429 on overload,
 503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
 deadline, 502 when the pipeline's stream ends without a finish reason (an error event when
 the SSE headers are out); the server keeps serving.
@@ -19,6 +20,7 @@ from aiohttp import web
 from easerve.errors import BadRequest, BadUpstream
 from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
+from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.core import Delta, GatewayCore, Job
 
 log = logging.getLogger("easerve.gateway")
@@ -63,7 +65,8 @@ class HttpApi:
                                    middlewares=[self._refuse_when_draining, *middlewares])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models),
-                             web.get("/health", self.health), web.get("/metrics", self.metrics)])
+                             web.get("/health", self.health), web.get("/metrics", self.metrics),
+                             web.get("/trace", self.trace)])
 
     def drain(self) -> None:
         self.draining = True
@@ -84,6 +87,17 @@ class HttpApi:
 
     async def metrics(self, _req: web.Request) -> web.Response:
         return web.Response(text=self.core.m.render(), content_type="text/plain", charset="utf-8")
+
+    async def trace(self, req: web.Request) -> web.Response:
+        """The latest requests' predicted and actual TTFT / TPOT and admission decisions (?last=N)."""
+        adm = self.core.admission
+        if adm is None:
+            return _error(404, "no latency predictions here: start the gateway with --profile")
+        try:
+            last = int(req.query.get("last", "500"))
+        except ValueError:
+            return _error(400, f"last must be an integer, got {req.query.get('last')!r}")
+        return web.json_response(adm.trace(last))
 
     async def models(self, _req: web.Request) -> web.Response:
         return web.json_response(oa.models_json(self.core.cfg.served_model, self.core.max_model_len, self.core.started))
@@ -110,9 +124,10 @@ class HttpApi:
             a = self.core.adapter
             chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
                                          self.core.cfg.default_max_tokens)
+            job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
+            _classify(job, req, chat)
         except BadRequest as e:
             return self._bad(e)
-        job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
         return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
@@ -125,6 +140,7 @@ class HttpApi:
             else:
                 self._check_ids(comp.prompt)
                 job.prompt_ids = comp.prompt
+            _classify(job, req, comp)
         except BadRequest as e:
             return self._bad(e)
         return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
@@ -202,6 +218,12 @@ class HttpApi:
     @staticmethod
     async def _sse(resp: web.StreamResponse, obj: dict) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _classify(job: Job, req: web.Request, parsed) -> None:
+    """The request's SLO tier and priority class: body field, else header, else the gateway's default."""
+    job.slo_tier = parsed.slo_tier or checked_tier(req.headers.get(TIER_HEADER), f"header {TIER_HEADER}")
+    job.priority = parsed.priority or checked_priority(req.headers.get(PRIORITY_HEADER), f"header {PRIORITY_HEADER}")
 
 
 class _ChatShape:

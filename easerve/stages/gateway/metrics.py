@@ -5,6 +5,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from easerve.stages.common.metrics import LATENCY_BUCKETS, new_registry, render
 
+REL_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -49,6 +50,16 @@ class GatewayMetrics:
         self.cache_late_misses = Counter(
             "easerve:gateway_encoder_cache_late_misses", "Requests sent to an encode instance without pixels "
             "that it no longer held; resent with every item's pixels (preprocessed in full)", registry=r)
+
+        self.admissions = _Labeled(Counter(
+            "easerve:admission_decisions", "SLO-aware admission decisions (admit, best_effort, reject) by tier "
+            "and priority class", ["decision", "tier", "priority"], registry=r))
+        self.predicted_ttft = Histogram("easerve:predicted_time_to_first_token_seconds",
+                                        "TTFT the latency predictor gave each request at admission",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_prediction_error = Histogram(
+            "easerve:ttft_prediction_relative_error", "|predicted - actual| / actual TTFT per request",
+            buckets=REL_ERROR_BUCKETS, registry=r)
 
     def render(self) -> str:
         return render(self.registry).decode()

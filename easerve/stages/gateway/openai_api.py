@@ -29,6 +29,8 @@ class ChatRequest:
     include_usage: bool = False
     request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     timeout_s: float | None = None
+    slo_tier: str | None = None
+    priority: str | None = None
 
 
 AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg", "opus", "m4a", "aac", "mp4", "webm")
@@ -190,7 +192,7 @@ def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
                        messages=convert_messages(chat.messages, modalities, sampling_rate),
                        sampling=sampling_from(chat, default_max_tokens),
                        stream=bool(chat.stream), include_usage=opts.include_usage,
-                       timeout_s=chat.timeout)
+                       timeout_s=chat.timeout, slo_tier=chat.slo_tier, priority=chat.priority)
 
 
 @dataclass
@@ -202,6 +204,8 @@ class CompletionRequest:
     include_usage: bool = False
     request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     timeout_s: float | None = None
+    slo_tier: str | None = None
+    priority: str | None = None
 
 
 def parse_completion_request(body, served_model: str, vocab_size: int,
@@ -217,7 +221,8 @@ def parse_completion_request(body, served_model: str, vocab_size: int,
                              f"has ids 0..{vocab_size - 1}")
     opts = comp.stream_options or osc.StreamOptions()
     return CompletionRequest(model=model, prompt=comp.prompt, sampling=sampling_from(comp, default_max_tokens),
-                             stream=bool(comp.stream), include_usage=opts.include_usage, timeout_s=comp.timeout)
+                             stream=bool(comp.stream), include_usage=opts.include_usage, timeout_s=comp.timeout,
+                             slo_tier=comp.slo_tier, priority=comp.priority)
 
 
 def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None,

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from easerve.errors import BadRequest
+from easerve.policy.admission import Priority, TierName
 from easerve.types import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 
 U32 = (1 << 32) - 1
@@ -140,6 +141,8 @@ class SamplingBody(_Model):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1)] | None = None
     timeout: Annotated[float, Field(gt=0.0, le=86400.0)] | None = None  # seconds (an EAServe extension)
+    slo_tier: TierName | None = None     # EAServe extensions: SLO-aware admission (--admission)
+    priority: Priority | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

@@ -13,6 +13,7 @@ from easerve.wire.protoconv import FINISH_TO_PROTO, sampling_from_proto
 from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, TextPart
 from easerve.wire.sampling_proto import timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
+from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.core import GatewayCore, Job
 
 
@@ -102,6 +103,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @grpc_errors
     async def Generate(self, request, context):
         job = self._job(request, remaining_from_context(context))
+        meta = dict(context.invocation_metadata() or ())
+        job.slo_tier = checked_tier(meta.get(TIER_HEADER), f"metadata {TIER_HEADER}")
+        job.priority = checked_priority(meta.get(PRIORITY_HEADER), f"metadata {PRIORITY_HEADER}")
         async for d in self.core.generate(job):
             msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
                                                finish_reason=FINISH_TO_PROTO[d.finish_reason])

@@ -21,14 +21,18 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class RequestMeta(_message.Message):
-    __slots__ = ("request_id", "deadline_ms", "model")
+    __slots__ = ("request_id", "deadline_ms", "model", "slo_ttft_ms", "yields")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    YIELDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deadline_ms: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    slo_ttft_ms: int
+    yields: bool
+    def __init__(self, request_id: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., model: _Optional[str] = ..., slo_ttft_ms: _Optional[int] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class TensorProto(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -1,0 +1,71 @@
+"""SLO-aware admission: admit, admit as best-effort, or refuse a request predicted to miss its tier.
+
+Pure, with an injected clock: `Admission.decide` takes the request's shape, the live state,
+its tier's limits and its priority class, asks the `LatencyPredictor`, and returns a typed
+`Decision` the gateway carries out (`reject` -> RESOURCE_EXHAUSTED / 429 with the decision's
+`retry_after_s`). Modes (`--admission`): `off` admits everything (the prediction is still made,
+so predicted and actual TTFT can be compared); `reject` refuses a predicted miss; `best-effort`
+admits it marked best-effort. A request misses when the time it already spent (`received` to
+now) plus the predicted TTFT is over the tier's TTFT limit, or its predicted TPOT over the
+TPOT limit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from easerve.fields import Checked, PosFloat
+from easerve.policy.clock import Clock
+from easerve.policy.latency import LatencyPredictor, LiveState, Prediction, RequestShape, retry_after_s
+
+AdmissionMode = Literal["off", "reject", "best-effort"]
+Priority = Literal["interactive", "batch"]
+TierName = Literal["tight", "moderate", "loose"]  # the profile's tiers (hasctl/profile_format.py TIERS)
+ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
+PRIORITIES: tuple[str, ...] = get_args(Priority)
+TIER_NAMES: tuple[str, ...] = get_args(TierName)
+Action = Literal["admit", "best_effort", "reject"]
+
+
+@dataclass(frozen=True)
+class TierLimits(Checked):
+    """One SLO tier's limits for the request's modality, in seconds."""
+    ttft_s: PosFloat
+    tpot_s: PosFloat
+    name: TierName = "moderate"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    tier: TierLimits
+    priority: Priority
+    prediction: Prediction
+    deadline: float                 # the clock's time the first token must leave by to meet the tier
+    retry_after_s: float | None = None  # set on a predicted miss: when a retry would be predicted to meet it
+
+    @property
+    def predicted_miss(self) -> bool:
+        return self.retry_after_s is not None
+
+
+class Admission:
+    def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock) -> None:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"--admission must be one of {list(ADMISSION_MODES)}, got {mode!r}")
+        self.mode, self.predictor, self.clock = mode, predictor, clock
+
+    def decide(self, req: RequestShape, state: LiveState, tier: TierLimits, priority: Priority,
+               received: float) -> Decision:
+        pred = self.predictor.predict(req, state)
+        elapsed = max(0.0, self.clock.now() - received)
+        deadline = received + tier.ttft_s
+        miss = elapsed + pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
+        if not miss:
+            return Decision("admit", tier, priority, pred, deadline)
+        retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, elapsed, req.max_tokens)
+        if self.mode == "reject":
+            return Decision("reject", tier, priority, pred, deadline, retry)
+        if self.mode == "best-effort":
+            return Decision("best_effort", tier, priority, pred, deadline, retry)
+        return Decision("admit", tier, priority, pred, deadline, retry)  # off: admitted, the miss still noted

@@ -1,0 +1,152 @@
+"""Latency predictor: an arriving request's TTFT and TPOT from the profile and the live state.
+
+Pure and torch-free, with an injected clock. The service times come from one source, a
+`ServiceTimes` (in practice `easerve.sim.model.ServiceModel` over an `easerve.profile/v1`
+file: the very numbers the simulator runs on, including `encode_batch_s`, the time of a
+mixed encode batch). The live state is a frozen `LiveState` snapshot of what a caller sees of
+the stages (the gateway: each instance's last `Stage/Load` answer plus what it sent since).
+
+The model, per stage (each instance's prediction is taken, then the least of them, which is
+where least-loaded placement sends the request):
+- gateway: `gateway_s(modality, media)` of preprocessing;
+- encode (media only): the batcher's queue leaves in batches of `max_batch`; the request
+  waits for the batches ahead of it (`queued // max_batch` full ones), half a batch for the
+  one running when the queue is not empty, and the batcher's expected dispatch wait; then
+  its own batch (`queued % max_batch + 1` items) runs;
+- prefill (remote, or the text-only path): the same over a token budget (`budget //
+  prompt_tokens` requests a batch), with the request's own prompt length for every one;
+- decode: TPOT is a step of `running + 1` requests at the request's mean context; when decode
+  has waiting requests or less free KV than the request needs, the request waits for
+  `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
+  that wait is spread over its tokens.
+The queue waits shrink by the age of the snapshot (they drain while the state ages), never
+below zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from easerve.fields import Checked, NonNegFloat, NonNegInt, PosInt
+from easerve.policy.clock import Clock
+
+
+class ServiceTimes(Protocol):
+    def gateway_s(self, modality: str, media: str) -> float: ...
+    def encode_batch_s(self, mix: dict[tuple[str, str], int], share: float = 1.0) -> float: ...
+    def prefill_s(self, total_tokens: int, batch: int) -> float: ...
+    def decode_step_s(self, batch: int, context: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class EncodeState(Checked):
+    """One encode instance: `queued` requests in its batcher (plus those sent since the
+    look), batches of up to `max_batch`; `dispatch_wait_s`: how long the batcher is expected
+    to hold an arrival before dispatching (0 when the caller cannot see its clock)."""
+    queued: NonNegInt
+    max_batch: PosInt
+    dispatch_wait_s: NonNegFloat = 0.0
+
+
+@dataclass(frozen=True)
+class PrefillState(Checked):
+    """One prefill instance: `queued` requests waiting, batched under `token_budget` tokens."""
+    queued: NonNegInt
+    token_budget: PosInt
+
+
+@dataclass(frozen=True)
+class DecodeState(Checked):
+    """One decode instance: requests decoding, requests waiting for room, KV room in tokens."""
+    running: NonNegInt
+    waiting: NonNegInt
+    kv_free_tokens: NonNegInt
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What the caller saw at `taken_at` (its clock's time). An empty tuple: the stage has
+    no instance the caller sees; the request is predicted as if it had an idle one."""
+    taken_at: float
+    encode: tuple[EncodeState, ...] = ()
+    prefill: tuple[PrefillState, ...] = ()
+    decode: tuple[DecodeState, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestShape(Checked):
+    modality: str          # image, video, audio or text
+    media: str             # its media size as the profile names it ("" for text, or unknown)
+    prompt_tokens: PosInt
+    max_tokens: PosInt
+
+    @property
+    def has_media(self) -> bool:
+        return self.modality != "text"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds. `ttft_s` = gateway + queue_s + encode_s + prefill_s; `tpot_s` includes the
+    decode wait spread over the tokens after the first."""
+    ttft_s: float
+    tpot_s: float
+    gateway_s: float
+    queue_s: float         # encode and prefill waits, aged
+    encode_s: float
+    prefill_s: float
+    decode_wait_s: float
+
+
+class LatencyPredictor:
+    def __init__(self, service: ServiceTimes, clock: Clock) -> None:
+        self.service, self.clock = service, clock
+
+    def predict(self, req: RequestShape, state: LiveState) -> Prediction:
+        age = max(0.0, self.clock.now() - state.taken_at)
+        g = self.service.gateway_s(req.modality, req.media)
+        enc_wait = enc = 0.0
+        if req.has_media:
+            enc_wait, enc = min((self._encode(req, e) for e in state.encode or (EncodeState(0, 1),)),
+                                key=sum)
+        pre_wait, pre = min((self._prefill(req, p) for p in state.prefill or (PrefillState(0, req.prompt_tokens),)),
+                            key=sum)
+        queue = max(0.0, enc_wait + pre_wait - age)
+        step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
+                          key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
+        tpot = step + dwait / max(1, req.max_tokens - 1)
+        return Prediction(g + queue + enc + pre, tpot, g, queue, enc, pre, dwait)
+
+    # ---- per stage: (wait, own service time) -------------------------------------------------
+    def _encode(self, req: RequestShape, e: EncodeState) -> tuple[float, float]:
+        key = (req.modality, req.media)
+        full, left = divmod(e.queued, e.max_batch)
+        batch_s = self.service.encode_batch_s({key: e.max_batch})
+        running = 0.5 * self.service.encode_batch_s({key: min(e.queued, e.max_batch)}) if e.queued else 0.0
+        return full * batch_s + running + e.dispatch_wait_s, self.service.encode_batch_s({key: left + 1})
+
+    def _prefill(self, req: RequestShape, p: PrefillState) -> tuple[float, float]:
+        per = max(1, p.token_budget // req.prompt_tokens)  # requests a batch holds
+        full, left = divmod(p.queued, per)
+        batch_s = self.service.prefill_s(per * req.prompt_tokens, per)
+        running = 0.5 * self.service.prefill_s(min(p.queued, per) * req.prompt_tokens, min(p.queued, per)) \
+            if p.queued else 0.0
+        return full * batch_s + running, self.service.prefill_s((left + 1) * req.prompt_tokens, left + 1)
+
+    def _decode(self, req: RequestShape, d: DecodeState) -> tuple[float, float]:
+        context = req.prompt_tokens + req.max_tokens // 2
+        step = self.service.decode_step_s(d.running + 1, context)
+        need = req.prompt_tokens + req.max_tokens
+        ahead = d.waiting + (1 if d.kv_free_tokens < need else 0)
+        wait = ahead * step * req.max_tokens / (2 * max(1, d.running)) if ahead else 0.0
+        return step, wait
+
+
+def retry_after_s(pred: Prediction, ttft_limit_s: float, tpot_limit_s: float, elapsed_s: float,
+                  max_tokens: int) -> float:
+    """How long until a request of this shape would be predicted to meet the limits: the
+    queues must drain by the excess TTFT, and decode by the excess TPOT over the request's
+    tokens (at least a millisecond)."""
+    over_ttft = elapsed_s + pred.ttft_s - ttft_limit_s
+    over_tpot = (pred.tpot_s - tpot_limit_s) * max(1, max_tokens - 1)
+    return max(1e-3, over_ttft, over_tpot)

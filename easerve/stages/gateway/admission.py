@@ -1,0 +1,115 @@
+"""The gateway's side of SLO-aware admission (easerve/policy/admission.py decides).
+
+With `--profile`, every preprocessed request (media or text only) is predicted
+(easerve/policy/latency.py over the simulator's `ServiceModel` of that profile) from what the
+gateway sees of the stages: each instance's last `Stage/Load` answer (queued requests, decode's
+KV room) plus the calls it started there since. `--admission reject` refuses a predicted miss
+with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose Retry-After is the decision's;
+`best-effort` lets it in marked best-effort. Each request's prediction and its actual TTFT /
+TPOT go to the metrics and to a bounded list of records served at GET /trace.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from easerve.errors import BadRequest, Overloaded
+from easerve.policy.admission import PRIORITIES, TIER_NAMES, Admission, Decision, TierLimits
+from easerve.policy.clock import Clock, MonotonicClock
+from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
+from easerve.sim.model import ServiceModel
+
+if TYPE_CHECKING:
+    from easerve.stages.gateway.core import Job
+
+TRACE_RECORDS = 4096
+TIER_HEADER, PRIORITY_HEADER = "x-easerve-slo-tier", "x-easerve-priority"
+
+
+def checked_tier(value: str | None, where: str) -> str | None:
+    if value is not None and value not in TIER_NAMES:
+        raise BadRequest(f"{where} {value[:40]!r} is not an SLO tier; use one of {', '.join(TIER_NAMES)}")
+    return value
+
+
+def checked_priority(value: str | None, where: str) -> str | None:
+    if value is not None and value not in PRIORITIES:
+        raise BadRequest(f"{where} {value[:40]!r} is not a priority class; use one of {', '.join(PRIORITIES)}")
+    return value
+
+
+class GatewayAdmission:
+    def __init__(self, cfg, profile, enc, pre, dec, metrics, clock: Clock | None = None) -> None:
+        self.cfg, self.profile, self.m = cfg, profile, metrics
+        self._enc, self._pre, self._dec = enc, pre, dec
+        self.clock = clock or MonotonicClock()
+        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock), self.clock)
+        self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
+
+    @classmethod
+    def of(cls, cfg, enc, pre, dec, metrics) -> GatewayAdmission | None:
+        """None without --profile (nothing to predict from)."""
+        if not cfg.profile:
+            return None
+        from hasctl import profile_format as pf
+        try:
+            profile = pf.load(cfg.profile)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--profile {cfg.profile}: {e}") from None
+        return cls(cfg, profile, enc, pre, dec, metrics)
+
+    # ---- the live state ------------------------------------------------------------------------
+    def state(self) -> LiveState:
+        enc, pre, dec = self._enc.up_peers(), self._pre.up_peers(), self._dec.up_peers()
+        polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
+        return LiveState(
+            min(polled) if polled else self.clock.now(),
+            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch) for p in enc),
+            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens) for p in pre),
+            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens)
+                  for p in dec))
+
+    def tier(self, name: str, modality: str) -> TierLimits:
+        ttft_ms, tpot_ms = self.profile.slo(name).limits(modality)
+        return TierLimits(ttft_ms / 1e3, tpot_ms / 1e3, name)
+
+    # ---- per request ---------------------------------------------------------------------------
+    def admit(self, job: Job, modality: str, prompt_tokens: int) -> Decision:
+        """Decide; a reject raises Overloaded with the decision's Retry-After."""
+        tier = self.tier(job.slo_tier or self.cfg.slo_tier, modality)
+        priority = job.priority or self.cfg.priority
+        shape = RequestShape(modality, "", max(1, prompt_tokens), job.sampling.max_tokens)
+        d = self.policy.decide(shape, self.state(), tier, priority, job.received)
+        job.admission = d
+        self.m.admissions.inc(decision=d.action, tier=tier.name, priority=priority)
+        self.m.predicted_ttft.observe(d.prediction.ttft_s)
+        job.trace = rec = {"request_id": job.request_id, "received": time.time() - (self.clock.now() - job.received),
+                           "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
+                           "predicted_ttft_ms": d.prediction.ttft_s * 1e3,
+                           "predicted_tpot_ms": d.prediction.tpot_s * 1e3,
+                           "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
+                           "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
+        self.records.append(rec)
+        if d.action == "reject":
+            raise Overloaded(f"request {job.request_id} is predicted to miss its SLO tier {tier.name!r} "
+                             f"(TTFT {d.prediction.ttft_s * 1e3:.0f} ms predicted, limit {tier.ttft_s * 1e3:.0f} ms; "
+                             f"TPOT {d.prediction.tpot_s * 1e3:.1f} ms, limit {tier.tpot_s * 1e3:.1f} ms); "
+                             f"retry after {d.retry_after_s:.2f} s or ask for a looser tier",
+                             retry_after_s=d.retry_after_s)
+        return d
+
+    def first_token(self, job: Job, ttft_s: float) -> None:
+        if job.trace is None:
+            return
+        job.trace["ttft_ms"] = ttft_s * 1e3
+        pred = job.admission.prediction.ttft_s
+        self.m.ttft_prediction_error.observe(abs(pred - ttft_s) / max(ttft_s, 1e-9))
+
+    def finished(self, job: Job, tpot_s: float | None) -> None:
+        if job.trace is not None and tpot_s is not None:
+            job.trace["tpot_ms"] = tpot_s * 1e3
+
+    def trace(self, last: int) -> dict:
+        recs = list(self.records)[-last:] if last > 0 else []
+        return {"admission": self.cfg.admission, "default_tier": self.cfg.slo_tier, "requests": recs}
