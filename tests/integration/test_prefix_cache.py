@@ -22,8 +22,10 @@ QUESTIONS = ["What is in this picture?", "What color is it?", "Is there anything
 
 
 @pytest.fixture(scope="module")
-def multi(vl_stack):
-    stack = _multi(vl_stack.deployment.model)
+def multi(tiny_root):
+    from easerve.models.tiny import cached_tiny
+
+    stack = _multi(str(cached_tiny("qwen2.5-vl", tiny_root)))
     stack.start(timeout=420)
     yield stack
     stack.stop()
