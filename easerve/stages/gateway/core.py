@@ -58,8 +58,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None  # on the first delta and the last one
-    cached_tokens: int = 0          # on the last delta: prompt tokens prefill's prefix cache answered
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
+    cached_tokens: int = 0          # on the last delta: prompt tokens prefill's prefix cache answered
 
 
 @dataclass
