@@ -13,12 +13,13 @@ Last stdout line: JSON, "ttft_p50_off_over_on" (turns 2-4; target >= 2), then
 the per-mode figures.
 
   python bench/prefix_cache.py                  # 24 conversations (96 requests), 0.25 conv/s
-  python bench/prefix_cache.py --quick          # a smoke run, under 2 minutes
+  python bench/prefix_cache.py --quick          # a smoke run (tiny model, monolith), under 2 minutes
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import sys
 import time
@@ -49,8 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 conversations, short answers")
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.quick:  # the monolith: fewest processes to start
         args.conversations, args.image_size, args.max_tokens, args.segments = 3, 56, 4, 1
+        args.preset = "monolith"
     return args
 
 
@@ -140,8 +142,10 @@ def start_stack(preset_name: str, model: str, cache_on: bool):
     from hasctl.deployment import preset
     from hasctl.launch import Stack
     off = {} if cache_on else {"no_prefix_cache": True}
-    d = preset(preset_name).with_model(model).with_gateway_ports(0, 0).with_flags(
-        "encode", threads=1, **off).with_flags("prefill", threads=1, **off).with_flags("decode", threads=1)
+    d = preset(preset_name).with_model(model).with_gateway_ports(0, 0)
+    for stage, flags in (("encode", off), ("prefill", off), ("monolith", off), ("decode", {})):
+        if getattr(d, stage):
+            d = d.with_flags(stage, threads=1, **flags)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"})
     stack.start(timeout=600)
     return stack
@@ -163,9 +167,14 @@ def main(argv=None) -> int:
     convs = workload(args.conversations, args.rate, args.seed)
     images = {img: png_uri(img, args.image_size) for _, img in convs}
     print(f"{len(convs)} conversations x {TURNS} turns, one started every {1 / args.rate:.1f} s", file=sys.stderr)
-    stacks = {"off": start_stack(args.preset, model, False)}
+    stacks: dict = {}
     try:
-        stacks["on"] = start_stack(args.preset, model, True)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            futs = {mode: pool.submit(start_stack, args.preset, model, mode == "on") for mode in ("off", "on")}
+        failed = [f.exception() for f in futs.values() if f.exception() is not None]
+        stacks.update({mode: f.result() for mode, f in futs.items() if f.exception() is None})
+        if failed:
+            raise failed[0]
         urls = {mode: st.endpoints.http for mode, st in stacks.items()}
         for url in urls.values():
             asyncio.run(unloaded(url, name, args.image_size, 2))  # warm-up, new images only
