@@ -72,3 +72,16 @@ def test_four_turn_image_chat_hits_and_equals_a_cold_run(multi):
     hits = sum(_counter(t, "easerve:prefix_cache_hits") for t in scraped)
     queries = sum(_counter(t, "easerve:prefix_cache_queries") for t in scraped)
     assert hits == sum(cached) and queries > hits
+
+
+def test_sdk_usage_reports_cached_tokens(multi):
+    from easerve import Client
+
+    client = Client(multi.endpoints.grpc, timeout=120)
+    img = png_bytes(64, 64, seed=5)
+    prompt = "Describe this picture in a few words, please, and then say what colors it has."
+    first = client.generate(prompt, images=[img], max_tokens=3)
+    again = client.generate(prompt, images=[img], max_tokens=3)
+    assert first.usage.cached_tokens == 0
+    assert 0 < again.usage.cached_tokens < again.usage.prompt_tokens
+    assert again.token_ids == first.token_ids
