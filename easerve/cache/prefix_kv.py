@@ -48,9 +48,18 @@ class PrefixKV:
         per_token = 2 * tc.num_hidden_layers * tc.num_key_value_heads * head_dim * adapter.dtype.itemsize
         return cls(config, per_token * config.block_tokens, getattr(adapter, "placeholder_ids", {}))
 
-    def lookup(self, req: PrefillRequest) -> Lookup:
+    def hashes(self, req: PrefillRequest) -> list[bytes]:
         media = media_positions(req.input_ids, request_items(req), self.placeholder_ids)
-        hashes = block_hashes(req.input_ids, media, self.block_tokens)
+        return block_hashes(req.input_ids, media, self.block_tokens)
+
+    def to_compute(self, req: PrefillRequest) -> int:
+        """Prompt tokens a prefill would compute now (the batch token budget counts these).
+        Reads the policy only (membership tests), so another thread may call it."""
+        return len(req.input_ids) - self.block_tokens * self.policy.match(
+            self.hashes(req), (len(req.input_ids) - 1) // self.block_tokens)
+
+    def lookup(self, req: PrefillRequest) -> Lookup:
+        hashes = self.hashes(req)
         n = self.policy.match(hashes, (len(req.input_ids) - 1) // self.block_tokens)
         self.policy.acquire(hashes[:n])
         self.queries += len(req.input_ids)

@@ -123,3 +123,35 @@ def test_mask_attention_path_equals_a_cold_prefill(tiny_checkpoint, adapters, mm
     assert looks[0].hit_blocks == looks[1].hit_blocks == len(turns[0].input_ids) // BT > 0  # turn 0's blocks
     for t, res in zip(turns[1:], results):
         _same(pre, decode_greedy, res, adapters(family, "prefill").prefill([t])[0])
+
+
+def test_the_prefill_loop_uses_the_cache_and_budgets_the_uncached_tokens(adapters, mm, rng, mixed_requests):
+    import asyncio
+
+    from easerve.policy.prefill_plan import PrefillBatchConfig
+    from easerve.stages.prefill.loop import PrefillLoop
+
+    family = "qwen2.5-vl"
+    full, enc, pre = adapters(family, "full"), adapters(family, "encode"), adapters(family, "prefill")
+    turns = [_request(enc, full, m, f"t{k}") for k, m in enumerate(_turns(mm, _medium(mm, rng, family)))]
+    other = mixed_requests(family)[2]
+    kv = PrefixKV.for_adapter(pre, PrefixCacheConfig(block_tokens=BT))
+
+    async def main():
+        loop = PrefillLoop(pre, PrefillBatchConfig(max_batched_tokens=10**6), prefix=kv)
+        loop.start()
+        try:
+            one = await loop.prefill(turns[0])
+            # turn 2 and another request fit the budget together only by what turn 2 leaves to compute
+            left = kv.to_compute(turns[1]), kv.to_compute(other)  # (other shares the system prompt's block)
+            assert left[0] <= len(turns[1].input_ids) - len(turns[0].input_ids) + BT
+            loop.batcher.config = PrefillBatchConfig(max_batched_tokens=sum(left))
+            return left, one, *await asyncio.gather(loop.prefill(turns[1]), loop.prefill(other))
+        finally:
+            await loop.stop()
+
+    left, one, two, three = asyncio.run(main())
+    assert one.result.cached_tokens == 0 and two.result.cached_tokens == len(turns[1].input_ids) - left[0]
+    assert two.batch_size == three.batch_size == 2
+    for got, req in ((two, turns[1]), (three, other)):
+        assert got.first_token == int(pre.prefill([req])[0].last_logits.argmax())

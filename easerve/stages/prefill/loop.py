@@ -20,7 +20,8 @@
 - Prefix cache (`prefix`, an easerve.cache.prefix_kv.PrefixKV, or None): before the
   forward each request takes the KV of its longest cached prefix and the forward computes
   only the rest; after it, the prompts' full blocks are kept (`PrefillResult.cached_tokens`
-  says how many tokens came from the cache).
+  says how many tokens came from the cache). The batch token budget counts what a request
+  leaves to compute (its prompt less its cached prefix when it arrived).
 - Time: every time the loop reads (arrivals, the batcher's `now`, t0 / t1) comes from
   `clock` (an `easerve.policy.clock.Clock`; a MonotonicClock unless given).
 - `PrefilledOne.prefill_ms` is the batch's compute time (forward + sampling) in ms;
@@ -137,7 +138,8 @@ class PrefillLoop:
         if self._task is None or self._task.done():
             raise RuntimeError("the prefill loop is not running; call start() first")
         key = next(self._keys)
-        self.batcher.add(key, len(req.input_ids), self.clock.now())
+        tokens = self.prefix.to_compute(req) if self.prefix is not None else len(req.input_ids)
+        self.batcher.add(key, tokens, self.clock.now())
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = _Pending(req, fut)
         self._wake.set()
