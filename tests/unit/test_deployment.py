@@ -165,7 +165,7 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "encoder-cache-gb": 0.5, "media-hash-entries": 128, "encoder-cache-affinity": 2,
           "max-message-mb": 64.0, "tls-cert": "/etc/easerve/tls.crt", "tls-key": "/etc/easerve/tls.key",
           "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
-          "peer-refresh-s": 2.0}
+          "peer-refresh-s": 2.0, "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32}
 
 
 def _parse(stage: str, argv: list[str]):
