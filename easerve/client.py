@@ -56,6 +56,7 @@ FINISH_REASONS = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "len
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens answered by prefill's prefix cache
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ModelInfo:
 
 def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
     finish = FINISH_REASONS.get(m.finish_reason)
-    usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if finish else None
+    usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens) if finish else None
     timings = timings_from_proto(m.timings) if m.HasField("timings") else None
     lps = tuple(Logprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in m.logprobs)
     return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id, lps)

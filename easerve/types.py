@@ -133,14 +133,16 @@ class ProcessedPrompt:
 @dataclass(frozen=True)
 class ItemMeta:
     """What prefill needs of one media item besides its embedding rows: its modality and the
-    small meta tensors (`MMItem.meta`: grids, sizes, feature lengths)."""
+    small meta tensors (`MMItem.meta`: grids, sizes, feature lengths), and its content hash
+    (`MMItem.content_hash`; the prefix cache names its placeholders by it)."""
 
     modality: str
     meta: dict[str, "torch.Tensor"]
+    content_hash: bytes = b""
 
 
 def items_meta(items: list[MMItem]) -> list[ItemMeta]:
-    return [ItemMeta(it.modality, it.meta) for it in items]
+    return [ItemMeta(it.modality, it.meta, it.content_hash) for it in items]
 
 
 @dataclass
@@ -166,6 +168,17 @@ class PrefillResult:
     last_logits: "torch.Tensor"
     prompt_len: int
     rope_delta: int = 0
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The KV of a prompt's first `num_tokens` tokens, from the prefix cache: per layer
+    [kv_heads, num_tokens, head_dim]. Prefill computes only the tokens after them."""
+
+    keys: list["torch.Tensor"]
+    values: list["torch.Tensor"]
+    num_tokens: int
 
 
 @dataclass

@@ -43,7 +43,7 @@ from easerve.models.weights import (fast_init, get_submodule, held_parameters, l
                                     meta_skeleton, read_tensors, renamer, set_submodule, under)
 from easerve.errors import InvalidRequest
 from easerve.models.prompts import Prompts
-from easerve.types import PrefillRequest, PrefillResult
+from easerve.types import CachedPrefix, PrefillRequest, PrefillResult
 
 ROLES = ("processor", "encode", "prefill", "decode", "full")
 
@@ -307,32 +307,46 @@ class HFAdapter(Prompts, ModelAdapter):
         return PrefillResult(req.request_id, keys, values, logits.float(), ids.shape[1], int(delta))
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+    def prefill(self, reqs: list[PrefillRequest],
+                prefixes: list[CachedPrefix | None] | None = None) -> list[PrefillResult]:
         """All requests in ONE packed LM forward (`easerve.models.batched_prefill`);
-        one request takes the exact `prefill_one` path. Every request is checked before
-        the forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
+        one request without a cached prefix takes the exact `prefill_one` path. `prefixes`
+        (the prefix cache's hits, per request or None): the KV of a request's first tokens,
+        so only the tokens after them are computed. Every request is checked before the
+        forward: a bad one raises ValueError (use `check_prefill` to sort them out)."""
         self._need_model()
-        if len(reqs) <= 1:
+        prefixes = list(prefixes) if prefixes is not None else [None] * len(reqs)
+        if len(prefixes) != len(reqs):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(reqs)} requests; give one (or None) per request")
+        if len(reqs) <= 1 and not any(prefixes):
             return [self.prefill_one(r) for r in reqs]
-        for r in reqs:
+        for r, p in zip(reqs, prefixes):
             self.check_prefill(r)
-        return self._prefill_packed(reqs)
+            if p is not None and not 0 < p.num_tokens < len(r.input_ids):
+                raise ValueError(f"request {r.request_id}: a cached prefix of {p.num_tokens} tokens for a "
+                                 f"prompt of {len(r.input_ids)}; it must leave at least one token to compute")
+        return self._prefill_packed(reqs, prefixes)
 
-    def _prefill_packed(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+    def _prefill_packed(self, reqs: list[PrefillRequest], prefixes: list[CachedPrefix | None]) -> list[PrefillResult]:
         from transformers import DynamicCache
 
-        ids, starts = pb.packed_ids([r.input_ids for r in reqs], self.device)
-        embeds = self.embed_tokens(ids).clone()
-        positions, deltas = [], []
-        for r, a, e in zip(reqs, starts, starts[1:]):
-            self._place_items(embeds[:, a:e], ids[:, a:e], r)
-            pos, delta = self.prefill_positions(ids[:, a:e], r)
-            positions.append(pos)
+        done = [p.num_tokens if p is not None else 0 for p in prefixes]
+        pieces, positions, deltas = [], [], []
+        for r, c in zip(reqs, done):  # each prompt whole (media rows, positions), then its new tokens
+            full = torch.tensor([r.input_ids], dtype=torch.long, device=self.device)
+            embeds = self.embed_tokens(full).clone()
+            self._place_items(embeds, full, r)
+            pos, delta = self.prefill_positions(full, r)
+            pieces.append(embeds[:, c:])
+            positions.append(pos[..., c:])
             deltas.append(delta)
-        attn = pb.attention_kwargs(self.language_model.config, embeds, starts)
+        embeds = torch.cat(pieces, dim=1)
+        starts = pb.starts_of([len(r.input_ids) - c for r, c in zip(reqs, done)])
         cache = DynamicCache(config=self.text_config)
+        past = pb.fill_cache(cache, [p for p in prefixes if p is not None])
+        attn = pb.attention_kwargs(self.language_model.config, embeds, starts, done, cache)
         hidden = self.lm_hidden(embeds, torch.cat(positions, dim=-1), cache, **attn)
         ends = torch.tensor(starts[1:], device=self.device) - 1
         logits = self.lm_head(hidden[0, ends])
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return pb.split_results([r.request_id for r in reqs], layers, logits, starts, deltas)
+        return pb.split_results([r.request_id for r in reqs], layers, logits, starts, deltas, done, past)

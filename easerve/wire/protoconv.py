@@ -53,8 +53,9 @@ def _tensors_from_proto(d) -> dict:
     return {k: tensor_from_proto(v) for k, v in d.items()}
 
 
-def item_meta_to_proto(modality: str, num_tokens: int, meta: dict) -> cpb.ItemMeta:
-    return cpb.ItemMeta(modality=modality, num_tokens=num_tokens, meta=_tensors_to_proto(meta))
+def item_meta_to_proto(modality: str, num_tokens: int, meta: dict, content_hash: bytes = b"") -> cpb.ItemMeta:
+    return cpb.ItemMeta(modality=modality, num_tokens=num_tokens, meta=_tensors_to_proto(meta),
+                        content_hash=content_hash)
 
 
 def item_meta_from_proto(m: cpb.ItemMeta) -> tuple[str, int, dict]:
@@ -75,14 +76,18 @@ def media_item_from_proto(m: epb.MediaItem) -> MMItem:
 
 
 def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, text: str = "",
-                usage: tuple[int, int] | None = None, logprobs=(), **timings: float) -> cpb.TokenChunk:
-    """`logprobs`: one easerve.engine.logprobs.TokenLogprobs per token id (or none at all)."""
+                usage: tuple[int, int] | None = None, logprobs=(), cached_tokens: int = 0,
+                **timings: float) -> cpb.TokenChunk:
+    """`logprobs`: one easerve.engine.logprobs.TokenLogprobs per token id (or none at all);
+    `cached_tokens` (prefill's first chunk): prompt tokens the prefix cache answered."""
     chunk = cpb.TokenChunk(request_id=request_id, token_ids=list(token_ids), text=text,
                            finish_reason=FINISH_TO_PROTO[finish_reason])
     for lp in logprobs:
         lp.to_proto(chunk.logprobs.add())
     if usage is not None:
         chunk.usage.prompt_tokens, chunk.usage.completion_tokens = usage
+    if cached_tokens:
+        chunk.usage.cached_tokens = cached_tokens
     for k, v in timings.items():
         setattr(chunk.timings, k, v)
     return chunk
@@ -91,10 +96,11 @@ def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, te
 def prefill_request_from_proto(msg) -> PrefillRequest:
     """easerve.v1.PrefillRequest -> the domain request (embeddings inline, one per item)."""
     items = [item_meta_from_proto(m) for m in msg.items]
+    hashes = [bytes(m.content_hash) for m in msg.items]
     embeds = [tensor_from_proto(t) for t in msg.embeddings.tensors]
     if len(embeds) != len(items):
         raise InvalidRequest(f"{len(items)} media items but {len(embeds)} embedding tensors; send one per item")
     if not msg.meta.request_id:
         raise InvalidRequest("meta.request_id is required")
     return PrefillRequest(msg.meta.request_id, list(msg.input_ids), embeds,
-                          [ItemMeta(mod, meta) for mod, _n, meta in items], sampling_from_proto(msg.sampling))
+                          [ItemMeta(mod, meta, h) for (mod, _n, meta), h in zip(items, hashes)], sampling_from_proto(msg.sampling))

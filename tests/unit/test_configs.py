@@ -81,3 +81,13 @@ def test_policy_configs_name_their_own_fields():
         BatcherConfig(max_batch=0)
     with pytest.raises(FieldError, match=r"^static_share must be in \(0, 1\), got 1.0$"):
         PartitionerConfig(static_share=1.0)
+
+
+def test_prefix_cache_is_on_unless_turned_off():
+    on = from_argv(PrefillConfig, "prefill", ["--model", "m", "--decode", "127.0.0.1:1"])
+    assert on.prefix_cache is not None and on.prefix_cache.block_tokens == 16
+    assert on.prefix_cache.budget_bytes == 2**30
+    off = from_argv(PrefillConfig, "prefill", ["--model", "m", "--decode", "127.0.0.1:1", "--no-prefix-cache"])
+    assert off.prefix_cache is None
+    enc = from_argv(EncodeConfig, "encode", [*ENCODE, "--prefix-block-tokens", "32", "--prefix-cache-gb", "0.5"])
+    assert (enc.prefix_cache.block_tokens, enc.prefix_cache.budget_bytes) == (32, 2**29)

@@ -166,7 +166,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "max-message-mb": 64.0, "tls-cert": "/etc/easerve/tls.crt", "tls-key": "/etc/easerve/tls.key",
           "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
           "peer-refresh-s": 2.0, "admission": "reject", "slo-tier": "tight", "priority": "batch",
-          "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512}
+          "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512,
+          "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32}
 
 
 def _parse(stage: str, argv: list[str]):

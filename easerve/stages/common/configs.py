@@ -120,6 +120,19 @@ class PrefillFields(PeerFields):
     max_batched_tokens: PosInt = opt(2048, "prefill batch token budget (like vLLM's max_num_batched_tokens)")
     max_prefill_batch: PosInt = opt(16, "most requests in one prefill forward")
     max_inflight: PosInt = opt(512, "past this many requests in flight: RESOURCE_EXHAUSTED")
+    no_prefix_cache: bool = opt(False, "turn prefix caching off (on by default: prefill keeps the KV of computed "
+                                "prompts in blocks and computes only what a later prompt adds)")
+    prefix_cache_gb: NonNegFloat = opt(1.0, "prefix cache: GB of KV blocks held (LRU of unreferenced blocks, on "
+                                       "the prefill device)")
+    prefix_block_tokens: PosInt = opt(16, "prefix cache: tokens per block (a hit is a whole number of blocks)")
+
+    @property
+    def prefix_cache(self):
+        """The prefix cache's config from these flags, or None when it is off."""
+        from easerve.cache.prefix import PrefixCacheConfig
+        if self.no_prefix_cache or self.prefix_cache_gb == 0:
+            return None
+        return PrefixCacheConfig(block_tokens=self.prefix_block_tokens, budget_bytes=int(self.prefix_cache_gb * 2**30))
 
 
 @dataclass(frozen=True)

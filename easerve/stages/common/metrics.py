@@ -39,6 +39,10 @@ class PrefillMetrics:
         self.kv_transfer = Histogram("easerve:kv_transfer_seconds", "Prefill -> decode KV handoff",
                                      ["transport"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("easerve:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefix_queries = Counter("easerve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("easerve:prefix_cache_hits", "Prompt tokens the prefix cache answered",
+                                   registry=r)
         if queued is not None:
             Gauge("easerve:prefill_queue_depth", "Requests waiting for a prefill batch",
                   registry=r).set_function(queued)
@@ -52,6 +56,10 @@ class PrefillMetrics:
     def on_request(self, batch_size: int, prompt_tokens: int) -> None:
         self.batch_size.observe(batch_size)
         self.prompt_tokens.inc(prompt_tokens)
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries.inc(queried_tokens)
+        self.prefix_hits.inc(hit_tokens)
 
     def on_kv_handoff(self, transport: str, seconds: float) -> None:
         self.kv_transfer.labels(transport=transport).observe(seconds)

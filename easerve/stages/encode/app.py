@@ -23,6 +23,7 @@ from easerve.stages.common.warmup import prefill_once
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import encode_pb2_grpc, prefill_pb2_grpc
 from easerve.cache.embeddings import EmbeddingCache, model_fingerprint
+from easerve.cache.prefix_route import PrefixRoute
 from easerve.stages.encode.colocate import build_controller
 from easerve.stages.encode.profiler import synthetic_item
 from easerve.stages.encode.metrics import CacheMetrics, EncodeMetrics
@@ -61,7 +62,15 @@ class Encoder:
                                "easerve.v1.Prefill", tls=self.opts.tls)
         self.cache = self._cache()
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
-                                       self.remote, self.metrics, cfg.max_inflight, cache=self.cache)
+                                       self.remote, self.metrics, cfg.max_inflight, cache=self.cache,
+                                       route=self._route())
+
+    def _route(self) -> PrefixRoute | None:
+        """Prefix-cache placement among the remote prefill instances (their cache is on unless
+        this deployment turns it off: the same --no-prefix-cache / --prefix-block-tokens)."""
+        if self.cfg.prefix_cache is None:
+            return None
+        return PrefixRoute(self.cfg.prefix_block_tokens, self.adapter.placeholder_ids)
 
     def _cache(self) -> EmbeddingCache | None:
         if self.cfg.encoder_cache_gb == 0:

@@ -20,16 +20,18 @@ from easerve.types import PrefillRequest, items_meta
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import encode_pb2, encode_pb2_grpc, prefill_pb2
 from easerve.cache.embeddings import CachedEncode, EmbeddingCache
+from easerve.cache.prefix_route import PrefixRoute, up_loads
 
 
 class EncodeServicer(encode_pb2_grpc.EncodeServicer):
     def __init__(self, loop, router, local_stage=None, remote: Peers | None = None, metrics=None,
-                 max_inflight: int = 512, cache: EmbeddingCache | None = None):
+                 max_inflight: int = 512, cache: EmbeddingCache | None = None, route: PrefixRoute | None = None):
+        """`route`: prefix-cache placement among the remote prefill instances (None: least loaded)."""
         if local_stage is None and not remote:
             raise ValueError("encode needs a co-located prefill (--colocate-prefill) or --prefill addresses")
         self.loop, self.router, self.local, self.remote, self.m = loop, router, local_stage, remote, metrics
         self.limit = InflightLimit(max_inflight, "encode")
-        self.cache = cache
+        self.cache, self.route = cache, route
 
     @grpc_errors
     async def Holds(self, request, context):
@@ -93,11 +95,16 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
             meta=cpb.RequestMeta(request_id=request.meta.request_id, deadline_ms=deadline.to_ms(),
                                  model=request.meta.model),
             input_ids=request.input_ids, sampling=request.sampling, decode=request.decode,
-            items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta) for it in items],
+            items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta, it.content_hash) for it in items],
             embeddings=prefill_pb2.Embeddings(tensors=embeddings))
         serialize_ms = (time.monotonic() - t0) * 1000
+        hashes = self.route.hashes(list(request.input_ids), [(it.modality, it.num_tokens, it.content_hash)
+                                                            for it in items]) if self.route else []
         peer, call, first = await self.remote.start_call(
-            lambda p: p.stub.Prefill(msg, timeout=deadline.timeout()))
+            lambda p: p.stub.Prefill(msg, timeout=deadline.timeout()),
+            prefer=self.route.prefer(hashes, up_loads(self.remote)) if self.route else None)
+        if self.route:
+            self.route.sent(hashes, peer.addr)
         try:
             for k, v in timings.items():
                 setattr(first.timings, k, v)

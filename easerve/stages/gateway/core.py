@@ -45,6 +45,8 @@ from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_
 from easerve.cache.gateway import MediaCache, MediaPlan
 from easerve.policy.admission import Decision
 from easerve.stages.gateway.admission import GatewayAdmission
+from easerve.cache.prefix import PrefixCacheConfig
+from easerve.cache.prefix_route import PrefixRoute, up_loads
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
@@ -59,6 +61,7 @@ class Delta:
     completion_tokens: int = 0
     timings: Timings | None = None  # on the first delta and the last one
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
+    cached_tokens: int = 0          # on the last delta: prompt tokens prefill's prefix cache answered
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Job:
     priority: str | None = None          # None: the gateway's --priority
     admission: Decision | None = None    # set at admission (with --profile)
     trace: dict | None = None            # its /trace record
+    cached_tokens: int = 0               # set from prefill's first chunk (its prefix cache's hit)
 
     def media_parts(self) -> list[MediaPart]:
         """Every media part, in request order."""
@@ -108,6 +112,7 @@ class GatewayCore:
         self._pre = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, opts, "easerve.v1.Prefill", tls=tls)
         self._dec = peers_of(cfg, "decode", decode_pb2_grpc.DecodeStub, opts, "easerve.v1.Decode", tls=tls)
         self.admission = GatewayAdmission.of(cfg, self._enc, self._pre, self._dec, metrics)
+        self.prefix_route = PrefixRoute(PrefixCacheConfig().block_tokens)  # text-only prompts to prefill
         self.cache = MediaCache(adapter, self.media.cfg, self._enc, cfg.media_hash_entries,
                                 cfg.encoder_cache_affinity) if cfg.media_hash_entries and cfg.encode else None
 
@@ -204,8 +209,11 @@ class GatewayCore:
                                                         dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
                                                              decode=target)))
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
-        return (self._pre, *await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()),
-                                                       prefer=decode_addr))
+        hashes = self.prefix_route.hashes(prompt.input_ids)
+        prefer = decode_addr if decode_addr in self._pre.addrs else self.prefix_route.prefer(hashes, up_loads(self._pre))
+        started = await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()), prefer=prefer)
+        self.prefix_route.sent(hashes, started[0].addr)
+        return (self._pre, *started)
 
     # ---- encoder cache: pixel-free items, late misses ---------------------------------------------
     async def _encode_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str,
@@ -324,6 +332,7 @@ class GatewayCore:
         timings = Timings(ttft_ms=ttft * 1000, encode_ms=t.encode_ms, queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
                           embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
                           preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
+        job.cached_tokens = chunk.usage.cached_tokens
         finish = FINISH_FROM_PROTO[chunk.finish_reason]
         if finish is not None:
             return self._last(job, prompt, chunk, finish, 1, None, timings)
@@ -374,7 +383,7 @@ class GatewayCore:
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
         return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
-                     replace(timings, tpot_ms=tpot * 1000), _logprobs(chunk))
+                     replace(timings, tpot_ms=tpot * 1000), _logprobs(chunk), job.cached_tokens)
 
 
 def _logprobs(chunk) -> list[TokenLogprobs]:

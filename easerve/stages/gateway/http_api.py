@@ -173,7 +173,7 @@ class HttpApi:
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
         return web.json_response(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
-                                             last.completion_tokens, lps))
+                                             last.completion_tokens, lps, last.cached_tokens))
 
     def _fail(self, e: Exception) -> web.Response:
         err = domain_error(e)
@@ -200,7 +200,7 @@ class HttpApi:
                     break
                 d = await gen.__anext__()
             if include_usage:
-                usage = oa.usage_json(d.prompt_tokens, d.completion_tokens)
+                usage = oa.usage_json(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
                 await self._sse(resp, {**shape.chunk(created, "", None, []), "choices": [], "usage": usage})
             self.core.m.requests.inc(api="http", code="200")
         except ConnectionResetError:
@@ -240,9 +240,10 @@ class _ChatShape:
         return oa.chunk_json(self.r, created, {"content": text}, finish,
                              oa.chat_logprobs(lps, self.tok) if self.want else None)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
+              cached_tokens: int = 0) -> dict:
         return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                  oa.chat_logprobs(lps, self.tok) if self.want else None)
+                                  oa.chat_logprobs(lps, self.tok) if self.want else None, cached_tokens)
 
 
 class _TextShape:
@@ -260,6 +261,7 @@ class _TextShape:
         self.offset += len(text)
         return oa.text_chunk_json(self.r, created, text, finish, lp)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps) -> dict:
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
+              cached_tokens: int = 0) -> dict:
         return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                       oa.text_logprobs(lps, self.tok) if self.want else None)
+                                       oa.text_logprobs(lps, self.tok) if self.want else None, cached_tokens)

@@ -234,18 +234,20 @@ def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str |
             "model": req.model, "choices": [choice]}
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; `cached_tokens`: prompt tokens prefill's prefix cache answered."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, logprobs: dict | None = None) -> dict:
+                    completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0) -> dict:
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_json(prompt_tokens, completion_tokens)}
+            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None,
@@ -256,9 +258,9 @@ def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reas
 
 
 def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int, logprobs: dict | None = None) -> dict:
+                         completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0) -> dict:
     return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs),
-            "usage": usage_json(prompt_tokens, completion_tokens)}
+            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def error_json(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict:

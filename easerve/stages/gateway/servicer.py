@@ -115,6 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 lp.to_proto(msg.logprobs.add())
             if d.finish_reason is not None:
                 msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
+                msg.usage.cached_tokens = d.cached_tokens
             yield msg
         self.core.m.requests.inc(api="grpc", code="OK")
 

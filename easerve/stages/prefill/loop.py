@@ -1,7 +1,7 @@
 """Continuous batched prefill: an asyncio front over `adapter.prefill(batch)`.
 
     loop = PrefillLoop(adapter, PrefillBatchConfig(max_batched_tokens=2048, max_batch_size=16),
-                       executor=None, scope=None, on_busy=None, clock=MonotonicClock())
+                       executor=None, scope=None, on_busy=None, clock=MonotonicClock(), prefix=None)
     loop.start()                                   # inside the running event loop
     one = await loop.prefill(req)                  # req: PrefillRequest
     one.result, one.first_token, one.prefill_ms, one.batch_size
@@ -17,6 +17,11 @@
   request's first token (its own SamplingParams, step 0); both run under `scope()` when
   given (a context manager: e.g. the co-located prefill's share of the device).
   `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch.
+- Prefix cache (`prefix`, an easerve.cache.prefix_kv.PrefixKV, or None): before the
+  forward each request takes the KV of its longest cached prefix and the forward computes
+  only the rest; after it, the prompts' full blocks are kept (`PrefillResult.cached_tokens`
+  says how many tokens came from the cache). The batch token budget counts what a request
+  leaves to compute (its prompt less its cached prefix when it arrived).
 - Time: every time the loop reads (arrivals, the batcher's `now`, t0 / t1) comes from
   `clock` (an `easerve.policy.clock.Clock`; a MonotonicClock unless given).
 - `PrefilledOne.prefill_ms` is the batch's compute time (forward + sampling) in ms;
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from easerve.cache.prefix_kv import PrefixKV
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
 from easerve.engine.logit_transforms import TokenHistory
@@ -76,8 +82,9 @@ class _BatchOut:
 class PrefillLoop:
     def __init__(self, adapter, config: PrefillBatchConfig | None = None,
                  executor: concurrent.futures.Executor | None = None, scope=None, on_busy=None,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, prefix: PrefixKV | None = None):
         self.adapter = adapter
+        self.prefix = prefix  # the prefix cache (None: off); used in the worker thread only
         self.clock = clock or MonotonicClock()
         self.batcher = PrefillBatcher(config or PrefillBatchConfig())
         self._own_pool = executor is None
@@ -131,7 +138,8 @@ class PrefillLoop:
         if self._task is None or self._task.done():
             raise RuntimeError("the prefill loop is not running; call start() first")
         key = next(self._keys)
-        self.batcher.add(key, len(req.input_ids), self.clock.now())
+        tokens = self.prefix.to_compute(req) if self.prefix is not None else len(req.input_ids)
+        self.batcher.add(key, tokens, self.clock.now())
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = _Pending(req, fut)
         self._wake.set()
@@ -192,12 +200,21 @@ class PrefillLoop:
             else:
                 good.append(i)
         if good:
-            with self._scope():
-                results = self.adapter.prefill([reqs[i] for i in good])
-                logits = torch.stack([r.last_logits for r in results])
-                eos = self.adapter.eos_token_ids
-                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good),
-                                [TokenHistory.start(reqs[i].sampling, reqs[i].input_ids, eos) for i in good])
+            batch = [reqs[i] for i in good]
+            looks = [self.prefix.lookup(r) for r in batch] if self.prefix is not None else []
+            try:
+                with self._scope():
+                    results = (self.adapter.prefill(batch, [lk.prefix for lk in looks]) if looks
+                               else self.adapter.prefill(batch))
+                    for lk, res in zip(looks, results):
+                        self.prefix.store(lk, res)
+                    logits = torch.stack([r.last_logits for r in results])
+                    eos = self.adapter.eos_token_ids
+                    firsts = sample(logits, [r.sampling for r in batch], [0] * len(good),
+                                    [TokenHistory.start(r.sampling, r.input_ids, eos) for r in batch])
+            finally:
+                for lk in looks:
+                    self.prefix.release(lk)
             for i, res, tok in zip(good, results, firsts):
                 outcomes[i] = (res, int(tok))
         return _BatchOut(outcomes, t0, self.clock.now(), len(good))

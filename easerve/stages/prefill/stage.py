@@ -82,12 +82,15 @@ class PrefillStage:
         deadline.check("prefill")
         if self.m is not None:
             self.m.on_request(one.batch_size, one.result.prompt_len)
+            if self.loop.prefix is not None:
+                self.m.on_prefix_cache(one.result.prompt_len, one.result.cached_tokens)
         verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
         usage = (one.result.prompt_len, 1) if verdict.finished else None
         lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
                                            [req.sampling.logprobs]) if lp is not None]
         yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
-                          usage=usage, logprobs=lps, prefill_ms=one.prefill_ms, **timings)
+                          usage=usage, logprobs=lps, cached_tokens=one.result.cached_tokens,
+                          prefill_ms=one.prefill_ms, **timings)
         if verdict.finished:
             return  # the gateway ends its reservation at decode
         r = one.result
@@ -121,8 +124,9 @@ class PrefillStage:
 def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, scope=None, on_busy=None,
                         metrics=None, clock: Clock | None = None) -> PrefillStage:
     """The prefill stage of a process from its config (a PrefillFields config): batched loop
-    (reading `clock`, a MonotonicClock unless given), decode peers (polled for load and node
-    identity), KV senders chosen per peer."""
+    (reading `clock`, a MonotonicClock unless given) with its prefix cache (unless
+    --no-prefix-cache), decode peers (polled for load and node identity), KV senders chosen per peer."""
+    from easerve.cache.prefix_kv import PrefixKV
     from easerve.policy.prefill_plan import PrefillBatchConfig
     from easerve.wire.v1 import decode_pb2_grpc
 
@@ -133,7 +137,8 @@ def build_prefill_stage(cfg, adapter, channel_options, node, *, executor=None, s
                       on_closed=lambda addr: senders.forget(addr), tls=tls)  # forget: a removed decode instance
     senders = KVSenders(node, decode.reach_of, cfg.kv_transport, channel_options, tls=tls)
     batching = PrefillBatchConfig(max_batched_tokens=cfg.max_batched_tokens, max_batch_size=cfg.max_prefill_batch)
+    prefix = PrefixKV.for_adapter(adapter, cfg.prefix_cache) if cfg.prefix_cache is not None else None
     loop = PrefillLoop(adapter, batching, executor=executor, scope=scope, on_busy=on_busy,
-                       clock=clock or MonotonicClock())
+                       clock=clock or MonotonicClock(), prefix=prefix)
     return PrefillStage(loop, decode, senders, adapter.eos_token_ids, adapter.tokenizer, cfg.max_inflight,
                         metrics=metrics)

@@ -96,12 +96,14 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("ttft_ms", "queue_ms", "encode_ms", "prefill_ms", "kv_transfer_ms", "embed_transfer_ms", "tpot_ms", "encode_cache_hits", "preprocess_ms", "preprocess_skipped")
@@ -128,7 +130,7 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., embed_transfer_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., encode_cache_hits: _Optional[int] = ..., preprocess_ms: _Optional[float] = ..., preprocess_skipped: _Optional[bool] = ...) -> None: ...
 
 class ItemMeta(_message.Message):
-    __slots__ = ("modality", "num_tokens", "meta")
+    __slots__ = ("modality", "num_tokens", "meta", "content_hash")
     class MetaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,10 +141,12 @@ class ItemMeta(_message.Message):
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     modality: str
     num_tokens: int
     meta: _containers.MessageMap[str, TensorProto]
-    def __init__(self, modality: _Optional[str] = ..., num_tokens: _Optional[int] = ..., meta: _Optional[_Mapping[str, TensorProto]] = ...) -> None: ...
+    content_hash: bytes
+    def __init__(self, modality: _Optional[str] = ..., num_tokens: _Optional[int] = ..., meta: _Optional[_Mapping[str, TensorProto]] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
 
 class DecodeTarget(_message.Message):
     __slots__ = ("address",)
