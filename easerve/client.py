@@ -219,7 +219,9 @@ class Client(_Base):
     file paths or data: URIs; video: list of frames or a file; audio: WAV bytes, a path or
     (float32 samples, sample_rate). Returns a `Completion`, or with stream=True a `Stream` of `Chunk`s.
     Sampling arguments take vLLM's meanings (see `easerve.types.SamplingParams`); `logit_bias` maps
-    token ids to a bias in [-100, 100].
+    token ids to a bias in [-100, 100]. Structured outputs: `response_format` as OpenAI's
+    ({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} or {"type": "json_object"}),
+    or `structured_outputs` as vLLM's ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}).
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
@@ -234,13 +236,15 @@ class Client(_Base):
                  stop_token_ids=(), ignore_eos: bool = False, logprobs: int | None = None, stream: bool = False,
                  timeout: float | None = None, request_id: str | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
-                 min_tokens: int = 0, logit_bias: dict[int, float] | None = None) -> Completion | Stream:
+                 min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
+                 response_format: dict | None = None, structured_outputs: dict | None = None) -> Completion | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
+            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
+            response_format=response_format, structured_outputs=structured_outputs))
         out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
         if stream:
             return out
@@ -285,13 +289,15 @@ class AsyncClient(_Base):
                        logprobs: int | None = None, stream: bool = False, timeout: float | None = None,
                        request_id: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
-                       logit_bias: dict[int, float] | None = None) -> Completion | AsyncStream:
+                       logit_bias: dict[int, float] | None = None, response_format: dict | None = None,
+                       structured_outputs: dict | None = None) -> Completion | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
+            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
+            response_format=response_format, structured_outputs=structured_outputs))
         out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout), metadata=self._metadata))
         if stream:
             return out

@@ -41,6 +41,7 @@ import torch
 
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.engine.grammar import Grammars
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
@@ -183,10 +184,12 @@ class PrefillLoop:
         """Executor thread: check each request, one forward for the good ones, first tokens."""
         t0 = self.clock.now()
         outcomes: list = [None] * len(reqs)
-        good = []
+        good, histories = [], []
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
+                histories.append(TokenHistory.start(r.sampling, r.input_ids, self.adapter.eos_token_ids,
+                                                    Grammars.of(self.adapter) if r.sampling.structured else None))
             except InvalidRequest as e:
                 outcomes[i] = e
             else:
@@ -195,9 +198,7 @@ class PrefillLoop:
             with self._scope():
                 results = self.adapter.prefill([reqs[i] for i in good])
                 logits = torch.stack([r.last_logits for r in results])
-                eos = self.adapter.eos_token_ids
-                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good),
-                                [TokenHistory.start(reqs[i].sampling, reqs[i].input_ids, eos) for i in good])
+                firsts = sample(logits, [reqs[i].sampling for i in good], [0] * len(good), histories)
             for i, res, tok in zip(good, results, firsts):
                 outcomes[i] = (res, int(tok))
         return _BatchOut(outcomes, t0, self.clock.now(), len(good))
