@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from easerve.engine.detok import prompt_tail
 from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig
 from easerve.engine.engine import DecodeEngine
-from easerve.engine.grammar import Grammars
 from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.models.registry import load_adapter
@@ -46,8 +45,7 @@ class InProcessPipeline:
         req = PrefillRequest(rid, prompt.input_ids, embeds,
                              items_meta(prompt.items), sampling)
         res = self.lm.prefill([req])[0]
-        history = TokenHistory.start(sampling, prompt.input_ids, self.lm.eos_token_ids,
-                                     Grammars.of(self.lm) if sampling.structured else None)
+        history = TokenHistory.start(sampling, prompt.input_ids, self.lm.eos_token_ids, self.lm)
         first = sample(res.last_logits[None], [sampling], [0], [history])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,
                                   first, sampling, prompt_ids_tail=prompt_tail(prompt.input_ids),

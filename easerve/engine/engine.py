@@ -27,7 +27,6 @@ from easerve.engine.config import EngineConfig, default_max_len, gpu_kv_budget
 from easerve.engine.logprobs import TokenLogprobs, token_logprobs
 from easerve.engine.stops import StopRules
 from easerve.engine.kv_pool import KVLayout, PagedKVPool, SlotKVPool
-from easerve.engine.grammar import Grammars
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.engine.scheduler import Scheduler, SchedulerOutput
@@ -147,8 +146,7 @@ class DecodeEngine:
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
         req = _Request(payload, sp, payload.rope_delta,
                        StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [],
-                       TokenHistory.start(sp, payload.penalty_ids, self._eos,
-                                          Grammars.of(self.adapter) if sp.structured else None))
+                       TokenHistory.start(sp, payload.penalty_ids, self._eos, self.adapter))
         first = self._on_token(rid, req, payload.first_token)
         if first.finished:
             self.scheduler.release_reservation(rid)

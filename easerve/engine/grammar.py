@@ -86,7 +86,9 @@ def _first_line(e: Exception) -> str:
 
 class GrammarState:
     """One request's place in its grammar; `plain`: a bitmask row ANDed into every mask (JSON
-    output: no raw control characters, which xgrammar's length-bounded strings let through)."""
+    output: only tokens of whole UTF-8 characters and no raw control characters; xgrammar's
+    length-bounded strings let both through, and a character split over tokens may be left
+    unfinished; any character still comes as a \\u escape)."""
 
     def __init__(self, matcher: xgr.GrammarMatcher, plain: torch.Tensor | None = None) -> None:
         self._m = matcher
@@ -151,15 +153,19 @@ class Grammars:
         return GrammarState(matcher, self._plain("\n") if so.kind == "tool_calls" else None)
 
     def _plain(self, allowed: str) -> torch.Tensor:
-        """Bitmask row of the tokens whose text holds no control character but those in `allowed`."""
+        """Bitmask row of the tokens whose text is whole UTF-8 characters with no control
+        character but those in `allowed`."""
         with self._lock:
             row = self._plain_rows.get(allowed)
             if row is None:
                 tok, vocab, _ = self._args
-                ok = [not any(ord(c) < 0x20 and c not in allowed for c in tok.decode([i]))
-                      for i in range(min(len(tok), vocab))]
+                ok = [_plain_text(tok.decode([i]), allowed) for i in range(min(len(tok), vocab))]
                 row = self._plain_rows[allowed] = _pack(ok + [True] * (vocab - len(ok)))
             return row
+
+
+def _plain_text(text: str, allowed: str) -> bool:
+    return "\ufffd" not in text and not any(ord(c) < 0x20 and c not in allowed for c in text)
 
 
 def _pack(allowed: list[bool]) -> torch.Tensor:

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from easerve.types import SamplingParams
-
-if TYPE_CHECKING:  # pragma: no cover
-    from easerve.engine.grammar import Grammars
 
 
 @dataclass
@@ -34,17 +31,22 @@ class TokenHistory:
 
     @classmethod
     def start(cls, sp: SamplingParams, prompt_ids: Iterable[int], eos_ids: Iterable[int],
-              grammars: "Grammars | None" = None) -> "TokenHistory | None":
+              adapter: Any = None) -> "TokenHistory | None":
         """The history of a request about to sample its first token; None when it needs none.
-        A structured output needs `grammars` (InvalidRequest if its grammar does not compile)."""
+        A structured output needs the model `adapter` (its tokenizer compiles the grammar;
+        InvalidRequest if it does not compile)."""
         if not sp.transforms_logits:
             return None
-        if sp.structured is not None and grammars is None:
-            raise ValueError("a structured output needs the model's Grammars")
+        grammar = None
+        if sp.structured is not None:
+            if adapter is None:
+                raise ValueError("a structured output needs the model adapter")
+            from easerve.engine.grammar import Grammars  # xgrammar loads only once a structured output comes
+            grammar = Grammars.of(adapter).start(sp.structured)
         stops = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_ids))
         return cls(frozenset(prompt_ids) if sp.repetition_penalty != 1.0 else frozenset(),
                    stops if sp.min_tokens else frozenset(),
-                   grammar=None if sp.structured is None else grammars.start(sp.structured))
+                   grammar=grammar)
 
     def push(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1

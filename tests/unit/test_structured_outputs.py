@@ -156,12 +156,17 @@ def test_structured_output_crosses_proto_and_kv_header():
     assert sp.transforms_logits  # the engine leaves its greedy fast path for it
 
 
-def test_raw_control_characters_never_enter_json(pipe):
-    """xgrammar's length-bounded strings admit raw control characters, which JSON forbids:
-    the JSON kinds mask them even when a bias pushes the model towards them."""
+@pytest.mark.parametrize("bad", ["control", "partial utf-8"])
+def test_raw_control_characters_and_broken_utf8_never_enter_json(pipe, bad):
+    """xgrammar's length-bounded strings admit raw control characters (JSON forbids them) and
+    bytes of unfinished UTF-8 characters: the JSON kinds mask both even when a bias pushes the
+    model towards them."""
     tok = pipe.lm.tokenizer
-    ctrl = [i for i in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([i]))]
-    assert ctrl
+    hit = (lambda t: any(ord(c) < 0x20 for c in t)) if bad == "control" else (lambda t: "\ufffd" in t)
+    ids = [i for i in range(len(tok)) if hit(tok.decode([i]))]
+    assert ids
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]}
-    text = _run(pipe, StructuredOutput("json", json.dumps(schema)), logit_bias={t: 100.0 for t in ctrl[:64]})
-    jsonschema.validate(json.loads(text), schema)
+    for seed in range(3):
+        text = _run(pipe, StructuredOutput("json", json.dumps(schema)), temperature=1.0, seed=seed,
+                    logit_bias={t: 100.0 for t in ids[:200]})
+        jsonschema.validate(json.loads(text), schema)

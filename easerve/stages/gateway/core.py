@@ -30,7 +30,6 @@ import grpc
 from easerve.engine.logprobs import TokenLogprobs
 from easerve.errors import BadRequest, CacheMiss, Internal, Unavailable
 from easerve.media import MediaResolver, config_for
-from easerve.engine import grammar
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import from_rpc_error
@@ -159,6 +158,7 @@ class GatewayCore:
     async def preprocess(self, job: Job) -> ProcessedPrompt:
         t0 = time.monotonic()
         if job.sampling.structured is not None:  # an invalid schema, regex or grammar is the client's (400)
+            from easerve.engine import grammar  # xgrammar loads only once a structured output comes
             grammar.parse(job.sampling.structured)
         # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
         prompt = await self._prepare(job)

@@ -41,7 +41,6 @@ import torch
 
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
-from easerve.engine.grammar import Grammars
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
@@ -189,7 +188,7 @@ class PrefillLoop:
             try:
                 self.adapter.check_prefill(r)
                 histories.append(TokenHistory.start(r.sampling, r.input_ids, self.adapter.eos_token_ids,
-                                                    Grammars.of(self.adapter) if r.sampling.structured else None))
+                                                    self.adapter))
             except InvalidRequest as e:
                 outcomes[i] = e
             else:
