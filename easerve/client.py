@@ -228,6 +228,9 @@ class Client(_Base):
     Sampling arguments take vLLM's meanings (see `easerve.types.SamplingParams`); `logit_bias` maps
     token ids to a bias in [-100, 100]. `slo_tier` ("tight", "moderate", "loose") and `priority`
     ("interactive", "batch") go as metadata to the gateway's SLO-aware admission.
+    Structured outputs: `response_format` as OpenAI's
+    ({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} or {"type": "json_object"}),
+    or `structured_outputs` as vLLM's ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}).
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, model: str = "",
@@ -243,13 +246,15 @@ class Client(_Base):
                  timeout: float | None = None, request_id: str | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
                  min_tokens: int = 0, logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
-                 priority: str | None = None) -> Completion | Stream:
+                 priority: str | None = None, response_format: dict | None = None,
+                 structured_outputs: dict | None = None) -> Completion | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
+            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
+            response_format=response_format, structured_outputs=structured_outputs))
         out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout),
                                          metadata=self._call_metadata(slo_tier, priority)))
         if stream:
@@ -296,13 +301,15 @@ class AsyncClient(_Base):
                        request_id: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
                        logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
-                       priority: str | None = None) -> Completion | AsyncStream:
+                       priority: str | None = None, response_format: dict | None = None,
+                       structured_outputs: dict | None = None) -> Completion | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias))
+            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
+            response_format=response_format, structured_outputs=structured_outputs))
         out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout),
                                                 metadata=self._call_metadata(slo_tier, priority)))
         if stream:

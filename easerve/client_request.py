@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from easerve.errors import InvalidRequest
 from easerve.wire.sampling_proto import sampling_to_proto
-from easerve.types import SamplingParams
+from easerve.types import SamplingParams, StructuredOutput
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import gateway_pb2 as gpb
 
@@ -146,14 +146,19 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
                    seed: int | None = None, stop=(), stop_token_ids=(), ignore_eos: bool = False,
                    logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                    repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
-                   logit_bias: dict[int, float] | None = None) -> cpb.SamplingParams:
+                   logit_bias: dict[int, float] | None = None, response_format: dict | None = None,
+                   structured_outputs: dict | None = None) -> cpb.SamplingParams:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     try:
+        structured = [StructuredOutput.from_response_format(response_format) if response_format else None,
+                      StructuredOutput.from_vllm(structured_outputs) if structured_outputs else None]
+        if all(structured):
+            raise InvalidRequest("pass only one of response_format and structured_outputs")
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                            stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos,
                            logprobs=logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
-                           logit_bias=logit_bias or {})
+                           logit_bias=logit_bias or {}, structured=structured[0] or structured[1])
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if seed is not None and seed < 0:

@@ -45,7 +45,7 @@ class InProcessPipeline:
         req = PrefillRequest(rid, prompt.input_ids, embeds,
                              items_meta(prompt.items), sampling)
         res = self.lm.prefill([req])[0]
-        history = TokenHistory.start(sampling, prompt.input_ids, self.lm.eos_token_ids)
+        history = TokenHistory.start(sampling, prompt.input_ids, self.lm.eos_token_ids, self.lm)
         first = sample(res.last_logits[None], [sampling], [0], [history])[0]
         self.engine.add(KVPayload(rid, res.keys, res.values, res.prompt_len, res.rope_delta,
                                   first, sampling, prompt_ids_tail=prompt_tail(prompt.input_ids),

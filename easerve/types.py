@@ -5,6 +5,7 @@ These are the typed objects that cross module boundaries (and, through
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
@@ -41,6 +42,56 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
+MAX_STRUCTURED_SPEC = 1 << 20  # characters of a schema, regex or grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (`easerve.engine.grammar` compiles it): `json` (spec: a JSON
+    schema's text), `json_object` (any JSON object; spec empty), `regex`, `choice` (spec: a JSON
+    list of strings), `grammar` (EBNF, xgrammar's dialect), `tool_calls` (spec: a JSON object
+    {"functions": [{"name", "parameters"}], "multiple": bool}: hermes `<tool_call>` blocks)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC:
+            raise InvalidRequest(f"structured output spec must be a string of at most {MAX_STRUCTURED_SPEC} characters")
+        if not self.spec and self.kind != "json_object":
+            raise InvalidRequest(f"structured output {self.kind!r} needs a non-empty spec")
+
+    @classmethod
+    def from_vllm(cls, d: dict) -> "StructuredOutput":
+        """vLLM's `structured_outputs` ({"json": schema} / regex / choice / grammar / json_object: true)."""
+        if not isinstance(d, dict):
+            raise InvalidRequest(f"structured_outputs must be an object, got {d!r:.60}")
+        given = {k: v for k, v in d.items() if v is not None and v is not False}
+        if len(given) != 1 or not set(given) <= {"json", "regex", "choice", "grammar", "json_object"}:
+            raise InvalidRequest("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                 f"json_object; got {sorted(given) or 'none'}")
+        (key, value), = given.items()
+        if key == "json":
+            return cls("json", value if isinstance(value, str) else json.dumps(value))
+        if key == "choice":
+            return cls("choice", json.dumps(list(value)))
+        return cls("json_object") if key == "json_object" else cls(key, value)
+
+    @classmethod
+    def from_response_format(cls, d: dict) -> "StructuredOutput | None":
+        """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}."""
+        kind = d.get("type") if isinstance(d, dict) else None
+        if kind == "json_schema" and isinstance(d.get("json_schema"), dict) and "schema" in d["json_schema"]:
+            return cls("json", json.dumps(d["json_schema"]["schema"]))
+        if kind in ("text", "json_object"):
+            return None if kind == "text" else cls("json_object")
+        raise InvalidRequest(f"response_format must be {{\"type\": \"json_schema\", \"json_schema\": "
+                             f"{{\"name\": ..., \"schema\": {{...}}}}}}, json_object or text; got {d!r:.80}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy."""
@@ -61,6 +112,7 @@ class SamplingParams:
     min_p: float = 0.0               # drop tokens whose probability < min_p * the top one's
     min_tokens: int = 0              # EOS and stop_token_ids are masked until this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
+    structured: StructuredOutput | None = None       # tokens outside the grammar are masked
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -87,13 +139,20 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if isinstance(self.structured, dict):  # the wire header's form
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r}")
+        if self.structured is not None and self.min_tokens:
+            raise InvalidRequest("min_tokens cannot be combined with a structured output (its grammar says "
+                                 "where the output ends); drop min_tokens")
 
     @property
     def transforms_logits(self) -> bool:
-        """True when a penalty, a bias or min_tokens changes the logits before sampling
-        (greedy rows included); min_p, top-k and top-p only filter sampled rows."""
+        """True when a penalty, a bias, min_tokens or a grammar changes the logits before
+        sampling (greedy rows included); min_p, top-k and top-p only filter sampled rows."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.structured)
 
     @property
     def greedy(self) -> bool:

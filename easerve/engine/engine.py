@@ -146,7 +146,7 @@ class DecodeEngine:
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
         req = _Request(payload, sp, payload.rope_delta,
                        StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [],
-                       TokenHistory.start(sp, payload.penalty_ids, self._eos))
+                       TokenHistory.start(sp, payload.penalty_ids, self._eos, self.adapter))
         first = self._on_token(rid, req, payload.first_token)
         if first.finished:
             self.scheduler.release_reservation(rid)

@@ -1,10 +1,11 @@
 """Logit transforms that depend on a request's tokens, in vLLM's order: logit_bias, min_tokens,
-then the penalties (repetition, frequency, presence). One batched pass over the rows that ask
+then the penalties (repetition, frequency, presence), and last the grammar mask of a structured
+output (`easerve.engine.grammar`). One batched pass over the rows that ask
 for them; prefill's first token and every decode step go through `apply` (via the sampler).
 
 Each request's token bookkeeping is a `TokenHistory` of plain ints (no tensors): the prompt's
 distinct ids (repetition_penalty only), how often each token was generated, and the ids
-min_tokens masks. Penalties follow vLLM / OpenAI: repetition over prompt + generated tokens
+min_tokens masks, and the request's place in its grammar. Penalties follow vLLM / OpenAI: repetition over prompt + generated tokens
 (as transformers' RepetitionPenaltyLogitsProcessor over its input_ids), presence and
 frequency over generated tokens only.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,18 +27,31 @@ class TokenHistory:
     prompt_ids: frozenset[int] = frozenset()   # distinct prompt ids (kept only for repetition_penalty)
     stop_ids: frozenset[int] = frozenset()     # masked while fewer than min_tokens were generated
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> how many times
+    grammar: Any = None  # a structured output's `grammar.GrammarState`
 
     @classmethod
-    def start(cls, sp: SamplingParams, prompt_ids: Iterable[int], eos_ids: Iterable[int]) -> "TokenHistory | None":
-        """The history of a request about to sample its first token; None when it needs none."""
+    def start(cls, sp: SamplingParams, prompt_ids: Iterable[int], eos_ids: Iterable[int],
+              adapter: Any = None) -> "TokenHistory | None":
+        """The history of a request about to sample its first token; None when it needs none.
+        A structured output needs the model `adapter` (its tokenizer compiles the grammar;
+        InvalidRequest if it does not compile)."""
         if not sp.transforms_logits:
             return None
+        grammar = None
+        if sp.structured is not None:
+            if adapter is None:
+                raise ValueError("a structured output needs the model adapter")
+            from easerve.engine.grammar import Grammars  # xgrammar loads only once a structured output comes
+            grammar = Grammars.of(adapter).start(sp.structured)
         stops = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_ids))
         return cls(frozenset(prompt_ids) if sp.repetition_penalty != 1.0 else frozenset(),
-                   stops if sp.min_tokens else frozenset())
+                   stops if sp.min_tokens else frozenset(),
+                   grammar=grammar)
 
     def push(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
 
 def penalty_prompt_ids(sp: SamplingParams, input_ids: Sequence[int]) -> list[int]:
@@ -77,6 +92,9 @@ def apply(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequenc
         out[_index(rows, cols, dev)] = float("-inf")
     _repetition(out, params, histories)
     _frequency_presence(out, params, histories)
+    if any(h is not None and h.grammar is not None for h in histories):
+        from easerve.engine import grammar  # xgrammar loads only once a structured output comes
+        grammar.mask(out, [None if h is None else h.grammar for h in histories])
     return out
 
 

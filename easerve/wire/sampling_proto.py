@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from easerve.types import SamplingParams, Timings
+from easerve.types import SamplingParams, StructuredOutput, Timings
 from easerve.wire.v1 import common_pb2 as cpb
 
 
@@ -22,6 +22,8 @@ def sampling_to_proto(sp: SamplingParams) -> cpb.SamplingParams:
         msg.seed = sp.seed
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.structured is not None:
+        msg.structured.kind, msg.structured.spec = sp.structured.kind, sp.structured.spec
     return msg
 
 
@@ -37,7 +39,9 @@ def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
         presence_penalty=round(msg.presence_penalty, 6), frequency_penalty=round(msg.frequency_penalty, 6),
         repetition_penalty=round(msg.repetition_penalty, 6) if msg.repetition_penalty else 1.0,
         min_p=round(msg.min_p, 6), min_tokens=msg.min_tokens,
-        logit_bias={int(k): round(v, 6) for k, v in msg.logit_bias.items()})
+        logit_bias={int(k): round(v, 6) for k, v in msg.logit_bias.items()},
+        structured=(StructuredOutput(msg.structured.kind, msg.structured.spec)
+                    if msg.HasField("structured") else None))
 
 
 def timings_from_proto(msg: cpb.Timings) -> Timings:

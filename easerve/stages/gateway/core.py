@@ -169,6 +169,9 @@ class GatewayCore:
 
     async def preprocess(self, job: Job) -> ProcessedPrompt:
         t0 = time.monotonic()
+        if job.sampling.structured is not None:  # an invalid schema, regex or grammar is the client's (400)
+            from easerve.engine import grammar  # xgrammar loads only once a structured output comes
+            grammar.parse(job.sampling.structured)
         # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
         prompt = await self._prepare(job)
         job.preprocess_ms = (time.monotonic() - t0) * 1000

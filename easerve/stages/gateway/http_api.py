@@ -22,6 +22,7 @@ from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.core import Delta, GatewayCore, Job
+from easerve.stages.gateway.tools import ToolCallStream
 
 log = logging.getLogger("easerve.gateway")
 
@@ -232,12 +233,21 @@ class _ChatShape:
 
     def __init__(self, chat: oa.ChatRequest, tokenizer):
         self.r, self.tok, self.want = chat, tokenizer, chat.sampling.logprobs is not None
+        self.calls = None if chat.tools is None else ToolCallStream()  # tool calls parsed as they stream
 
     def opening(self, created: int) -> dict:
         return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None)
 
     def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
-        return oa.chunk_json(self.r, created, {"content": text}, finish,
+        delta: dict = {"content": text}
+        if self.calls is not None:
+            delta["content"] = self.calls.feed(text) + (self.calls.flush() if finish is not None else "")
+            new = self.calls.take()
+            if new:
+                delta["tool_calls"] = new
+            if finish == "stop" and self.calls.calls:
+                finish = "tool_calls"
+        return oa.chunk_json(self.r, created, delta, finish,
                              oa.chat_logprobs(lps, self.tok) if self.want else None)
 
     def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from easerve.errors import BadRequest, InvalidRequest
 from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, SamplingParams, TextPart
 from easerve.stages.gateway import openai_schema as osc
+from easerve.stages.gateway import tools as tl
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ChatRequest:
     timeout_s: float | None = None
     slo_tier: str | None = None
     priority: str | None = None
+    tools: tl.ToolPlan | None = None  # answers are parsed for tool calls when set
 
 
 AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg", "opus", "m4a", "aac", "mp4", "webm")
@@ -99,23 +101,42 @@ def convert_part(part, modalities: tuple[str, ...], sampling_rate: int | None = 
 
 
 def convert_messages(messages: list[osc.Message], modalities: tuple[str, ...],
-                     sampling_rate: int | None) -> tuple[ChatMessage, ...]:
-    """Validated messages -> chat messages (media not fetched yet); a part's error names its path."""
+                     sampling_rate: int | None, plan: tl.ToolPlan | None = None) -> tuple[ChatMessage, ...]:
+    """Validated messages -> chat messages (media not fetched yet); a part's error names its path.
+    Tool turns and earlier calls take the hermes form (`tools`); offered tools join the system message."""
     out = []
     for i, m in enumerate(messages):
         parts = []
-        for j, part in enumerate(m.content):
+        for j, part in enumerate(m.content or ()):
             try:
                 parts.append(convert_part(part.model_dump(), modalities, sampling_rate))
             except BadRequest as e:
                 raise BadRequest(f"messages[{i}].content[{j}]: {e}") from None
-        out.append(ChatMessage("system" if m.role == "developer" else m.role, tuple(parts)))
+        role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
+        if m.role == "tool":
+            if any(not isinstance(p, TextPart) for p in parts):
+                raise BadRequest(f"messages[{i}]: a tool message's content must be text")
+            parts = [TextPart(tl.response_text("".join(p.text for p in parts)))]
+        for call in m.tool_calls or ():
+            try:
+                parts.append(TextPart(("\n" if parts else "") + tl.call_text(call.function.name, call.function.arguments)))
+            except BadRequest as e:
+                raise BadRequest(f"messages[{i}].{e}") from None
+        out.append(ChatMessage(role, tuple(parts)))
+    if plan is not None:
+        block = tl.tools_system_text(plan.functions)
+        if out and out[0].role == "system":
+            out[0] = ChatMessage("system", (*out[0].content, TextPart("\n\n" + block)))
+        else:
+            out.insert(0, ChatMessage("system", (TextPart(block),)))
     return tuple(out)
 
 
-def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingParams:
-    """Validated body -> SamplingParams (OpenAI defaults; max_completion_tokens wins over max_tokens)."""
+def sampling_from(body: osc.SamplingBody, default_max_tokens: int, plan: tl.ToolPlan | None = None) -> SamplingParams:
+    """Validated body -> SamplingParams (OpenAI defaults; max_completion_tokens wins over max_tokens;
+    the structured output of response_format, structured_outputs or a forced tool call)."""
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+    structured = tl.structured_from(body, plan)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -133,6 +154,7 @@ def sampling_from(body: osc.SamplingBody, default_max_tokens: int) -> SamplingPa
             min_p=body.min_p or 0.0,
             min_tokens=body.min_tokens or 0,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            structured=structured,
         )
     except InvalidRequest as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None
@@ -188,11 +210,12 @@ def parse_chat_request(body, served_model: str, modalities: tuple[str, ...],
     model = _check_model(chat, served_model)
     osc.refuse_unsupported(chat)
     opts = chat.stream_options or osc.StreamOptions()
+    plan = tl.tool_plan(chat)
     return ChatRequest(model=model,
-                       messages=convert_messages(chat.messages, modalities, sampling_rate),
-                       sampling=sampling_from(chat, default_max_tokens),
+                       messages=convert_messages(chat.messages, modalities, sampling_rate, plan),
+                       sampling=sampling_from(chat, default_max_tokens, plan),
                        stream=bool(chat.stream), include_usage=opts.include_usage,
-                       timeout_s=chat.timeout, slo_tier=chat.slo_tier, priority=chat.priority)
+                       timeout_s=chat.timeout, slo_tier=chat.slo_tier, priority=chat.priority, tools=plan)
 
 
 @dataclass
@@ -243,10 +266,15 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
                     completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if req.tools is not None:
+        message["content"], calls = tl.split_tool_calls(text)
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
 
 

@@ -2,14 +2,14 @@
 anywhere in a body becomes one `BadRequest` naming the field and what to change.
 
 Unknown fields are ignored, as OpenAI does. Known fields this server cannot honour and
-that would change the answer (tools, penalties, ...) are accepted in the schema
+that would change the answer (`functions`, `echo`, ...) are accepted in the schema
 and refused by `refuse_unsupported` unless absent or at their neutral value.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from easerve.errors import BadRequest
 from easerve.policy.admission import Priority, TierName
@@ -119,10 +119,86 @@ class ContentPart(_Model):
     type: NonEmpty
 
 
+class FunctionCall(_Model):
+    name: NonEmpty
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[list[ContentPart], BeforeValidator(_content), Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[list[ContentPart], BeforeValidator(_content), Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant turn that called tools
+    tool_call_id: str | None = None            # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
+
+
+class FunctionDef(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; absent: any object
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Model):
+    name: NonEmpty
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {\"name\": ..., \"schema\": {...}}")
+        return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    json_spec: dict | str | None = Field(default=None, alias="json")
+    regex: NonEmpty | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        given = [k for k in ("json_spec", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object; got "
+                             + (", ".join("json" if k == "json_spec" else k for k in given) or "none"))
+        return self
 
 
 class SamplingBody(_Model):
@@ -153,16 +229,17 @@ class SamplingBody(_Model):
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                                Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatBody(SamplingBody):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict] | None = None
-    response_format: dict | None = None
 
 
 def _prompt(value: Any) -> Any:
@@ -191,8 +268,7 @@ class CompletionBody(SamplingBody):
 # ---- known but unsupported ------------------------------------------------------------------
 # field -> neutral values (None, i.e. absent, is always neutral)
 _NEUTRAL: dict[str, tuple] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "functions": ([],), "echo": (False,), "suffix": ("",), "best_of": (1,),
 }
 
 

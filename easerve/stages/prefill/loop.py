@@ -191,10 +191,12 @@ class PrefillLoop:
         """Executor thread: check each request, one forward for the good ones, first tokens."""
         t0 = self.clock.now()
         outcomes: list = [None] * len(reqs)
-        good = []
+        good, histories = [], []
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
+                histories.append(TokenHistory.start(r.sampling, r.input_ids, self.adapter.eos_token_ids,
+                                                    self.adapter))
             except InvalidRequest as e:
                 outcomes[i] = e
             else:
@@ -209,9 +211,7 @@ class PrefillLoop:
                     for lk, res in zip(looks, results):
                         self.prefix.store(lk, res)
                     logits = torch.stack([r.last_logits for r in results])
-                    eos = self.adapter.eos_token_ids
-                    firsts = sample(logits, [r.sampling for r in batch], [0] * len(good),
-                                    [TokenHistory.start(r.sampling, r.input_ids, eos) for r in batch])
+                    firsts = sample(logits, [r.sampling for r in batch], [0] * len(good), histories)
             finally:
                 for lk in looks:
                     self.prefix.release(lk)
