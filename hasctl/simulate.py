@@ -82,9 +82,12 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
             for i, (t, m) in enumerate(zip(times, modalities(spec, len(times), config.seed)))]
 
 
-def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None):
-    """(BenchResult in hasctl bench's fields, the simulator's SimResult)."""
-    result = simulate(topology(d), profile, sim_requests(config, profile), model)
+def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None, online=None,
+                   requests: list[SimRequest] | None = None):
+    """(BenchResult in hasctl bench's fields, the simulator's SimResult). `online`: an
+    easerve.sim.online.OnlineDriver; `requests`: instead of config's seeded workload."""
+    reqs = sim_requests(config, profile) if requests is None else requests
+    result = simulate(topology(d), profile, reqs, model, online)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result

@@ -75,7 +75,9 @@ class SimResult:
 
 
 class Sim:
-    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None) -> None:
+    def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None,
+                 online=None) -> None:
+        """`online`: an easerve.sim.online.OnlineDriver that re-tunes (and sizes) the deployment as it runs."""
         self.topology = topology
         self.model = ServiceModel(profile, model_config or ModelConfig())
         self.events = EventQueue()
@@ -95,6 +97,11 @@ class Sim:
             c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device)]
         self._computes = computes
         self.outcomes: list[Req] = []
+        self.online = online
+
+    def add_computes(self, computes: list) -> None:
+        """Workers of an instance added while running (their neighbours already set)."""
+        self._computes.extend(computes)
 
     # ---- request ends ----------------------------------------------------------------------------
     def complete(self, req: Req) -> None:
@@ -132,6 +139,8 @@ class Sim:
         reqs = [Req(r, self.model.media_tokens(r.modality, r.media)) for r in requests]
         for r in reqs:
             self.events.at(r.spec.arrival_s, self.gateway.arrive, r)
+        if self.online is not None:
+            self.online.start(self, reqs)
         self.events.run()
         end = max((r.end for r in reqs if r.end is not None), default=0.0)  # not the last (stale) timeout
         wall = time.perf_counter() - wall0
@@ -157,6 +166,7 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig | None = None) -> SimResult:
-    """Run `requests` through `topology` with service times from `profile`."""
-    return Sim(topology, profile, model_config).run(requests)
+             model_config: ModelConfig | None = None, online=None) -> SimResult:
+    """Run `requests` through `topology` with service times from `profile` (`online`: an
+    easerve.sim.online.OnlineDriver)."""
+    return Sim(topology, profile, model_config, online).run(requests)

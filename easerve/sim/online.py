@@ -1,0 +1,117 @@
+"""The online controller (easerve/policy/online.py) inside the simulator.
+
+`OnlineDriver` feeds the live `OnlineController` what the encode service would (arrivals,
+each stage's busy-seconds counter, instance count and requests held), every `interval_s` of
+simulated time applies its plan to every encode instance (B to the batcher, s to the deficit
+router, the tolerance to a dynamic partitioner) and, with `autoscale`, adds instances of a stage
+on fresh devices or drains them (a draining instance gets no new work and finishes what it
+holds) until each stage runs the desired count. GPU-seconds held are integrated over the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from easerve.policy.online import STAGES, Change, Knobs, OnlineConfig, OnlineController, apply_knobs
+from easerve.sim.stages import DecodeInstance, EncodeInstance, PrefillWorker
+
+if TYPE_CHECKING:
+    from easerve.sim.run import Req, Sim
+
+FRESH_DEVICE_BASE = 1000  # cuda:1000+: devices added by the autoscaler share nothing with the deployment's
+
+
+class OnlineDriver:
+    def __init__(self, config: OnlineConfig, *, autoscale: bool = False) -> None:
+        self.config, self.autoscale = config, autoscale
+        self.ctl: OnlineController | None = None
+        self.sim: Sim | None = None
+        self.total = 0
+        self.gpu_seconds = 0.0
+        self._last_t = 0.0
+        self._fresh = FRESH_DEVICE_BASE
+
+    @property
+    def changes(self) -> list[Change]:
+        return [] if self.ctl is None else self.ctl.changes
+
+    def start(self, sim: Sim, reqs: list[Req]) -> None:
+        self.sim, self.total = sim, len(reqs)
+        first = sim.encode[0].cfg if sim.encode else None
+        knobs = Knobs(first.batcher.max_batch if first else 1, first.remote_fraction if first else 1.0,
+                      first.partitioner.tolerance if first else 0.1)
+        colocated = any(e.local is not None for e in sim.encode)
+        self.ctl = OnlineController(knobs, {s: len(self._active(s)) for s in STAGES},
+                                    dataclasses.replace(self.config, colocated=colocated))
+        for r in reqs:
+            sim.events.at(r.spec.arrival_s, self._arrival, r.spec.modality)
+        sim.events.at(0.0, self._tick)
+
+    def _arrival(self, modality: str) -> None:
+        self.ctl.on_arrival(self.sim.events.now(), modality)
+
+    def _active(self, stage: str) -> list:
+        sim = self.sim
+        pool = {"encode": sim.encode, "prefill": sim.remote_prefills, "decode": sim.decode}[stage]
+        return [i for i in pool if not getattr(i, "draining", False)]
+
+    def _tick(self) -> None:
+        sim, ctl = self.sim, self.ctl
+        now = sim.events.now()
+        held = sum(len(self._active(s)) for s in STAGES) + len(sim.monolith)
+        self.gpu_seconds += held * (now - self._last_t)
+        self._last_t = now
+        for stage, pool in (("encode", sim.encode), ("prefill", sim.remote_prefills), ("decode", sim.decode)):
+            if pool:
+                ctl.observe(stage, now, sum(i.compute.busy_s for i in pool), len(self._active(stage)),
+                            sum(i.outstanding for i in pool))
+        locals_ = [e.local for e in sim.encode if e.local is not None]
+        if locals_:
+            ctl.observe("local_prefill", now, sum(p.compute.busy_s for p in locals_), len(locals_))
+        plan = ctl.plan(now)
+        for e in sim.encode:
+            e.partitioner = apply_knobs(plan.knobs, e.batching.batcher, e.router, e.partitioner)
+        if self.autoscale:
+            for stage in STAGES:
+                self._scale(stage, plan.desired_of(stage))
+        if len(sim.outcomes) < self.total:
+            sim.events.after(self.config.interval_s, self._tick)
+
+    def _scale(self, stage: str, want: int) -> None:
+        active = self._active(stage)
+        if not active:
+            return  # a stage the deployment does not run (e.g. no remote prefill): nothing to size
+        while len(active) < want:
+            active.append(self._add(stage, active[0]))
+        for inst in active[want:]:
+            inst.draining = True
+
+    def _add(self, stage: str, like):
+        sim = self.sim
+        for inst in {"encode": sim.encode, "prefill": sim.remote_prefills, "decode": sim.decode}[stage]:
+            if getattr(inst, "draining", False):  # take a draining one back before a fresh device
+                inst.draining = False
+                return inst
+        device = f"cuda:{self._fresh}"
+        self._fresh += 1
+        cfg = dataclasses.replace(like.cfg, device=device)
+        if stage == "encode":
+            inst = EncodeInstance(sim, cfg, f"encode-{len(sim.encode)}")
+            inst.router.retarget(self.ctl.knobs.remote_fraction)
+            sim.encode.append(inst)
+            sim.encoders.append(inst)
+            computes = [inst.compute] + ([inst.local.compute] if inst.local else [])
+        elif stage == "prefill":
+            inst = PrefillWorker(sim, cfg, device, f"prefill-{len(sim.remote_prefills)}")
+            sim.remote_prefills.append(inst)
+            sim.text_prefills.append(inst)
+            computes = [inst.compute]
+        else:
+            inst = DecodeInstance(sim, cfg, f"decode-{len(sim.decode)}")
+            sim.decode.append(inst)
+            sim.decoders.append(inst)
+            computes = [inst.compute]
+        if len(computes) == 2:  # encode and its co-located prefill share the fresh device
+            computes[0].neighbours, computes[1].neighbours = [computes[1]], [computes[0]]
+        sim.add_computes(computes)
+        return inst
