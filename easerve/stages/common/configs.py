@@ -30,6 +30,7 @@ from easerve.fields import (Addresses, Device, Fraction, HostPort, NonNegFloat, 
                             check_fields, choices, flag_name, flags_for, hints, is_flag, opt, torch_device)
 from easerve.partition.backends import Preference
 from easerve.policy.batcher import BatchMode, BatcherConfig
+from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
 from easerve.transport import KVTransportKind
@@ -152,6 +153,37 @@ class EncodeConfig(PrefillFields, StageConfig):
     encoder_cache_gb: NonNegFloat = opt(1.0, "encoder-output cache: GB of embeddings held (LRU by bytes, on the "
                                         "encode device) for media seen again; 0 turns it off",
                                         note="0 turns the cache off")
+    online: bool = opt(False, "online controller: re-tune B, s and the partition tolerance from sliding-window "
+                       "load estimates (within the --online-* bounds), log each change with its reason, export "
+                       "easerve:online_changes_total and easerve:desired_instances")
+    online_batch: str = opt("1:32", "MIN:MAX bounds of B for --online")
+    online_remote_fraction: str = opt("0:1", "MIN:MAX bounds of s for --online (with --colocate-prefill)")
+    online_tolerance: str = opt("0:0.5", "MIN:MAX bounds of the partition tolerance for --online")
+    online_instances: str = opt("1:1", "MIN:MAX instances per stage easerve:desired_instances may ask for")
+    online_window_s: PosFloat = opt(20.0, "sliding window of --online's estimates (seconds)")
+    online_dwell_s: PosFloat = opt(30.0, "--online changes a knob at most once per this many seconds")
+
+    @cached_property
+    def online_config(self) -> OnlineConfig:
+        """The online controller's config, from the --online-* flags."""
+        def pair(flag: str, value: str, kind):
+            try:
+                lo, hi = (kind(x) for x in value.split(":"))
+            except ValueError:
+                raise ValueError(f"--{flag} must be MIN:MAX, got {value!r}") from None
+            return lo, hi
+        (b0, b1), (s0, s1) = pair("online-batch", self.online_batch, int), \
+            pair("online-remote-fraction", self.online_remote_fraction, float)
+        (t0, t1), (n0, n1) = pair("online-tolerance", self.online_tolerance, float), \
+            pair("online-instances", self.online_instances, int)
+        with flags_for(min_batch="--online-batch", max_batch="--online-batch",
+                       min_remote_fraction="--online-remote-fraction", max_remote_fraction="--online-remote-fraction",
+                       min_tolerance="--online-tolerance", max_tolerance="--online-tolerance",
+                       min_instances="--online-instances", max_instances="--online-instances",
+                       window_s="--online-window-s", dwell_s="--online-dwell-s"):
+            bounds = OnlineBounds(b0, b1, s0, s1, t0, t1, n0, n1)
+            return OnlineConfig(bounds=bounds, window_s=self.online_window_s, dwell_s=self.online_dwell_s,
+                                reversal_dwell_s=4 * self.online_dwell_s, colocated=self.colocate_prefill)
 
     @cached_property
     def batcher(self) -> BatcherConfig:
@@ -168,7 +200,7 @@ class EncodeConfig(PrefillFields, StageConfig):
             return PartitionerConfig(policy=self.partition_policy, tolerance=self.partition_tolerance)
 
     def _check(self) -> None:
-        self.batcher, self.partitioner  # built now: a bad flag fails the parse
+        self.batcher, self.partitioner, self.online_config  # built now: a bad flag fails the parse
         if self.batch_mode == "request_at_a_time" and self.max_batch != 1:
             raise ValueError(f"--batch-mode request_at_a_time takes --max-batch 1, got {self.max_batch}")
         if not self.colocate_prefill and not self.prefill:
@@ -206,6 +238,8 @@ class MonolithConfig(EngineConfig, EncodeConfig):
     def _check(self) -> None:
         EncodeConfig._check(self)
         self._check_engine()
+        if self.online:
+            raise ValueError("--online runs in the encode service only; drop it from the monolith")
 
 
 @dataclass(frozen=True)
