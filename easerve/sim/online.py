@@ -1,7 +1,8 @@
 """The online controller (easerve/policy/online.py) inside the simulator.
 
 `OnlineDriver` feeds the live `OnlineController` what the encode service would (arrivals,
-each stage's busy-seconds counter, instance count and requests held), every `interval_s` of
+each stage's busy-seconds counter, instance count and requests held; for decode, which steps
+whenever it holds a request, the busy counter integrates how full its running batch is), every `interval_s` of
 simulated time applies its plan to every encode instance (B to the batcher, s to the deficit
 router, the tolerance to a dynamic partitioner) and, with `autoscale`, adds instances of a stage
 on fresh devices or drains them (a draining instance gets no new work and finishes what it
@@ -22,14 +23,20 @@ FRESH_DEVICE_BASE = 1000  # cuda:1000+: devices added by the autoscaler share no
 
 
 class OnlineDriver:
-    def __init__(self, config: OnlineConfig, *, autoscale: bool = False) -> None:
-        self.config, self.autoscale = config, autoscale
+    def __init__(self, config: OnlineConfig, *, autoscale: bool = False, budget: int | None = None) -> None:
+        """`autoscale`: follow the desired counts on fresh devices; `budget`: instead, hold at
+        most this many instances in all (the deployment's devices): a stage that wants more
+        when the budget is spent takes one from the least utilized stage that can spare one."""
+        self.config, self.autoscale, self.budget = config, autoscale or budget is not None, budget
+        self.actions: list[tuple[float, str, str]] = []  # (time, stage, "add" | "drain")
         self.ctl: OnlineController | None = None
         self.sim: Sim | None = None
         self.total = 0
         self.gpu_seconds = 0.0
         self._last_t = 0.0
         self._fresh = FRESH_DEVICE_BASE
+        self._decode_busy = 0.0
+        self._moved: dict[str, float] = {}  # stage -> when the budget last moved an instance to or from it
 
     @property
     def changes(self) -> list[Change]:
@@ -58,20 +65,23 @@ class OnlineDriver:
     def _tick(self) -> None:
         sim, ctl = self.sim, self.ctl
         now = sim.events.now()
-        held = sum(len(self._active(s)) for s in STAGES) + len(sim.monolith)
-        self.gpu_seconds += held * (now - self._last_t)
-        self._last_t = now
+        dt, self._last_t = now - self._last_t, now
+        self.gpu_seconds += self._held() * dt
+        # decode steps whenever it holds anything: its saturation is how full its running batch is
+        self._decode_busy += dt * sum(min(1.0, i.outstanding / i.sched.max_running) for i in sim.decode)
         for stage, pool in (("encode", sim.encode), ("prefill", sim.remote_prefills), ("decode", sim.decode)):
             if pool:
-                ctl.observe(stage, now, sum(i.compute.busy_s for i in pool), len(self._active(stage)),
-                            sum(i.outstanding for i in pool))
+                busy = self._decode_busy if stage == "decode" else sum(i.compute.busy_s for i in pool)
+                ctl.observe(stage, now, busy, len(self._active(stage)), sum(i.outstanding for i in pool))
         locals_ = [e.local for e in sim.encode if e.local is not None]
         if locals_:
             ctl.observe("local_prefill", now, sum(p.compute.busy_s for p in locals_), len(locals_))
         plan = ctl.plan(now)
         for e in sim.encode:
             e.partitioner = apply_knobs(plan.knobs, e.batching.batcher, e.router, e.partitioner)
-        if self.autoscale:
+        if self.budget is not None and plan.estimates is not None:
+            self._rebalance(plan)
+        elif self.autoscale:
             for stage in STAGES:
                 self._scale(stage, plan.desired_of(stage))
         if len(sim.outcomes) < self.total:
@@ -84,10 +94,43 @@ class OnlineDriver:
         while len(active) < want:
             active.append(self._add(stage, active[0]))
         for inst in active[want:]:
-            inst.draining = True
+            self._drain(stage, inst)
+
+    def _rebalance(self, plan) -> None:
+        """Within the budget: drain what a stage no longer wants, grow the stages that want more
+        (the busiest first), and when the budget is spent move one instance from the least
+        utilized stage that has more than one and wants no more."""
+        est, now = plan.estimates, self.sim.events.now()
+        run = [s for s in STAGES if self._active(s)]
+        for s in run:
+            for inst in self._active(s)[max(1, plan.desired_of(s)):]:
+                self._drain(s, inst)
+        for s in sorted(run, key=lambda s: -est.util(s)):
+            active = self._active(s)
+            if len(active) >= plan.desired_of(s):
+                continue
+            if self._held() < self.budget:
+                self._add(s, active[0])
+                continue
+            donors = [d for d in run if d != s and len(self._active(d)) > 1
+                      and len(self._active(d)) >= plan.desired_of(d) and est.util(d) < est.util(s)]
+            last = self._moved.get(s, -1e9)
+            if donors and now - last >= self.config.dwell_s:
+                d = min(donors, key=est.util)
+                self._drain(d, self._active(d)[-1])
+                self._add(s, active[0])
+                self._moved[s] = self._moved[d] = now
+
+    def _held(self) -> int:
+        return sum(len(self._active(s)) for s in STAGES) + len(self.sim.monolith)
+
+    def _drain(self, stage: str, inst) -> None:
+        inst.draining = True
+        self.actions.append((self.sim.events.now(), stage, "drain"))
 
     def _add(self, stage: str, like):
         sim = self.sim
+        self.actions.append((sim.events.now(), stage, "add"))
         for inst in {"encode": sim.encode, "prefill": sim.remote_prefills, "decode": sim.decode}[stage]:
             if getattr(inst, "draining", False):  # take a draining one back before a fresh device
                 inst.draining = False
