@@ -28,7 +28,7 @@ class OnlineDriver:
         most this many instances in all (the deployment's devices): a stage that wants more
         when the budget is spent takes one from the least utilized stage that can spare one."""
         self.config, self.autoscale, self.budget = config, autoscale or budget is not None, budget
-        self.actions: list[tuple[float, str, str]] = []  # (time, stage, "add" | "drain")
+        self.actions: list[tuple[float, str, str, str]] = []  # (time, stage, "add" | "drain", instance)
         self.ctl: OnlineController | None = None
         self.sim: Sim | None = None
         self.total = 0
@@ -68,11 +68,14 @@ class OnlineDriver:
         dt, self._last_t = now - self._last_t, now
         self.gpu_seconds += self._held() * dt
         # decode steps whenever it holds anything: its saturation is how full its running batch is
-        self._decode_busy += dt * sum(min(1.0, i.outstanding / i.sched.max_running) for i in sim.decode)
+        # (reservations made at the gateway wait there for their KV: they are not decode's load)
+        self._decode_busy += dt * sum(i.sched.num_running / i.sched.max_running for i in sim.decode)
         for stage, pool in (("encode", sim.encode), ("prefill", sim.remote_prefills), ("decode", sim.decode)):
             if pool:
                 busy = self._decode_busy if stage == "decode" else sum(i.compute.busy_s for i in pool)
-                ctl.observe(stage, now, busy, len(self._active(stage)), sum(i.outstanding for i in pool))
+                queued = sum(i.sched.num_waiting for i in pool) if stage == "decode" else \
+                    sum(i.outstanding for i in pool)
+                ctl.observe(stage, now, busy, len(self._active(stage)), queued)
         locals_ = [e.local for e in sim.encode if e.local is not None]
         if locals_:
             ctl.observe("local_prefill", now, sum(p.compute.busy_s for p in locals_), len(locals_))
@@ -126,11 +129,15 @@ class OnlineDriver:
 
     def _drain(self, stage: str, inst) -> None:
         inst.draining = True
-        self.actions.append((self.sim.events.now(), stage, "drain"))
+        self.actions.append((self.sim.events.now(), stage, "drain", inst.name))
 
     def _add(self, stage: str, like):
+        inst = self._new(stage, like)
+        self.actions.append((self.sim.events.now(), stage, "add", inst.name))
+        return inst
+
+    def _new(self, stage: str, like):
         sim = self.sim
-        self.actions.append((sim.events.now(), stage, "add"))
         for inst in {"encode": sim.encode, "prefill": sim.remote_prefills, "decode": sim.decode}[stage]:
             if getattr(inst, "draining", False):  # take a draining one back before a fresh device
                 inst.draining = False

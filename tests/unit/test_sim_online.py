@@ -45,6 +45,12 @@ def test_autoscaler_adds_encode_under_the_step_and_drains_it_after():
     assert ups and 30.0 <= ups[0].at <= 60.0, enc          # during the step
     assert downs and downs[-1].at > 90.0 and downs[-1].new == 1, enc  # back to one after it
     assert all(r["error"] is None for r in res.records)    # nothing lost on a drain
+    drained = [a for a in driver.actions if a[2] == "drain" and a[1] == "encode"]
+    assert drained
+    for t, _, _, name in drained:  # a draining instance takes no new work (what it held finishes)
+        later = [a for a in driver.actions if a[3] == name and a[2] == "add" and a[0] > t]
+        until = later[0][0] if later else float("inf")
+        assert not [d for d in res.dispatches[name] if t + 1.0 < d.at < until]
     assert res.dispatches["encode-1"]                      # the added encode instance ran batches
     static = run(None)
     assert ttfts(res)[int(0.9 * len(ttfts(res)))] < 0.5 * ttfts(static)[int(0.9 * len(ttfts(static)))]
@@ -62,3 +68,16 @@ def test_b_reaches_the_live_batcher():
     sizes = [(d.at, d.size) for d in res.dispatches["encode-0"]]
     assert max(n for t, n in sizes if t <= b[0].at) <= 2                       # the deployment's B
     assert 2 < max(n for t, n in sizes if up[-1].at < t < 90.0) <= up[-1].new  # the controller's
+
+
+def test_within_a_budget_the_busy_stage_gets_what_an_idle_one_releases():
+    """Budget 4 (the deployment's own instances): one of the two idle decode instances is drained,
+    and encode, saturated by the step, gets that place; never more than 4 instances held."""
+    driver = OnlineDriver(CFG, budget=4)
+    res = run(driver)
+    drain = next(a for a in driver.actions if a[2] == "drain")
+    add = next(a for a in driver.actions if a[2] == "add")
+    assert drain[1] == "decode" and drain[0] < 30.0          # before the step
+    assert add[1] == "encode" and 30.0 <= add[0] <= 90.0     # during it
+    assert driver.gpu_seconds <= 4 * (res.sim_seconds + CFG.interval_s)
+    assert res.dispatches["encode-1"] and all(r["error"] is None for r in res.records)
