@@ -50,10 +50,10 @@ def test_nothing_changes_before_a_full_window():
 
 
 def test_busy_encoder_doubles_b_with_its_reason_then_waits_the_dwell():
-    ctl, load = controller()
-    plans = load.run(40, {"encode": 0.95, "prefill": 0.5, "local_prefill": 0.0})
+    ctl, load = controller(Knobs(6, 0.5, 0.1))
+    plans = load.run(60, {"encode": 0.95, "prefill": 0.5, "local_prefill": 0.0})
     b = [c for p in plans for c in p.changes if c.knob == "max_batch"]
-    assert [(c.old, c.new, c.reason) for c in b] == [(4, 8, "encode_busy"), (8, 16, "encode_busy")]
+    assert [(c.old, c.new, c.reason) for c in b] == [(6, 12, "encode_busy"), (12, 16, "encode_busy")]
     assert b[1].at - b[0].at >= CFG.dwell_s
     assert "0.95" in b[0].detail
     assert plans[-1].knobs.max_batch == 16 == BOUNDS.max_batch  # the bound holds at any load
