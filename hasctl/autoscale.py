@@ -1,8 +1,9 @@
 """`hasctl up --autoscale MIN:MAX`: follow the online controller's desired instance counts
 through the launcher.
 
-Every encode instance runs `--online` with `--online-instances MIN:MAX` and exports
-`easerve:desired_instances{stage}`; every `poll_s` the `Autoscaler` thread reads it from the
+Every encode instance runs `--online` with `--online-instances MIN:MAX` and
+`--online-instances-file <run_dir>/instances.json` (the count per stage, which this thread keeps)
+and exports `easerve:desired_instances{stage}`; every `poll_s` the `Autoscaler` thread reads it from the
 encode instances' /metrics (the largest answer wins), and moves each stage it is exported for
 one instance at a time towards it: `Stack.add_instance(stage)` (listed once SERVING) or
 `Stack.remove_instance(name)` of the newest (unlisted, then drained: its open calls finish).
@@ -10,16 +11,23 @@ Each action is logged and kept in `actions`.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("hasctl.autoscale")
 METRIC = "easerve:desired_instances"
+
+
+def counts_file(run_dir) -> Path:
+    return Path(run_dir) / "instances.json"
 
 
 @dataclass(frozen=True)
@@ -52,11 +60,13 @@ def parse_min_max(text: str) -> tuple[int, int]:
 class Autoscaler:
     def __init__(self, stack, bounds: tuple[int, int], poll_s: float = 2.0) -> None:
         self.stack, self.bounds, self.poll_s = stack, bounds, poll_s
+        self.counts_file = counts_file(stack.run_dir)
         self.actions: list[Action] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Autoscaler":
+        self.write_counts()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
         self._thread.start()
         return self
@@ -94,7 +104,15 @@ class Autoscaler:
                 return self._did(stage, "remove", name, want)
         return None
 
+    def write_counts(self) -> None:
+        """The instance count per stage, for the encode controllers (--online-instances-file)."""
+        counts = {s: len(self.instances(s)) for s in ("encode", "prefill", "decode")}
+        tmp = self.counts_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts))
+        os.replace(tmp, self.counts_file)
+
     def _did(self, stage: str, verb: str, name: str, want: int) -> Action:
+        self.write_counts()
         a = Action(time.monotonic(), stage, verb, name, want)
         self.actions.append(a)
         log.info("autoscale: %s %s (%s wants %d)", verb, name, stage, want)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,7 +67,10 @@ def resolve(args) -> Deployment:
     if getattr(args, "autoscale", None):
         from hasctl.autoscale import parse_min_max
         lo, hi = parse_min_max(args.autoscale)
-        d = d.with_flags("encode", online=True, online_instances=f"{lo}:{hi}")
+        from hasctl.autoscale import counts_file
+        args.run_dir = args.run_dir or tempfile.mkdtemp(prefix="easerve-run-")
+        d = d.with_flags("encode", online=True, online_instances=f"{lo}:{hi}",
+                         online_instances_file=str(counts_file(Path(args.run_dir).resolve())))
     if args.api_key_file:
         d = d.with_flags("gateway", api_key_file=str(Path(args.api_key_file).resolve()))
     g = d.gateway

@@ -166,7 +166,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "max-message-mb": 64.0, "tls-cert": "/etc/easerve/tls.crt", "tls-key": "/etc/easerve/tls.key",
           "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
           "peer-refresh-s": 2.0, "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
-          "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0}
+          "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,
+          "online-instances-file": "/tmp/instances.json"}
 
 
 def _parse(stage: str, argv: list[str]):

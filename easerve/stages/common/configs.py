@@ -160,6 +160,8 @@ class EncodeConfig(PrefillFields, StageConfig):
     online_remote_fraction: str = opt("0:1", "MIN:MAX bounds of s for --online (with --colocate-prefill)")
     online_tolerance: str = opt("0:0.5", "MIN:MAX bounds of the partition tolerance for --online")
     online_instances: str = opt("1:1", "MIN:MAX instances per stage easerve:desired_instances may ask for")
+    online_instances_file: str = opt("", "JSON {stage: instances} kept by the launcher (hasctl up --autoscale): "
+                                     "how many encode instances share the load, for --online's desired count")
     online_window_s: PosFloat = opt(20.0, "sliding window of --online's estimates (seconds)")
     online_dwell_s: PosFloat = opt(30.0, "--online changes a knob at most once per this many seconds")
 

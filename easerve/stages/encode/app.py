@@ -74,7 +74,7 @@ class Encoder:
         return OnlineTask(c.online_config, Knobs(c.max_batch, c.remote_fraction, c.partition_tolerance), self.clock,
                           batcher=self.loop.batcher, router=self.servicer.router, partition=self.controller,
                           metrics=self.metrics, remote=self.remote, queued=lambda: self.loop.queued,
-                          registry=self.metrics.registry)
+                          registry=self.metrics.registry, instances_file=c.online_instances_file)
 
     def _cache(self) -> EmbeddingCache | None:
         if self.cfg.encoder_cache_gb == 0:

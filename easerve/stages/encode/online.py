@@ -2,7 +2,8 @@
 
 Every `interval_s` it feeds the controller this worker's busy-seconds counters (encode and the
 co-located prefill, from EncodeMetrics), its queue (requests in the batcher or its running
-batch) and, for remote prefill, the instances' occupancy from their Load answers (an instance
+batch), both scaled to the encode stage by the instance count the launcher keeps in
+`--online-instances-file` (placement spreads the load evenly) and, for remote prefill, the instances' occupancy from their Load answers (an instance
 holding a request counts as busy for that interval); arrivals come from the servicer. It applies
 the plan to the live batcher (B), the deficit router (s) and the partitioner (tolerance), logs
 each change with its reason and exports `easerve:online_changes_total{knob,reason}`,
@@ -12,7 +13,9 @@ each change with its reason and exports `easerve:online_changes_total{knob,reaso
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
@@ -47,10 +50,12 @@ class OnlineTask:
     """Owns the controller; `arrival(modality)` from the servicer, `start()` / `stop()` on the loop."""
 
     def __init__(self, config: OnlineConfig, initial: Knobs, clock: Clock, *, batcher, router, partition,
-                 metrics, remote, queued, registry) -> None:
+                 metrics, remote, queued, registry, instances_file: str = "") -> None:
         """`partition`: the PartitionController (None without co-located prefill); `metrics`:
         EncodeMetrics (its busy_s counters); `remote`: the remote prefill Peers; `queued()`:
-        requests held by the encode loop."""
+        requests held by the encode loop; `instances_file`: JSON {stage: instances} the launcher
+        keeps (--online-instances-file; without it this instance counts as the whole stage)."""
+        self.instances_file = instances_file
         self.clock, self.batcher, self.router, self.partition = clock, batcher, router, partition
         self.m, self.remote, self.queued = metrics, remote, queued
         self.ctl = OnlineController(initial, {"encode": 1, "prefill": max(1, len(remote)), "decode": 1}, config)
@@ -66,7 +71,8 @@ class OnlineTask:
     def step(self) -> OnlinePlan:
         now = self.clock.now()
         busy = self.m.busy_s
-        self.ctl.observe("encode", now, busy["encode"], 1, self.queued())
+        n = self._encode_instances()  # load is spread evenly (least-loaded placement): this one stands for each
+        self.ctl.observe("encode", now, busy["encode"] * n, n, self.queued() * n)
         if self.partition is not None:
             self.ctl.observe("local_prefill", now, busy["prefill"], 1)
         peers = [self.remote.get(a) for a in self.remote.addrs]
@@ -84,6 +90,15 @@ class OnlineTask:
             log.info("online: %s %s -> %s (%s: %s)", c.knob, c.old, c.new, c.reason, c.detail)
         self.metrics.on_plan(plan)
         return plan
+
+    def _encode_instances(self) -> int:
+        if not self.instances_file:
+            return 1
+        try:
+            n = json.loads(Path(self.instances_file).read_text()).get("encode", 1)
+        except (OSError, ValueError, AttributeError):
+            return 1  # not written yet, or being replaced: one instance
+        return n if isinstance(n, int) and n >= 1 else 1
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
