@@ -31,6 +31,9 @@ def test_online_flags_build_the_controller_config_and_bad_bounds_name_the_flag()
         encode_cfg(online_batch="8")
     with pytest.raises(ValueError, match="min_batch .* must be <= max_batch"):
         encode_cfg(online_batch="16:2")
+    with pytest.raises(ValueError, match="hysteresis"):
+        encode_cfg(online_util="0.8:0.7:0.9")
+    assert encode_cfg(online_util="0.1:0.2:0.3").online_config.high_util == 0.3
 
 
 def test_busy_encoder_gets_a_larger_b_logged_and_exported(caplog):

@@ -162,6 +162,8 @@ class EncodeConfig(PrefillFields, StageConfig):
     online_instances: str = opt("1:1", "MIN:MAX instances per stage easerve:desired_instances may ask for")
     online_instances_file: str = opt("", "JSON {stage: instances} kept by the launcher (hasctl up --autoscale): "
                                      "how many encode instances share the load, for --online's desired count")
+    online_util: str = opt("0.4:0.7:0.85", "LOW:TARGET:HIGH utilization of --online: B grows and instances are "
+                           "added above HIGH, B shrinks and instances go below LOW, a stage is sized for TARGET")
     online_window_s: PosFloat = opt(20.0, "sliding window of --online's estimates (seconds)")
     online_dwell_s: PosFloat = opt(30.0, "--online changes a knob at most once per this many seconds")
 
@@ -178,14 +180,20 @@ class EncodeConfig(PrefillFields, StageConfig):
             pair("online-remote-fraction", self.online_remote_fraction, float)
         (t0, t1), (n0, n1) = pair("online-tolerance", self.online_tolerance, float), \
             pair("online-instances", self.online_instances, int)
+        try:
+            low, target, high = (float(x) for x in self.online_util.split(":"))
+        except ValueError:
+            raise ValueError(f"--online-util must be LOW:TARGET:HIGH, got {self.online_util!r}") from None
         with flags_for(min_batch="--online-batch", max_batch="--online-batch",
                        min_remote_fraction="--online-remote-fraction", max_remote_fraction="--online-remote-fraction",
                        min_tolerance="--online-tolerance", max_tolerance="--online-tolerance",
                        min_instances="--online-instances", max_instances="--online-instances",
-                       window_s="--online-window-s", dwell_s="--online-dwell-s"):
+                       window_s="--online-window-s", dwell_s="--online-dwell-s", low_util="--online-util",
+                       target_util="--online-util", high_util="--online-util"):
             bounds = OnlineBounds(b0, b1, s0, s1, t0, t1, n0, n1)
             return OnlineConfig(bounds=bounds, window_s=self.online_window_s, dwell_s=self.online_dwell_s,
-                                reversal_dwell_s=4 * self.online_dwell_s, colocated=self.colocate_prefill)
+                                reversal_dwell_s=4 * self.online_dwell_s, colocated=self.colocate_prefill,
+                                low_util=low, target_util=target, high_util=high)
 
     @cached_property
     def batcher(self) -> BatcherConfig:
