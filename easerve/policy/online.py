@@ -50,7 +50,7 @@ Reason = Literal["encode_busy", "encode_idle", "remote_busy", "local_busy", "sta
 
 @dataclass(frozen=True)
 class OnlineBounds:
-    """What the controller may move, and how far (a deployment's `online:` section)."""
+    """What the controller may move, and how far (the encode flags --online-batch, ...)."""
     min_batch: PosInt = 1
     max_batch: PosInt = 32
     min_remote_fraction: Fraction = 0.0

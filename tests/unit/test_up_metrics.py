@@ -20,7 +20,8 @@ def test_every_stage_process_gets_a_metrics_port_and_up_prints_them(tmp_path, ca
     for name in procs:
         argv = stack._procs[name].cmd.argv
         listen = _argv_flag(argv, "--metrics-listen")
-        assert listen and e.metrics[name] == "http://127.0.0.1:" + listen.rpartition(":")[2]
+        assert listen.startswith("127.0.0.1:")  # the stack's --host: loopback unless told otherwise
+        assert e.metrics[name] == "http://127.0.0.1:" + listen.rpartition(":")[2]
         ports.add(listen)
     assert len(ports) == len(procs)
     _print_endpoints(stack)
