@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from easerve.policy.online import OnlineBounds, OnlineConfig  # noqa: E402
 from easerve.roofline import load_spec  # noqa: E402
 from easerve.sim import SimRequest  # noqa: E402
+from easerve.sim.model import ModelConfig  # noqa: E402
 from easerve.sim.online import OnlineDriver  # noqa: E402
 from easerve.sim.workload import piecewise_poisson  # noqa: E402
 from hasctl import profile_format as pf  # noqa: E402
@@ -58,6 +59,7 @@ STEP = (2.0, 6.0, 2.0)        # req/s per GPU-equivalent
 DIURNAL = (1.0, 6.0)
 BATCHES = (1, 4, 8, 16)
 ARMS = ("online", "online_same", "autoscale")
+ONE_NODE = ModelConfig(devices_per_host=256)  # the paper's 8 GPUs and any added ones: one node
 
 
 def args_of(argv=None):
@@ -110,7 +112,7 @@ def bench_config(spec: WorkloadSpec, slo, n: int) -> BenchConfig:
 
 
 def run(d, prof, spec, slo, reqs, duration: float, driver=None) -> dict:
-    bench, res = run_simulation(d, prof, bench_config(spec, slo, len(reqs)), online=driver, requests=reqs)
+    bench, res = run_simulation(d, prof, bench_config(spec, slo, len(reqs)), ONE_NODE, online=driver, requests=reqs)
     met = sum(slo.met(RequestRecord.from_dict(r)) for r in res.records)
     out = {"goodput": met / duration, "met": met, "sent": len(reqs),
            "failed": sum(r["error"] is not None for r in res.records), "wall_s": round(res.wall_seconds, 2)}

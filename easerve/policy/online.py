@@ -25,8 +25,10 @@ metrics and a sentence with the figures behind it):
   a growing queue, down only at <= `low_util` and when n - 1 instances stay under the target.
 No oscillation: the thresholds leave a dead band between them; a knob (or a stage's desired
 count) changes at most once per `dwell_s`, and a change against the direction of its last
-change waits `reversal_dwell_s` after it. So a knob changes at most 3600 / dwell_s times an
-hour, and reverses at most 3600 / reversal_dwell_s times.
+change waits `reversal_dwell_s` after it, except that a desired count may grow again one
+`dwell_s` after it shrank (capacity is not withheld; a shrink after a growth still waits). So a
+knob changes at most 3600 / dwell_s times an hour and a count shrinks at most 3600 /
+reversal_dwell_s times.
 """
 from __future__ import annotations
 
@@ -267,7 +269,9 @@ class OnlineController:
         direction = 1 if new > old else -1
         last = self._last.get(knob)
         if last is not None:
-            wait = self.config.dwell_s if last[1] == direction else self.config.reversal_dwell_s
+            # capacity comes back after one dwell; only taking it away again waits out the reversal
+            reversal = last[1] != direction and not (knob.startswith("instances_") and direction > 0)
+            wait = self.config.reversal_dwell_s if reversal else self.config.dwell_s
             if now - last[0] < wait:
                 return
         self._last[knob] = (now, direction)

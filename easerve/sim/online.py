@@ -19,7 +19,14 @@ from easerve.sim.stages import DecodeInstance, EncodeInstance, PrefillWorker
 if TYPE_CHECKING:
     from easerve.sim.run import Req, Sim
 
-FRESH_DEVICE_BASE = 1000  # cuda:1000+: devices added by the autoscaler share nothing with the deployment's
+FRESH_DEVICE_BASE = 64  # devices the autoscaler adds: cuda:64 and up (the simulator's ModelConfig says which
+# node holds them: with devices_per_host >= 64 + instances added, the deployment's node)
+
+
+def decode_saturation(sched) -> float:
+    """How full a decode scheduler is: its running batch or its KV blocks, whichever is fuller."""
+    b = sched.blocks
+    return max(sched.num_running / sched.max_running, b.reserved_tokens / max(1, b.capacity_tokens))
 
 
 class OnlineDriver:
@@ -34,7 +41,6 @@ class OnlineDriver:
         self.total = 0
         self.gpu_seconds = 0.0
         self._last_t = 0.0
-        self._fresh = FRESH_DEVICE_BASE
         self._decode_busy = 0.0
         self._moved: dict[str, float] = {}  # stage -> when the budget last moved an instance to or from it
 
@@ -67,9 +73,9 @@ class OnlineDriver:
         now = sim.events.now()
         dt, self._last_t = now - self._last_t, now
         self.gpu_seconds += self._held() * dt
-        # decode steps whenever it holds anything: its saturation is how full its running batch is
+        # decode steps whenever it holds anything: its saturation is how full its batch or its KV is
         # (reservations made at the gateway wait there for their KV: they are not decode's load)
-        self._decode_busy += dt * sum(i.sched.num_running / i.sched.max_running for i in sim.decode)
+        self._decode_busy += dt * sum(decode_saturation(i.sched) for i in sim.decode)
         for stage, pool in (("encode", sim.encode), ("prefill", sim.remote_prefills), ("decode", sim.decode)):
             if pool:
                 busy = self._decode_busy if stage == "decode" else sum(i.compute.busy_s for i in pool)
@@ -100,14 +106,11 @@ class OnlineDriver:
             self._drain(stage, inst)
 
     def _rebalance(self, plan) -> None:
-        """Within the budget: drain what a stage no longer wants, grow the stages that want more
-        (the busiest first), and when the budget is spent move one instance from the least
-        utilized stage that has more than one and wants no more."""
+        """Within the budget (devices held anyway): grow the stages that want more, the busiest
+        first, while the budget lasts; once it is spent move one instance from the least utilized
+        stage that has more than one and wants no more. Nothing is drained only for being idle."""
         est, now = plan.estimates, self.sim.events.now()
         run = [s for s in STAGES if self._active(s)]
-        for s in run:
-            for inst in self._active(s)[max(1, plan.desired_of(s)):]:
-                self._drain(s, inst)
         for s in sorted(run, key=lambda s: -est.util(s)):
             active = self._active(s)
             if len(active) >= plan.desired_of(s):
@@ -142,8 +145,8 @@ class OnlineDriver:
             if getattr(inst, "draining", False):  # take a draining one back before a fresh device
                 inst.draining = False
                 return inst
-        device = f"cuda:{self._fresh}"
-        self._fresh += 1
+        used = [int(c.device[5:]) for c in sim._computes if c.device.startswith("cuda:")]
+        device = f"cuda:{max(used + [FRESH_DEVICE_BASE - 1]) + 1}"
         cfg = dataclasses.replace(like.cfg, device=device)
         if stage == "encode":
             inst = EncodeInstance(sim, cfg, f"encode-{len(sim.encode)}")
