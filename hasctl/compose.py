@@ -41,7 +41,8 @@ from hasctl.tensor_parallel import check_launchable
 
 MODEL_DIR = "/models"          # where every container sees the checkpoint
 TINY_MODEL_NAME = "qwen2.5-vl-tiny-s0"  # served name of the image's tiny model (as `hasctl up` names it)
-_ADDR_FLAGS = ("--listen", "--http-listen", "--decode", "--prefill", "--encode")
+_ADDR_FLAGS = ("--listen", "--http-listen", "--decode", "--prefill", "--encode", "--metrics-listen")
+METRICS_PORT_OFFSET = 1000     # a stage's /metrics port: its gRPC port + this (EASERVE_METRICS_PORT_<PROCESS>)
 _CPU_SET = re.compile(r"^cpu:([\d,\-]+)$")
 
 
@@ -131,6 +132,24 @@ def _ports(d: Deployment, base_port: int) -> dict[str, int]:
     return assign_ports(d, base_port=base_port)
 
 
+def metrics_ports(cmds: list[Command]) -> dict[str, int]:
+    """process -> its /metrics port: the gateway's HTTP port, a stage's gRPC port + METRICS_PORT_OFFSET."""
+    http = {c.name: int(flag_value(c.argv, "--http-listen").rpartition(":")[2]) for c in cmds if c.stage == "gateway"}
+    return {c.name: http.get(c.name) or c.port + METRICS_PORT_OFFSET for c in cmds}
+
+
+def with_metrics(cmd: Command, host: str, port: int) -> Command:
+    """A stage's argv serving /metrics on host:port (the gateway serves it on its HTTP port already)."""
+    if cmd.stage == "gateway" or "--metrics-listen" in cmd.argv:
+        return cmd
+    return dataclasses.replace(cmd, argv=(*cmd.argv, "--metrics-listen", f"{host}:{port}"))
+
+
+def scrape_labels(port: int) -> dict[str, str]:
+    """The prometheus.io/* annotations (k8s) and labels (compose) Prometheus discovery reads."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def port_var(name: str) -> str:
     return {"gateway": "EASERVE_GRPC_PORT", "gateway-http": "EASERVE_HTTP_PORT"}.get(
         name, "EASERVE_PORT_" + name.upper().replace("-", "_"))
@@ -184,6 +203,10 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     ports = _ports(d, opts.base_port)
     port_vars = {p: port_var(n) for n, p in ports.items()}
     cmds = to_commands(d, "127.0.0.1", ports)
+    mports = metrics_ports(cmds)
+    cmds = [with_metrics(c, "127.0.0.1", mports[c.name]) for c in cmds]
+    port_vars.update({mports[c.name]: "EASERVE_METRICS_PORT_" + c.name.upper().replace("-", "_")
+                      for c in cmds if c.stage != "gateway"})
     workers = {f"{s}-{i}": (s, w) for s in STAGES for i, w in enumerate(getattr(d, s))}
     names = {s: [c.name for c in cmds if c.stage == s] for s in STAGES}
     services = {}
@@ -200,8 +223,9 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
                 {"driver": "nvidia", "device_ids": [str(g) for g in gpus], "capabilities": ["gpu"]}]}}}
         elif w is not None and cpu_cores(w.device):
             svc["cpuset"] = cpu_cores(w.device)
+        svc["labels"] = scrape_labels(mports[cmd.name])
         services[cmd.name] = svc
-    doc: dict[str, Any] = {"name": opts.project, "services": services}
+    doc: dict[str, Any] = {"name": opts.project, "services": services, "x-prometheus": _scrape_config(mports)}
     if not model_src.startswith(("/", ".")):
         doc["volumes"] = {model_src: {}}
     return doc
@@ -228,6 +252,14 @@ def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: st
         "stop_grace_period": f"{math.ceil(grace) + 5}s",   # SIGKILL only after the stage's drain
     })
     return svc
+
+
+def _scrape_config(mports: dict[str, int]) -> dict:
+    """A Prometheus `scrape_configs` entry for every process (host networking: all on 127.0.0.1;
+    the default ports, regenerate the file after moving them)."""
+    return {"scrape_configs": [{"job_name": "easerve", "metrics_path": "/metrics", "static_configs": [
+        {"targets": [f"127.0.0.1:{port}"], "labels": {"process": name, "stage": name.rpartition("-")[0] or name}}
+        for name, port in mports.items()]}]}
 
 
 def _model_source(model: str) -> str:

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from hasctl.compose import (MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
-                            replace_flag, served_name)
+                            replace_flag, scrape_labels, served_name)
+from hasctl.autoscale import parse_min_max
 from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, to_commands
 from hasctl.tensor_parallel import check_launchable
 
@@ -47,6 +48,8 @@ STAGE_PORTS = {"encode": 50052, "prefill": 50053, "decode": 50054, "monolith": 5
 _PEER_FLAGS = ("--decode", "--prefill", "--encode")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 GRACE_MARGIN_S = 15
+METRICS_PORT = 9100  # every stage pod's /metrics (encode: /trace too); the gateway's is on its HTTP port
+DESIRED_METRIC = "easerve_desired_instances"  # easerve:desired_instances as the metrics adapter serves it
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class K8sOptions:
     cluster_domain: str = "cluster.local"
     model_claim: str = "easerve-model"     # PVC with the checkpoint, when the deployment names one
     gateway_service_type: str = "ClusterIP"
+    autoscale: tuple[int, int] | None = None  # MIN:MAX replicas of a HorizontalPodAutoscaler per stage
 
     def __post_init__(self) -> None:
         for field in ("namespace", "prefix", "model_claim"):
@@ -66,6 +70,8 @@ class K8sOptions:
                                  f"at most 40 characters), got {value!r}")
         if not self.image:
             raise ValueError("image must name the EAServe image, e.g. registry.example/easerve:0.1")
+        if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
+            raise ValueError(f"autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {self.autoscale}")
         if self.gateway_service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
             raise ValueError(f"gateway_service_type must be ClusterIP, NodePort or LoadBalancer, "
                              f"got {self.gateway_service_type!r}")
@@ -135,6 +141,8 @@ def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str
                     peers += [f"monolith-{i}" for i in range(len(d.monolith))]
                 assert len(peers) == len(value.split(",")), (cmd.name, flag, value)
                 argv = replace_flag(argv, flag, ",".join(dict.fromkeys(names[n] for n in peers)))
+        if cmd.stage != "gateway" and "--metrics-listen" not in argv:
+            argv += ["--metrics-listen", f"0.0.0.0:{METRICS_PORT}"]
         argvs[cmd.name] = argv
     return gs, argvs
 
@@ -222,6 +230,7 @@ def manifests(d: Deployment, opts: K8sOptions = K8sOptions()) -> list[dict]:
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     claim = bool(d.model)
     out: list[dict] = []
+    scaled: set[str] = set()
     if opts.namespace != "default":
         out.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": opts.namespace}})
     out.append({"apiVersion": "v1", "kind": "ConfigMap",
@@ -231,7 +240,9 @@ def manifests(d: Deployment, opts: K8sOptions = K8sOptions()) -> list[dict]:
         labels = {**_labels(d, opts, g.stage), "easerve.io/workload": g.name}
         port = g.port
         argv = argvs[f"{g.stage}-{g.instances[0]}"]
-        pod = _pod_spec(d, opts, g, argv, g.stage, [{"name": "grpc", "containerPort": port}],
+        mport = int(flag_value(argv, "--metrics-listen").rpartition(":")[2])
+        pod = _pod_spec(d, opts, g, argv, g.stage, [{"name": "grpc", "containerPort": port},
+                                                    {"name": "metrics", "containerPort": mport}],
                         grace_s(g.worker.flags), claim)
         out.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(g.name, opts, labels),
                     "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": labels,
@@ -240,10 +251,28 @@ def manifests(d: Deployment, opts: K8sOptions = K8sOptions()) -> list[dict]:
                     "spec": {"serviceName": g.name, "replicas": len(g.instances), "podManagementPolicy": "Parallel",
                              "selector": {"matchLabels": labels},
                              "template": {"metadata": {"labels": labels,
-                                                       "annotations": {"easerve.io/deployment-sha256": digest}},
+                                                       "annotations": {"easerve.io/deployment-sha256": digest,
+                                                                       **scrape_labels(mport)}},
                                           "spec": pod}}})
+        if opts.autoscale is not None and g.stage != "monolith" and g.stage not in scaled:
+            scaled.add(g.stage)  # one per stage, on its first group (any others keep their replicas)
+            out.append(_hpa(g, opts, labels))
     out += _gateway(d, opts, argvs["gateway"], digest, claim)
     return out
+
+
+def _hpa(g: Group, opts: K8sOptions, labels: dict) -> dict:
+    """A HorizontalPodAutoscaler (autoscaling/v2) of the group's StatefulSet on the external
+    metric easerve_desired_instances{stage}: with an AverageValue target of 1 the HPA's desired
+    replicas are the metric's value (the online controller's desired count), within MIN:MAX."""
+    lo, hi = opts.autoscale
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _meta(g.name, opts, labels),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": g.name},
+                     "minReplicas": lo, "maxReplicas": hi,
+                     "metrics": [{"type": "External", "external": {
+                         "metric": {"name": DESIRED_METRIC, "selector": {"matchLabels": {"stage": g.stage}}},
+                         "target": {"type": "AverageValue", "averageValue": "1"}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
 
 
 def _gateway(d: Deployment, opts: K8sOptions, argv: list[str], digest: str, claim: bool) -> list[dict]:
@@ -260,12 +289,14 @@ def _gateway(d: Deployment, opts: K8sOptions, argv: list[str], digest: str, clai
                             {"name": "http", "port": http_port, "targetPort": http_port}]}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, opts, labels),
          "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": labels, "annotations": {"easerve.io/deployment-sha256": digest}},
+                  "template": {"metadata": {"labels": labels, "annotations": {"easerve.io/deployment-sha256": digest,
+                                                                              **scrape_labels(http_port)}},
                                "spec": pod}}},
     ]
 
 
 # ---- the command --------------------------------------------------------------------------------
+
 def add_parser(sub) -> None:
     p = sub.add_parser("k8s", help="write Kubernetes manifests for a deployment")
     src = p.add_mutually_exclusive_group()
@@ -279,6 +310,9 @@ def add_parser(sub) -> None:
                    help="PersistentVolumeClaim holding the deployment's model folder (mounted at /models)")
     p.add_argument("--gateway-service-type", default=K8sOptions.gateway_service_type,
                    choices=["ClusterIP", "NodePort", "LoadBalancer"])
+    p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="a HorizontalPodAutoscaler per stage on easerve_desired_instances{stage} (the encode's "
+                        "--online controller exports it; served by prometheus-adapter, see docs/deploy.md)")
     p.add_argument("--out", default=None, help="a folder: one file per object (default: one stream on stdout)")
     p.set_defaults(func=run)
 
@@ -286,7 +320,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     opts = K8sOptions(namespace=args.namespace, image=args.image, prefix=args.prefix,
                       cluster_domain=args.cluster_domain, model_claim=args.model_claim,
-                      gateway_service_type=args.gateway_service_type)
+                      gateway_service_type=args.gateway_service_type, autoscale=parse_min_max(args.autoscale) if args.autoscale else None)
     objs = manifests(load_deployment(args), opts)
     if args.out is None:
         sys.stdout.write("".join("---\n" + dump(o) for o in objs))

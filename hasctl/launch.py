@@ -57,6 +57,7 @@ class Endpoints:
     grpc: str                     # host:port of the gateway's gRPC API (easerve.Client)
     http: str                     # http://host:port, the OpenAI-compatible API
     stages: dict[str, str] = field(default_factory=dict)  # process name -> host:port
+    metrics: dict[str, str] = field(default_factory=dict)  # process name -> http://host:port of /metrics
 
     @property
     def openai_base_url(self) -> str:
@@ -117,6 +118,13 @@ def _keep_profile(cmd: Command, run_dir: Path) -> Command:
     return dataclasses.replace(cmd, argv=(*cmd.argv, "--partition-profile", str(path)))
 
 
+def _serve_metrics(cmd: Command, host: str) -> Command:
+    """A stage process with `--metrics-listen` on a free port of `host`, unless it has one."""
+    if cmd.stage == "gateway" or "--metrics-listen" in cmd.argv:
+        return cmd
+    return dataclasses.replace(cmd, argv=(*cmd.argv, "--metrics-listen", f"{host}:{free_port(host)}"))
+
+
 @dataclass
 class _Proc:
     cmd: Command
@@ -136,19 +144,20 @@ class Stack:
     def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
                  run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
                  backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None,
-                 tls: Tls = NO_TLS, standby: bool = False):
+                 tls: Tls = NO_TLS, standby: bool = False, metrics: bool = False):
+        """`metrics`: every stage process serves /metrics (encode also /trace) on a free port
+        (`endpoints.metrics`) unless its flags name --metrics-listen (`hasctl up` turns it on)."""
         if not deployment.model:
             raise ValueError("the deployment has no model; call deployment.with_model(path) first")
         self.tls = tls
         if tls.serving:
             deployment = with_tls(deployment, tls)
         self.deployment, self.host, self.restart = deployment, host, restart
-        self.backoff_s, self._env, self.standby = backoff_s, dict(env or {}), standby
+        self.backoff_s, self._env, self.standby, self.metrics = backoff_s, dict(env or {}), standby, metrics
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ports = assign_ports(deployment, host, base_port)
-        cmds = [_keep_profile(c, self.run_dir) for c in to_commands(deployment, host, self.ports,
-                                                                    python or sys.executable)]
+        cmds = [self._extras(c) for c in to_commands(deployment, host, self.ports, python or sys.executable)]
         self._procs = {c.name: _Proc(c, self.run_dir / f"{c.name}.log") for c in cmds}
         self._python = python or sys.executable
         self._next_index = {s: len(getattr(deployment, s)) for s in STAGES}
@@ -160,12 +169,19 @@ class Stack:
         self._supervising = False
         self._thread: threading.Thread | None = None
 
+    def _extras(self, cmd: Command) -> Command:
+        cmd = _keep_profile(cmd, self.run_dir)
+        return _serve_metrics(cmd, self.host or "0.0.0.0") if self.metrics else cmd
+
     # ---- views ------------------------------------------------------------------------------------
     @property
     def endpoints(self) -> Endpoints:
         peer = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        metrics = {n: "http://" + peer + ":" + flag.rpartition(":")[2] for n, p in self._procs.items()
+                   if (flag := _flag(p.cmd.argv, "--metrics-listen"))}
         return Endpoints(grpc=f"{peer}:{self.ports['gateway']}", http=f"http://{peer}:{self.ports['gateway-http']}",
-                         stages={n: f"{peer}:{p.cmd.port}" for n, p in self._procs.items()})
+                         stages={n: f"{peer}:{p.cmd.port}" for n, p in self._procs.items()},
+                         metrics={"gateway": f"http://{peer}:{self.ports['gateway-http']}", **metrics})
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -268,7 +284,7 @@ class Stack:
             self._next_index[stage] += 1
             port = w.port or free_port(self.host)
             cmd = stage_command(self.deployment, stage, w, name, self.host, port, self._addrs(), self._python)
-            p = _Proc(_keep_profile(cmd, self.run_dir), self.run_dir / f"{name}.log", listed=False)
+            p = _Proc(self._extras(cmd), self.run_dir / f"{name}.log", listed=False)
             self._give_peers_file(p)
             self._procs[name], self.ports[name] = p, port
             self._write_peers_files()
@@ -431,6 +447,10 @@ class Stack:
             reclaim_stale()  # the dead one's shm slab, if its resource tracker died with it
             p.restarts += 1
             self._spawn(p)
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

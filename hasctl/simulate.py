@@ -84,10 +84,12 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
 
 
 def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None,
-                   tp_profiles=()):
+                   tp_profiles=(), online=None, requests: list[SimRequest] | None = None):
     """(BenchResult in hasctl bench's fields, the simulator's SimResult). A worker with `tp: k`
-    takes its service times from the profile of `profile` and `tp_profiles` whose tp is k."""
-    result = simulate(topology(d), profile, sim_requests(config, profile), model, tp_profiles)
+    takes its service times from the profile of `profile` and `tp_profiles` whose tp is k.
+    `online`: an easerve.sim.online.OnlineDriver; `requests`: instead of config's seeded workload."""
+    reqs = sim_requests(config, profile) if requests is None else requests
+    result = simulate(topology(d), profile, reqs, model, tp_profiles, online)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--standby", action="store_true",
                    help="keep a pre-imported standby per stage process: a restart after a crash takes seconds, "
                         "not a cold start (costs one idle process's memory per stage process)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not serve each stage's /metrics (and encode's /trace) on the free ports `up` prints")
+    p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="run encode with --online and add / drain instances of each stage to the count it asks "
+                        "for (easerve:desired_instances), within MIN:MAX")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every stage to serve")
     p.set_defaults(func=run)
 
@@ -64,6 +70,13 @@ def resolve(args) -> Deployment:
             d = d.with_flags(stage, dtype=args.dtype)
     if args.served_model_name is not None:
         d = dataclasses.replace(d, served_model_name=args.served_model_name)
+    if getattr(args, "autoscale", None):
+        from hasctl.autoscale import parse_min_max
+        lo, hi = parse_min_max(args.autoscale)
+        from hasctl.autoscale import counts_file
+        args.run_dir = args.run_dir or tempfile.mkdtemp(prefix="easerve-run-")
+        d = d.with_flags("encode", online=True, online_instances=f"{lo}:{hi}",
+                         online_instances_file=str(counts_file(Path(args.run_dir).resolve())))
     if args.api_key_file:
         d = d.with_flags("gateway", api_key_file=str(Path(args.api_key_file).resolve()))
     gw = {k: v for k, v in (("admission", args.admission), ("slo_tier", args.slo_tier),
@@ -93,17 +106,23 @@ def run(args) -> int:
 
     from easerve.rpc.tls import Tls
 
+    from hasctl.autoscale import Autoscaler, parse_min_max
+
+    if args.autoscale and args.no_metrics:
+        raise ValueError("--autoscale reads the encode instances' /metrics: drop --no-metrics")
     tls = Tls(*(str(Path(f).resolve()) if f else "" for f in (args.tls_cert, args.tls_key, args.tls_ca)))
     stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir, tls=tls,
-                  standby=args.standby)
+                  standby=args.standby, metrics=not args.no_metrics)
     _notice_if_tiny(stack.deployment.model)
     print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
-    done = threading.Event()
+    done, scaler = threading.Event(), None
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
         stack.start(timeout=args.startup_timeout)
         _print_endpoints(stack)
         _notice_if_tiny(stack.deployment.model)
+        if args.autoscale:
+            scaler = Autoscaler(stack, parse_min_max(args.autoscale)).start()
         _wait(done, stack)
     except (StageExited, TimeoutError) as e:
         print(f"hasctl up: {e}", file=sys.stderr)
@@ -113,6 +132,8 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         print("stopping...", flush=True)
+        if scaler is not None:
+            scaler.stop()
         stack.stop()
     print(f"stopped; restarts: {stack.restarts}", flush=True)
     return 0
@@ -125,6 +146,9 @@ def _print_endpoints(stack) -> None:
           f"  gRPC        : {e.grpc}   (easerve.Client)", flush=True)
     for name, addr in e.stages.items():
         print(f"  {name:<12}: {addr}", flush=True)
+    for name, url in e.metrics.items():
+        extra = f"   ({url}/trace)" if name.startswith("encode") else ""
+        print(f"  metrics {name:<12}: {url}/metrics{extra}", flush=True)
 
 
 def _wait(done: threading.Event, stack) -> None:

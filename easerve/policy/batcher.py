@@ -204,6 +204,14 @@ class AdaptiveBatcher:
         self._tick(now)
         return self._take("flush", now) if self._queue else None
 
+    def reconfigure(self, config: BatcherConfig) -> None:
+        """Run with new knobs from now on (the online controller's B): what is pending, the rate
+        estimate and the busy worker stay; the gap threshold is recomputed under the new config."""
+        self.config = config
+        self._alpha = config.alpha
+        self._sample_cap = config.gap_ceiling_s / config.gap_coef
+        self._threshold = self._compute_threshold()
+
     def remove(self, item_id: Hashable) -> bool:
         """Drop a pending item (client cancelled). True if it was pending."""
         for i, (iid, _) in enumerate(self._queue):

@@ -22,6 +22,7 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -173,6 +174,10 @@ class SMPartitioner:
     @property
     def levels(self) -> tuple[float, ...]:
         return self.grid.shares if self.grid is not None else policy_levels(self.config)
+
+    def with_tolerance(self, tolerance: float) -> "SMPartitioner":
+        """The same grid and policy at another tolerance (the online controller's)."""
+        return SMPartitioner(self.grid, dataclasses.replace(self.config, tolerance=tolerance))
 
     def choose(self, batch_size: int) -> Allocation:
         if batch_size < 1:

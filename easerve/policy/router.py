@@ -63,6 +63,12 @@ class DeficitRouter(_Counts):
 
     __slots__ = ()
 
+    def retarget(self, s: float) -> None:
+        """Route at fraction `s` from now on (the online controller's s): the counts restart, so
+        the deficit bound holds again over every prefix from this call."""
+        self.s = _check_fraction(s)
+        self.routed = self.remote_count = 0
+
     def route(self) -> Route:
         deficit = self.s * (self.routed + 1) - self.remote_count
         return self._record(deficit >= 0.5)

@@ -76,7 +76,9 @@ class SimResult:
 
 class Sim:
     def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None,
-                 profiles: Sequence[Any] = ()) -> None:
+                 profiles: Sequence[Any] = (), online=None) -> None:
+        """`profiles`: for instances of another tensor-parallel degree; `online`: an
+        easerve.sim.online.OnlineDriver that re-tunes (and sizes) the deployment as it runs."""
         self.topology = topology
         self.model = ServiceModel(profile, model_config or ModelConfig(), profiles)
         for stage in ("encode", "prefill", "decode", "monolith"):
@@ -103,6 +105,11 @@ class Sim:
             c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device, c.tp, o.tp)]
         self._computes = computes
         self.outcomes: list[Req] = []
+        self.online = online
+
+    def add_computes(self, computes: list) -> None:
+        """Workers of an instance added while running (their neighbours already set)."""
+        self._computes.extend(computes)
 
     # ---- request ends ----------------------------------------------------------------------------
     def complete(self, req: Req) -> None:
@@ -140,6 +147,8 @@ class Sim:
         reqs = [Req(r, self.model.media_tokens(r.modality, r.media)) for r in requests]
         for r in reqs:
             self.events.at(r.spec.arrival_s, self.gateway.arrive, r)
+        if self.online is not None:
+            self.online.start(self, reqs)
         self.events.run()
         end = max((r.end for r in reqs if r.end is not None), default=0.0)  # not the last (stale) timeout
         wall = time.perf_counter() - wall0
@@ -165,7 +174,8 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig | None = None, profiles: Sequence[Any] = ()) -> SimResult:
+             model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None) -> SimResult:
     """Run `requests` through `topology` with service times from `profile` (and, for instances of
-    another tensor-parallel degree, from the one of `profiles` taken with it)."""
-    return Sim(topology, profile, model_config, profiles).run(requests)
+    another tensor-parallel degree, from the one of `profiles` taken with it); `online`: an
+    easerve.sim.online.OnlineDriver."""
+    return Sim(topology, profile, model_config, profiles, online).run(requests)

@@ -52,7 +52,8 @@ class Compute:
 
 def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
     """The instance of least outstanding work (the live `Peers` placement)."""
-    cands = [Candidate(str(i), True, inst.outstanding, 0, inst.capacity) for i, inst in enumerate(instances)]
+    cands = [Candidate(str(i), not getattr(inst, "draining", False), inst.outstanding, 0, inst.capacity)
+             for i, inst in enumerate(instances)]  # a draining instance (easerve/sim/online.py) takes no new work
     key = policy.choose(cands, exclude)
     return None if key is None else instances[int(key)]
 

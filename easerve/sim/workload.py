@@ -5,6 +5,7 @@ so a simulated run and `hasctl bench` replay the same schedule; tests build them
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
@@ -26,3 +27,20 @@ class SimRequest:
     @property
     def has_media(self) -> bool:
         return self.modality != "text"
+
+
+def piecewise_poisson(segments: list[tuple[float, float]], seed: int = 0) -> list[float]:
+    """Arrival times of a Poisson process whose rate is constant over each (duration_s, rate)
+    segment in turn: a rate step is a few segments, a diurnal curve many short ones."""
+    rng, out, start = random.Random(seed), [], 0.0
+    for duration, rate in segments:
+        if not duration >= 0 or not rate >= 0:
+            raise ValueError(f"a segment needs duration >= 0 and rate >= 0, got ({duration}, {rate})")
+        t, end = start, start + duration
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= end:
+                break
+            out.append(t)
+        start = end
+    return out

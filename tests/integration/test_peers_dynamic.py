@@ -30,8 +30,10 @@ class ClientLoad:
     """`workers` threads sending requests back to back (every 4th of worker 0 with an image),
     counting what was sent, what completed and each failure."""
 
-    def __init__(self, target: str, workers: int = 3, max_tokens: int = 4, all_images: bool = False):
+    def __init__(self, target: str, workers: int = 3, max_tokens: int = 4, all_images: bool = False,
+                 image_size: tuple[int, int] = (40, 48)):
         self.client, self.max_tokens, self.all_images = Client(target, timeout=120), max_tokens, all_images
+        self.image_size = image_size
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.sent = self.ok = self.images_ok = 0
@@ -53,7 +55,7 @@ class ClientLoad:
         k = 0
         while not self.stop.is_set():
             image = self.all_images or (w == 0 and k % 4 == 3)
-            kw = {"images": [png_bytes(40, 48, k)], "prompt": "What is this?"} if image else \
+            kw = {"images": [png_bytes(*self.image_size, k)], "prompt": "What is this?"} if image else \
                 {"prompt": f"Count to {k} please"}
             with self.lock:
                 self.sent += 1

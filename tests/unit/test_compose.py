@@ -24,7 +24,7 @@ from hasctl.launch import assign_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_FILE, CPU_FILE = ROOT / "docker-compose.yml", ROOT / "docker-compose.cpu.yml"
-ADDED = ("--kv-transport", "--served-model-name")  # flags compose sets when the deployment leaves them out
+ADDED = ("--kv-transport", "--served-model-name", "--metrics-listen")  # flags compose sets when the deployment leaves them out
 
 
 def _interpolate(value):
@@ -227,3 +227,20 @@ def test_healthcheck_exit_code_follows_serving(health_server, capsys):
     assert "SERVICE_UNKNOWN" in capsys.readouterr().out
     assert healthcheck.main(["127.0.0.1:1", "--timeout", "1"]) == 1
     assert "UNREACHABLE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_service_serves_metrics_where_its_scrape_labels_and_config_say(name):
+    doc = _interpolate(compose_dict(CASES[name], ComposeOptions(base_port=41000)))
+    targets = {c["labels"]["process"]: c["targets"] for c in doc["x-prometheus"]["scrape_configs"][0]["static_configs"]}
+    assert set(targets) == set(doc["services"])
+    for proc, svc in doc["services"].items():
+        labels, cmd = svc["labels"], svc["command"]
+        assert labels["prometheus.io/scrape"] == "true" and labels["prometheus.io/path"] == "/metrics"
+        listen = _flag(cmd, "--metrics-listen") or _flag(cmd, "--http-listen")  # the gateway: its HTTP port
+        port = listen.rpartition(":")[2]
+        assert labels["prometheus.io/port"] == port and targets[proc] == [f"127.0.0.1:{port}"]
+        if proc != "gateway":
+            assert listen.startswith("127.0.0.1:")
+    ports = [int(s["labels"]["prometheus.io/port"]) for s in doc["services"].values()]
+    assert len(set(ports)) == len(ports)

@@ -167,7 +167,10 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
           "peer-refresh-s": 2.0, "admission": "reject", "slo-tier": "tight", "priority": "batch",
           "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512,
-          "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32}
+          "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32,
+          "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
+          "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,
+          "online-instances-file": "/tmp/instances.json", "online-util": "0.3:0.6:0.9"}
 
 
 def _parse(stage: str, argv: list[str]):

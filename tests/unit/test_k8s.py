@@ -10,7 +10,7 @@ import yaml
 from hasctl.cli import main as hasctl_main
 from hasctl.compose import grace_s
 from hasctl.deployment import HEALTH_SERVICES, PRESETS, STAGES, Deployment, Worker, to_commands
-from hasctl.k8s import STAGE_PORTS, K8sOptions, manifests
+from hasctl.k8s import DESIRED_METRIC, METRICS_PORT, STAGE_PORTS, K8sOptions, manifests
 
 kv = pytest.importorskip("kubernetes_validate")
 K8S_VERSION = kv.utils.latest_version()
@@ -39,6 +39,9 @@ def _mask(argv, device_map=lambda d: d):
     """argv with every address list masked (a pod names a Service, the launcher each instance),
     and the device mapped."""
     out = list(argv)
+    if "--metrics-listen" in out:  # every stage pod serves /metrics on METRICS_PORT (the launcher: only if asked)
+        i = out.index("--metrics-listen")
+        del out[i:i + 2]
     for i in range(1, len(out)):
         if out[i - 1] in ADDR_FLAGS:
             out[i] = "<addresses>"
@@ -197,3 +200,43 @@ def test_cli_reports_a_bad_deployment_file(tmp_path, capsys):
     bad.write_text("decode: [{device: tpu}]\n")
     assert hasctl_main(["k8s", "--deployment", str(bad)]) == 2
     assert "decode[0].device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_pod_is_annotated_for_prometheus_on_the_port_it_serves_metrics_on(name):
+    objs = manifests(CASES[name], K8sOptions())
+    for o in _by_kind(objs, "StatefulSet") + _by_kind(objs, "Deployment"):
+        tmpl = o["spec"]["template"]
+        ann, (c,) = tmpl["metadata"]["annotations"], tmpl["spec"]["containers"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+        if "--metrics-listen" in c["command"]:
+            assert c["command"][c["command"].index("--metrics-listen") + 1] == f"0.0.0.0:{METRICS_PORT}"
+            assert {"name": "metrics", "containerPort": METRICS_PORT} in c["ports"]
+            assert ann["prometheus.io/port"] == str(METRICS_PORT)
+        else:  # the gateway: /metrics on its HTTP port
+            assert ann["prometheus.io/port"] == str(CASES[name].gateway.http_port)
+
+
+@pytest.mark.parametrize("name", ["2x3x3", "default", "colocated"])
+def test_autoscale_writes_a_valid_hpa_per_stage_on_desired_instances(name):
+    objs = manifests(CASES[name], K8sOptions(autoscale=(1, 4)))
+    hpas = _by_kind(objs, "HorizontalPodAutoscaler")
+    for o in hpas:
+        kv.validate(o, K8S_VERSION, strict=True)
+    stages = [o["metadata"]["labels"]["app.kubernetes.io/component"] for o in hpas]
+    assert sorted(stages) == sorted({s for s in STAGES if s != "monolith" and getattr(CASES[name], s)})
+    sts = {o["metadata"]["name"] for o in _by_kind(objs, "StatefulSet")}
+    for o, stage in zip(hpas, stages):
+        spec = o["spec"]
+        assert spec["scaleTargetRef"]["kind"] == "StatefulSet" and spec["scaleTargetRef"]["name"] in sts
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (1, 4)
+        (m,) = spec["metrics"]
+        assert m["external"]["metric"] == {"name": DESIRED_METRIC, "selector": {"matchLabels": {"stage": stage}}}
+        assert m["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    assert not _by_kind(manifests(CASES[name], K8sOptions()), "HorizontalPodAutoscaler")
+
+
+@pytest.mark.parametrize("bad", ["3", "0:2", "4:2", "a:b"])
+def test_autoscale_flag_says_what_to_write(bad, capsys):
+    assert hasctl_main(["k8s", "--preset", "default", "--autoscale", bad]) == 2
+    assert "--autoscale must be MIN:MAX" in capsys.readouterr().err

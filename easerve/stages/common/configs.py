@@ -31,6 +31,7 @@ from easerve.fields import (Addresses, Device, Fraction, HostPort, NonNegFloat, 
 from easerve.partition.backends import Preference
 from easerve.policy.admission import AdmissionMode, Priority, TierName
 from easerve.policy.batcher import BatchMode, BatcherConfig
+from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
 from easerve.transport import KVTransportKind
@@ -166,6 +167,47 @@ class EncodeConfig(PrefillFields, StageConfig):
     encoder_cache_gb: NonNegFloat = opt(1.0, "encoder-output cache: GB of embeddings held (LRU by bytes, on the "
                                         "encode device) for media seen again; 0 turns it off",
                                         note="0 turns the cache off")
+    online: bool = opt(False, "online controller: re-tune B, s and the partition tolerance from sliding-window "
+                       "load estimates (within the --online-* bounds), log each change with its reason, export "
+                       "easerve:online_changes_total and easerve:desired_instances")
+    online_batch: str = opt("1:32", "MIN:MAX bounds of B for --online")
+    online_remote_fraction: str = opt("0:1", "MIN:MAX bounds of s for --online (with --colocate-prefill)")
+    online_tolerance: str = opt("0:0.5", "MIN:MAX bounds of the partition tolerance for --online")
+    online_instances: str = opt("1:1", "MIN:MAX instances per stage easerve:desired_instances may ask for")
+    online_instances_file: str = opt("", "JSON {stage: instances} kept by the launcher (hasctl up --autoscale): "
+                                     "how many encode instances share the load, for --online's desired count")
+    online_util: str = opt("0.4:0.7:0.85", "LOW:TARGET:HIGH utilization of --online: B grows and instances are "
+                           "added above HIGH, B shrinks and instances go below LOW, a stage is sized for TARGET")
+    online_window_s: PosFloat = opt(20.0, "sliding window of --online's estimates (seconds)")
+    online_dwell_s: PosFloat = opt(30.0, "--online changes a knob at most once per this many seconds")
+
+    @cached_property
+    def online_config(self) -> OnlineConfig:
+        """The online controller's config, from the --online-* flags."""
+        def pair(flag: str, value: str, kind):
+            try:
+                lo, hi = (kind(x) for x in value.split(":"))
+            except ValueError:
+                raise ValueError(f"--{flag} must be MIN:MAX, got {value!r}") from None
+            return lo, hi
+        (b0, b1), (s0, s1) = pair("online-batch", self.online_batch, int), \
+            pair("online-remote-fraction", self.online_remote_fraction, float)
+        (t0, t1), (n0, n1) = pair("online-tolerance", self.online_tolerance, float), \
+            pair("online-instances", self.online_instances, int)
+        try:
+            low, target, high = (float(x) for x in self.online_util.split(":"))
+        except ValueError:
+            raise ValueError(f"--online-util must be LOW:TARGET:HIGH, got {self.online_util!r}") from None
+        with flags_for(min_batch="--online-batch", max_batch="--online-batch",
+                       min_remote_fraction="--online-remote-fraction", max_remote_fraction="--online-remote-fraction",
+                       min_tolerance="--online-tolerance", max_tolerance="--online-tolerance",
+                       min_instances="--online-instances", max_instances="--online-instances",
+                       window_s="--online-window-s", dwell_s="--online-dwell-s", low_util="--online-util",
+                       target_util="--online-util", high_util="--online-util"):
+            bounds = OnlineBounds(b0, b1, s0, s1, t0, t1, n0, n1)
+            return OnlineConfig(bounds=bounds, window_s=self.online_window_s, dwell_s=self.online_dwell_s,
+                                reversal_dwell_s=4 * self.online_dwell_s, colocated=self.colocate_prefill,
+                                low_util=low, target_util=target, high_util=high)
 
     @cached_property
     def batcher(self) -> BatcherConfig:
@@ -182,7 +224,7 @@ class EncodeConfig(PrefillFields, StageConfig):
             return PartitionerConfig(policy=self.partition_policy, tolerance=self.partition_tolerance)
 
     def _check(self) -> None:
-        self.batcher, self.partitioner  # built now: a bad flag fails the parse
+        self.batcher, self.partitioner, self.online_config  # built now: a bad flag fails the parse
         if self.batch_mode == "request_at_a_time" and self.max_batch != 1:
             raise ValueError(f"--batch-mode request_at_a_time takes --max-batch 1, got {self.max_batch}")
         if not self.colocate_prefill and not self.prefill:
@@ -220,6 +262,8 @@ class MonolithConfig(EngineConfig, EncodeConfig):
     def _check(self) -> None:
         EncodeConfig._check(self)
         self._check_engine()
+        if self.online:
+            raise ValueError("--online runs in the encode service only; drop it from the monolith")
 
 
 @dataclass(frozen=True)

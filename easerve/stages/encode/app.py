@@ -28,6 +28,8 @@ from easerve.stages.encode.colocate import build_controller
 from easerve.stages.encode.profiler import synthetic_item
 from easerve.stages.encode.metrics import CacheMetrics, EncodeMetrics
 from easerve.stages.encode.servicer import EncodeServicer
+from easerve.stages.encode.online import OnlineTask
+from easerve.policy.online import Knobs
 
 
 def _prefill_share(alloc) -> float:
@@ -64,6 +66,8 @@ class Encoder:
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
                                        self.remote, self.metrics, cfg.max_inflight, cache=self.cache,
                                        route=self._route())
+        self.online = self._online()
+        self.servicer.online = self.online
 
     def _route(self) -> PrefixRoute | None:
         """Prefix-cache placement among the remote prefill instances (their cache is on unless
@@ -71,6 +75,15 @@ class Encoder:
         if self.cfg.prefix_cache is None:
             return None
         return PrefixRoute(self.cfg.prefix_block_tokens, self.adapter.placeholder_ids)
+
+    def _online(self) -> OnlineTask | None:
+        c = self.cfg
+        if not c.online:
+            return None
+        return OnlineTask(c.online_config, Knobs(c.max_batch, c.remote_fraction, c.partition_tolerance), self.clock,
+                          batcher=self.loop.batcher, router=self.servicer.router, partition=self.controller,
+                          metrics=self.metrics, remote=self.remote, queued=lambda: self.loop.queued,
+                          registry=self.metrics.registry, instances_file=c.online_instances_file)
 
     def _cache(self) -> EmbeddingCache | None:
         if self.cfg.encoder_cache_gb == 0:
@@ -124,6 +137,8 @@ class Encoder:
             self.local.start()
         self.remote.start()
         self.loop.start()
+        if self.online is not None:
+            self.online.start()
 
     async def start_http(self):
         return await start_metrics_server(self.cfg.metrics_listen, self.metrics.registry,
@@ -131,6 +146,8 @@ class Encoder:
                                           before_scrape=self.metrics.refresh)
 
     async def stop(self) -> None:
+        if self.online is not None:
+            await self.online.stop()
         await self.loop.stop()
         await self.remote.close()
         if self.local is not None:

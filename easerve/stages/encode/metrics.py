@@ -38,6 +38,7 @@ class EncodeMetrics:
                               "1 when the SM backend partitions less than asked (see /partition 'degraded')",
                               registry=r)
         self.trace = UtilizationTrace()
+        self.busy_s = {"encode": 0.0, "prefill": 0.0}  # cumulative busy seconds (the online controller's input)
         self._routes = {"local": 0, "remote": 0}
 
     def on_batch(self, dispatch, n_requests: int, start: float, end: float, share: float = 1.0) -> None:
@@ -46,6 +47,7 @@ class EncodeMetrics:
         self.encode_time.observe(end - start)
         self.share.observe(share)
         self.trace.record("encode", start, end, share, n_requests)
+        self.busy_s["encode"] += end - start
 
     def on_partition(self, backend: str, policy: str, degraded: str) -> None:
         self.partition.labels(backend=backend, policy=policy).set(1)
@@ -56,6 +58,7 @@ class EncodeMetrics:
 
     def on_prefill(self, start: float, end: float, share: float) -> None:
         self.trace.record("prefill", start, end, share)
+        self.busy_s["prefill"] += end - start
 
     def on_route(self, route: str) -> None:
         self.routed.labels(route=route).inc()

@@ -32,6 +32,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         self.loop, self.router, self.local, self.remote, self.m = loop, router, local_stage, remote, metrics
         self.limit = InflightLimit(max_inflight, "encode")
         self.cache, self.route = cache, route
+        self.online = None  # an easerve.stages.encode.online.OnlineTask with --online: told of each arrival
 
     @grpc_errors
     async def Holds(self, request, context):
@@ -72,6 +73,8 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         items = await asyncio.to_thread(lambda: [media_item_from_proto(m) for m in request.items])
         if not items:
             raise InvalidRequest("an encode request needs at least one media item; send text-only requests to prefill")
+        if self.online is not None:
+            self.online.arrival(items[0].modality)
         sampling = sampling_from_proto(request.sampling)
         res = await self._embed(rid, items, request.meta)
         deadline.check("encode")
