@@ -69,7 +69,9 @@ def reads(log_path) -> list[tuple[int, int, set[str]]]:
     return out
 
 
-@pytest.mark.parametrize("family", list(ROLE_MODULES))
+# qwen2.5-vl in the main suite; the other families (~25 s each) with the long tests
+@pytest.mark.parametrize("family", [f if f == "qwen2.5-vl" else pytest.param(f, marks=pytest.mark.load)
+                                    for f in ROLE_MODULES])
 def test_hasctl_up_serves_the_published_layout(tiny_root, tmp_path, family):
     model = str(cached_tiny(family, tiny_root, layout="published"))
     proc, base = start_up(model, tmp_path)

@@ -128,6 +128,7 @@ def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], no
     return added
 
 
+@pytest.mark.load  # ~1 min; the decode drain test below keeps the same path in the main suite
 def test_a_prefill_instance_added_then_drained_and_removed_under_load_fails_no_request(tiny_root):
     """Twice: first with the launcher's notice (callers stop sending before the drain), then
     with none (calls that reach the draining instance are refused and placed on the other)."""

@@ -161,6 +161,7 @@ def test_best_file_is_consumed_by_compose(tuned, tmp_path):
             assert services[f"{stage}-{i}"]["cpuset"] == w.device.removeprefix("cpu:")
 
 
+@pytest.mark.load  # ~40 s of live trials
 def test_sigint_leaves_nothing_and_a_rerun_continues(tuned):
     run_dir = tuned["tmp"] / "run-int"
     proc = tune(tuned["model"], tuned["storage"], run_dir, "--trials", "2")

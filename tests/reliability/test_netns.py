@@ -145,6 +145,7 @@ def client(ns: str, env: dict, *args: str, timeout: float = 120) -> list[dict]:
     return lines
 
 
+@pytest.mark.load  # ~30 s; a cut link, with the long fault tests
 def test_stages_in_separate_namespaces_survive_a_cut_link(tmp_path):
     why = _cannot_make_namespaces()
     if why:
