@@ -134,8 +134,8 @@ WRONG = {  # field -> values of the wrong type
     "model": [123, ["m"], {}, "not-this-model"],
     "stream_options": ["usage", {"include_usage": "yes"}],
     "logprobs": ["yes", 3],
-    "tools": [[{"type": "function"}]],
-    "response_format": [{"type": "json_object"}],
+    "tools": [[{"type": "function"}], "f", [{"type": "function", "function": {"name": 5}}]],
+    "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 1}],
     "n": ["2"],
 }
 COMP_WRONG = {"prompt": [None, 5, [], [[]], ["a", "b"], [1.5], [-1], [True], {}, "", [[1], [2]]],
