@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from easerve.stages.common.configs import STAGE_CONFIGS, check_device, cpu_cores, flag_kind, tunable_flags, to_argv
+from easerve.stages.common.configs import STAGE_CONFIGS, check_device, cpu_cores
+
+from easerve.stages.common.argv import flag_kind, tunable_flags, to_argv
 from hasctl.tensor_parallel import check_groups, check_launchable, check_tp
 
 STAGES = ("decode", "prefill", "encode", "monolith")  # launch order; the gateway starts last

@@ -56,7 +56,9 @@ def test_every_stage_takes_dtype(stage):
 
     from easerve.stages.common.cli import dtype_of
 
-    from easerve.stages.common.configs import STAGE_CONFIGS, from_argv
+    from easerve.stages.common.configs import STAGE_CONFIGS
+
+    from easerve.stages.common.argv import from_argv
 
     extra = {"decode": [], "prefill": ["--decode", "h:1"], "encode": ["--prefill", "h:1"],
              "gateway": ["--prefill", "h:1", "--decode", "h:2"]}[stage]

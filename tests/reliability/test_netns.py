@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from easerve.models.tiny import cached_tiny
-from easerve.stages.common.configs import DecodeConfig, EncodeConfig, GatewayConfig, PrefillConfig, to_argv
+from easerve.stages.common.configs import DecodeConfig, EncodeConfig, GatewayConfig, PrefillConfig
+from easerve.stages.common.argv import to_argv
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ from easerve import Client
 from easerve.errors import MessageTooLarge, Unauthenticated
 from easerve.healthcheck import check
 from easerve.models.tiny import cached_tiny
-from easerve.stages.common.configs import STAGE_CONFIGS, GatewayConfig, from_argv
+from easerve.stages.common.configs import STAGE_CONFIGS, GatewayConfig
+from easerve.stages.common.argv import from_argv
 from hasctl.deployment import preset, to_commands
 from hasctl.launch import Stack, assign_ports
 from easerve.stages.gateway.auth import ApiKeys, read_key_file

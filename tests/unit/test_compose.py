@@ -187,7 +187,8 @@ def test_stage_commands_pass_the_stage_parsers(files):
         stage = name.rpartition("-")[0] if name != "gateway" else "gateway"
         cmd = s["command"]
         assert cmd[:3] == ["python", "-m", f"services.{stage}"]
-        from easerve.stages.common.configs import STAGE_CONFIGS, from_argv
+        from easerve.stages.common.configs import STAGE_CONFIGS
+        from easerve.stages.common.argv import from_argv
         cfg = from_argv(STAGE_CONFIGS[stage], stage, cmd[3:])  # SystemExit on a flag the stage does not know
         assert cfg.model == "/models"
 

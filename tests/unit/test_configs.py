@@ -11,8 +11,8 @@ from easerve.partition import backends
 from easerve.policy import batcher, partitioner
 from easerve.policy.batcher import BatcherConfig
 from easerve.policy.partitioner import PartitionerConfig
-from easerve.stages.common.configs import (STAGE_CONFIGS, EncodeConfig, GatewayConfig, PrefillConfig, from_argv,
-                                           parser)
+from easerve.stages.common.argv import from_argv, parser
+from easerve.stages.common.configs import STAGE_CONFIGS, EncodeConfig, GatewayConfig, PrefillConfig
 
 ENCODE = ["--model", "m", "--prefill", "h:1"]
 

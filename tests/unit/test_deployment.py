@@ -174,7 +174,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
 
 
 def _parse(stage: str, argv: list[str]):
-    from easerve.stages.common.configs import STAGE_CONFIGS, from_argv
+    from easerve.stages.common.configs import STAGE_CONFIGS
+    from easerve.stages.common.argv import from_argv
     return from_argv(STAGE_CONFIGS[stage], stage, argv)  # argparse exits (SystemExit) on an unknown flag
 
 
@@ -222,7 +223,8 @@ def test_deployment_flags_are_the_stage_configs_own(stage):
     import dataclasses
 
     from easerve.fields import is_flag
-    from easerve.stages.common.configs import STAGE_CONFIGS, parser
+    from easerve.stages.common.configs import STAGE_CONFIGS
+    from easerve.stages.common.argv import parser
     every = dataclasses.fields(STAGE_CONFIGS[stage])
     fields = {f.name.replace("_", "-"): f for f in every if is_flag(f)}
     options = {o[2:] for a in parser(STAGE_CONFIGS[stage], stage)._actions for o in a.option_strings

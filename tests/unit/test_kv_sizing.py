@@ -6,7 +6,8 @@ import torch
 from easerve.engine.attention import paged_kernel_available, paged_kv_indices, select_attention
 from easerve.engine.config import DEFAULT_KV_TOKENS, GIB, EngineConfig, KVGeometry, default_cpu_kv_bytes, gpu_kv_budget
 from easerve.engine.kv_pool import KVLayout
-from easerve.stages.common.configs import DecodeConfig, from_argv
+from easerve.stages.common.configs import DecodeConfig
+from easerve.stages.common.argv import from_argv
 
 
 def parse(argv):

@@ -7,7 +7,8 @@ import os
 import sys
 
 from easerve.rpc.server import run
-from easerve.stages.common.configs import cpu_cores, from_argv
+from easerve.stages.common.configs import cpu_cores
+from easerve.stages.common.argv import from_argv
 
 
 def setup_process(cfg) -> None:
