@@ -12,6 +12,7 @@ certificate or a CA is given, plaintext otherwise.
 """
 from __future__ import annotations
 
+import asyncio
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,19 @@ def aio_channel(target: str, options: Sequence = (), tls: Tls = NO_TLS) -> grpc.
     if tls.calling:
         return grpc.aio.secure_channel(target, tls.channel_credentials(), options=list(options))
     return grpc.aio.insecure_channel(target, options=list(options))
+
+
+async def connected(channel: grpc.aio.Channel, wait_s: float) -> bool:
+    """Whether `channel` is connected, waiting up to `wait_s` for it: a call made on a channel
+    still in reconnect backoff (from an attempt before its peer listened) fails at once with
+    the old error."""
+    if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+        return True
+    try:
+        await asyncio.wait_for(channel.channel_ready(), wait_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def sync_channel(target: str, options: Sequence = (), tls: Tls = NO_TLS) -> grpc.Channel:

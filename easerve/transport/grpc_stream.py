@@ -27,7 +27,7 @@ import torch
 from easerve.wire import codec
 from easerve.rpc.errors import from_rpc_error, grpc_errors
 from easerve.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, Unavailable
-from easerve.rpc.tls import NO_TLS, Tls, aio_channel
+from easerve.rpc.tls import NO_TLS, Tls, aio_channel, connected
 from easerve.transport.base import KVTransport
 from easerve.transport.handles import GrpcHandle, Handle
 from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
@@ -183,18 +183,13 @@ class GrpcStreamTransport(KVTransport):
     async def _connected(self, key: str, timeout: float | None) -> None:
         """Return once the channel to the receiver is connected: Unavailable naming it when
         that takes longer than connect_s, DeadlineExceeded when the call's timeout ends first."""
-        ch = self._channel
-        if ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
-            return
         wait = self.config.connect_s if timeout is None else min(self.config.connect_s, timeout)
-        try:
-            await asyncio.wait_for(ch.channel_ready(), wait)
-        except asyncio.TimeoutError:
+        if not await connected(self._channel, wait):
             if timeout is not None and timeout <= self.config.connect_s:
                 raise DeadlineExceeded(f"KV push {key!r} to {self.peer}: no answer within {timeout} s "
-                                       f"(not connected)") from None
+                                       f"(not connected)")
             raise Unavailable(f"KV push {key!r} to {self.peer}: receiver unreachable "
-                              f"(not connected within {wait:g} s)") from None
+                              f"(not connected within {wait:g} s)")
 
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
         self._expect(handle, GrpcHandle)

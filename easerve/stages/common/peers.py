@@ -30,7 +30,7 @@ from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
 from easerve.rpc.errors import from_rpc_error
 from easerve.errors import MessageTooLarge, Unavailable
-from easerve.rpc.tls import NO_TLS, Tls, aio_channel
+from easerve.rpc.tls import NO_TLS, Tls, aio_channel, connected
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 
@@ -225,15 +225,7 @@ class Peers:
         """Wait up to `ready_s` for our channel to `addr` to connect; whether it did. A call
         made on a channel still in reconnect backoff fails at once with the old error."""
         p = self.get(addr)
-        if p is None:
-            return False
-        if p.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
-            return True
-        try:
-            await asyncio.wait_for(p.channel.channel_ready(), ready_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return p is not None and await connected(p.channel, ready_s)
 
     # ---- placement -------------------------------------------------------------------------
     def pick(self, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> Peer:
