@@ -25,6 +25,13 @@ live vs simulated, per modality and rate, averaged) and "cells" (the per-cell fi
   python bench/sim_fidelity.py                           # image, 5 deployments x 3 rates, 30 requests
   python bench/sim_fidelity.py --modalities image,audio  # adds Ultravox
   python bench/sim_fidelity.py --quick                   # tiny checkpoint, 2 deployments x 1 rate
+  python bench/sim_fidelity.py --resim runs/sim-fidelity  # re-simulate a finished run's cells (seconds)
+
+--resim DIR runs no live stack and measures nothing: it re-simulates every cell of a finished run
+folder DIR (DIR/<modality>/<deployment>/live-<rate>.json, with DIR's profile) with the current
+simulator on the very BenchConfig each live cell recorded (seed, rate, workload, SLO), rewrites
+the sim-<rate>.json files, fidelity.md and fidelity.json there, and prints the same table and
+last line. Copy the folder first to keep its earlier simulated files.
 """
 from __future__ import annotations
 
@@ -66,6 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "sim-fidelity"),
                     help="run folder (a profile found there is reused)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resim", default=None, metavar="DIR",
+                    help="re-simulate the cells of the finished run folder DIR with the current simulator (no live run)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny checkpoint, `hasctl profile --quick`, default and monolith at S, 6 requests")
     args = ap.parse_args(argv)
@@ -158,14 +167,20 @@ def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: 
     return out
 
 
-def sim_cell(args, d: Deployment, profile, spec: WorkloadSpec, slo, rate: float, run_dir: Path) -> dict:
+def sim_cell(d: Deployment, profile, config: BenchConfig, run_dir: Path) -> dict:
     from hasctl.simulate import ENDPOINT, run_simulation
-    bench, sim = run_simulation(d, profile, bench_config(args, spec, slo, rate, d.name))
+    bench, sim = run_simulation(d, profile, config)
     doc = bench.to_dict()
     doc["endpoint"] = ENDPOINT
     doc["simulated"] = {"sim_seconds": sim.sim_seconds, "wall_seconds": sim.wall_seconds, "events": sim.events}
-    (run_dir / f"sim-{rate:g}.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    (run_dir / f"sim-{config.rate:g}.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return bench.metrics
+
+
+def cell(load: float, live: dict, sim: dict) -> dict:
+    keep = lambda m: {k: m.get(k) for k, _ in FIELDS} | {"completed": m.get("completed"),  # noqa: E731
+                                                        "failed": m.get("failed")}
+    return {"load": load, "live": keep(live), "sim": keep(sim), "err": cell_errors(live, sim)}
 
 
 def brief(m: dict) -> str:
@@ -214,8 +229,6 @@ def cell_errors(live: dict, sim: dict) -> dict:
 def summarize(cells: dict) -> dict:
     """The last-line figures from the cells {modality: {rate: {deployment: {live, sim, err}}}}."""
     flat = [c for by_rate in cells.values() for by_dep in by_rate.values() for c in by_dep.values()]
-    good = [c["err"]["request_goodput"] for c in flat if c["err"]["request_goodput"] is not None]
-    ttft = [c["err"]["median_ttft_ms"] for c in flat if c["err"]["median_ttft_ms"] is not None]
     taus = []
     for by_rate in cells.values():
         for by_dep in by_rate.values():
@@ -224,12 +237,25 @@ def summarize(cells: dict) -> dict:
                 taus.append(kendall_tau([by_dep[n]["live"]["request_goodput"] or 0.0 for n in names],
                                         [by_dep[n]["sim"]["request_goodput"] or 0.0 for n in names]))
     known = [t for t in taus if t is not None]
-    r = lambda v: None if v is None else round(v, 4)  # noqa: E731
-    return {"goodput_rel_err_median": r(statistics.median(good)) if good else None,
-            "goodput_rel_err_max": r(max(good)) if good else None,
-            "ttft_p50_rel_err_median": r(statistics.median(ttft)) if ttft else None,
-            "rank_agreement": r(statistics.mean(known)) if known else None,
-            "rank_rates": len(taus), "rank_rates_all_tied": len(taus) - len(known)}
+    return {**error_figures(flat), "rank_agreement": _r(statistics.mean(known)) if known else None,
+            "rank_rates": len(taus), "rank_rates_all_tied": len(taus) - len(known),
+            "by_deployment": {name: error_figures([c for by_rate in cells.values() for by_dep in by_rate.values()
+                                                   for n, c in by_dep.items() if n == name])
+                              for name in dict.fromkeys(n for by_rate in cells.values() for by_dep in by_rate.values()
+                                                        for n in by_dep)}}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+def error_figures(cells: list[dict]) -> dict:
+    """Median and max goodput error and median TTFT P50 error over `cells`."""
+    good = [c["err"]["request_goodput"] for c in cells if c["err"]["request_goodput"] is not None]
+    ttft = [c["err"]["median_ttft_ms"] for c in cells if c["err"]["median_ttft_ms"] is not None]
+    return {"goodput_rel_err_median": _r(statistics.median(good)) if good else None,
+            "goodput_rel_err_max": _r(max(good)) if good else None,
+            "ttft_p50_rel_err_median": _r(statistics.median(ttft)) if ttft else None}
 
 
 def table(cells: dict, meta: dict) -> str:
@@ -271,12 +297,9 @@ def run_modality(args, modality: str, say) -> tuple[dict, dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         live = live_cells(args, d, model, spec, slo, rates, run_dir, say)
         for load, rate in zip(args.loads, rates):
-            sim = sim_cell(args, d, profile, spec, slo, rate, run_dir)
+            sim = sim_cell(d, profile, bench_config(args, spec, slo, rate, d.name), run_dir)
             say(f"  sim  {d.name:12s} {rate:6.3f} req/s: {brief(sim)}")
-            keep = lambda m: {k: m.get(k) for k, _ in FIELDS} | {"completed": m.get("completed"),  # noqa: E731
-                                                                  "failed": m.get("failed")}
-            cells[rate][d.name] = {"load": load, "live": keep(live[rate]), "sim": keep(sim),
-                                   "err": cell_errors(live[rate], sim)}
+            cells[rate][d.name] = cell(load, live[rate], sim)
     meta = {"family": FAMILIES[modality], "scale": args.scale, "model": model, "profile": str(path),
             "saturation_rps": sat, "saturation_by_deployment": {k: round(v, 3) for k, v in per.items()},
             "rates": rates, "slo": slo.to_dict(), "requests": args.requests, "seed": args.seed,
@@ -284,8 +307,64 @@ def run_modality(args, modality: str, say) -> tuple[dict, dict]:
     return cells, meta
 
 
+# ---- --resim: the simulated side of a finished run ------------------------------------------------
+def known_deployments() -> dict[str, Deployment]:
+    return {d.name: d for d in map(deployment, dict.fromkeys(DEPLOYMENTS + QUICK_DEPLOYMENTS))}
+
+
+def config_of(doc: dict) -> BenchConfig:
+    """The BenchConfig a live cell recorded, aimed at no server (the simulator's)."""
+    from hasctl.bench_metrics import SLO
+    c = dict(doc["config"])
+    w = {k: tuple(v) if isinstance(v, list) else v for k, v in c.pop("workload").items()}
+    s = c.pop("slo")
+    slo = None if s is None else SLO(s["ttft_ms"], s["tpot_ms"], tuple(
+        (m, v["ttft_ms"], v["tpot_ms"]) for m, v in s.get("by_modality", {}).items()), s.get("tier", ""))
+    c.update(url="http://simulated.invalid", workload=WorkloadSpec(**w), slo=slo, progress=False)
+    return BenchConfig(**c)
+
+
+def resim_modality(folder: Path, modality: str, old: dict, say) -> tuple[dict, dict]:
+    """Every live cell of `folder`/`modality` against the simulator now; `old`: the folder's
+    fidelity.json (its cells' loads and meta), {} when it has none."""
+    from hasctl.profile_format import load
+    meta = dict(old.get("meta", {}).get(modality, {}))
+    named = Path(meta["profile"]).name if meta.get("profile") else None
+    paths = [folder / named] if named and (folder / named).is_file() else \
+        sorted(folder.glob(f"profile-{FAMILIES[modality]}-*.json"))
+    if not paths:
+        raise SystemExit(f"--resim: no profile-{FAMILIES[modality]}-*.json in {folder}")
+    profile = load(paths[0])
+    loads = {k: c["load"] for k, c in old.get("summary", {}).get("cells", {}).items()}
+    deps, cells = known_deployments(), {}
+    for run_dir in sorted(p for p in (folder / modality).iterdir() if p.is_dir()):
+        d = deps.get(run_dir.name)
+        if d is None:
+            raise SystemExit(f"--resim: {run_dir} is no deployment this bench runs ({sorted(deps)})")
+        lives = sorted(run_dir.glob("live-*.json"), key=lambda p: float(p.stem[5:]))
+        for i, path in enumerate(lives):
+            doc = json.loads(path.read_text())
+            config = config_of(doc)
+            sim = sim_cell(d, profile, config, run_dir)
+            say(f"  sim  {d.name:12s} {config.rate:6.3f} req/s: {brief(sim)}")
+            load_ = loads.get(f"{modality}/{d.name}@{config.rate:g}", LOADS[i] if len(lives) == len(LOADS) else 0.0)
+            cells.setdefault(config.rate, {})[d.name] = cell(load_, doc, sim)
+    meta.update(profile=str(paths[0]), resimulated=True)
+    meta.setdefault("saturation_rps", float("nan"))
+    for k, v in (("family", FAMILIES[modality]), ("scale", "?"), ("saturation_by_deployment", {}), ("slo", {}),
+                 ("requests", "?"), ("seed", "?"), ("output_tokens", "?")):
+        meta.setdefault(k, v)
+    return dict(sorted(cells.items())), meta
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.resim:
+        args.out_dir = Path(args.resim)
+        mods = [m for m in FAMILIES if (args.out_dir / m).is_dir()]
+        if not mods:
+            raise SystemExit(f"--resim: {args.out_dir} holds no {'/ '.join(FAMILIES)} folder of a sim_fidelity run")
+        args.modalities = mods
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def say(msg: str) -> None:
@@ -293,8 +372,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running stack, like Ctrl-C
     t0 = time.monotonic()
     cells, meta = {}, {}
+    old = json.loads((args.out_dir / "fidelity.json").read_text()) if args.resim and \
+        (args.out_dir / "fidelity.json").is_file() else {}
     for m in args.modalities:
-        cells[m], meta[m] = run_modality(args, m, say)
+        cells[m], meta[m] = resim_modality(args.out_dir, m, old, say) if args.resim else run_modality(args, m, say)
     text = table(cells, meta)
     print(text)
     (args.out_dir / "fidelity.md").write_text(text + "\n")

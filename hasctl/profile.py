@@ -14,6 +14,10 @@ the decode role's LM, as in `easerve.pipeline`):
 - unloaded TTFT / TPOT per modality (and text): one request alone through preprocess ->
   encode -> prefill -> first token (TTFT), then the engine until `--output-tokens` (TPOT).
 - SLO tiers: multiples (--tiers, default 2,4,8) of those unloaded latencies.
+- revision 2 and 4: the gateway's preprocessing per media size, transfer sizes and link
+  speeds, the in-process interference of encode and prefill, and on CPU cores the sharing
+  curve: each stage alone and while 1 .. `sharing_busy` other processes compute on the same
+  cores (hasctl/profile_sharing.py).
 Every cell is the median of --repeats timed calls after one warm-up call
 (`profiler.time_call`: the clock is read after CUDA work is synchronized). `--quick`: a few small points, one repeat (tests).
 """
@@ -48,6 +52,7 @@ class Plan:
     decode_steps: int = 8
     output_tokens: int = 32
     repeats: int = 3
+    sharing_busy: int = 3         # CPU: up to this many neighbour processes (hasctl/profile_sharing.py); 0: none
 
     def __post_init__(self) -> None:
         for name in ("encode_batches", "size_batches", "prompt_lens", "prefill_batches", "decode_batches",
@@ -55,13 +60,13 @@ class Plan:
             v = getattr(self, name)
             if not v or any(x < 1 for x in v):
                 raise ValueError(f"{name} must be a non-empty list of ints >= 1, got {v}")
-        if self.repeats < 1 or self.decode_steps < 1 or self.output_tokens < 2:
-            raise ValueError("repeats and decode_steps must be >= 1, output_tokens >= 2")
+        if self.repeats < 1 or self.decode_steps < 1 or self.output_tokens < 2 or self.sharing_busy < 0:
+            raise ValueError("repeats and decode_steps must be >= 1, output_tokens >= 2, sharing_busy >= 0")
 
 
 QUICK = Plan(encode_batches=(1, 2), shares=(0.5, 1.0), image_sizes=((56, 56),), video_sizes=((2, 56, 56),),
              audio_seconds=(0.5,), size_batches=(1,), prompt_lens=(16, 48), prefill_batches=(1, 2),
-             decode_batches=(1, 4), decode_contexts=(32,), decode_steps=2, output_tokens=4, repeats=1)
+             decode_batches=(1, 4), decode_contexts=(32,), decode_steps=2, output_tokens=4, repeats=1, sharing_busy=1)
 
 
 def sizes_of(plan: Plan, modality: str) -> tuple:
@@ -314,16 +319,22 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
         sizes = sum(len(sizes_of(plan, m)) for m in prof.modalities) * len(plan.size_batches)
         bar.total = (n_enc + sizes + len(plan.prompt_lens) * len(plan.prefill_batches)
                      + len(plan.decode_batches) * len(plan.decode_contexts)
-                     + len(prof.modalities) + 1 + (1 if prof.modalities else 0))  # + interference
+                     + len(prof.modalities) + 1 + (1 if prof.modalities else 0)  # + interference
+                     + (0 if device.startswith("cuda") else plan.sharing_busy * (3 if prof.modalities else 2)))
         encode = prof.measure_encode() if prof.modalities else None
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
         gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()
+        import torch
+        from hasctl.profile_sharing import measure_sharing
+        sharing = measure_sharing(prof, torch.get_num_threads(), len(os.sched_getaffinity(0)), plan.sharing_busy,
+                                  quick)
     finally:
         bar.close()
     return pf.Profile(ep.hardware(device, devices), ep.versions(), ep.model_info(model, prof.modalities), encode,
                       tuple(prefill), tuple(decode), tuple(unloaded), pf.tiers_from(unloaded, multipliers),
                       ep.utc_now(), quick, revision=pf.REVISION,
-                      gateway=tuple(gateway), transfer=transfer, interference=tuple(interference))
+                      gateway=tuple(gateway), transfer=transfer, interference=tuple(interference),
+                      sharing=tuple(sharing))
 
 
 def add_parser(sub) -> None:

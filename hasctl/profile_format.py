@@ -27,7 +27,7 @@ from pydantic.dataclasses import dataclass
 from hasctl.bench_metrics import SLO
 
 FORMAT = "easerve.profile/v1"
-REVISION = 2                      # additive revisions of v1: 2 adds gateway, transfer, interference
+REVISION = 4                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing
 ROOFLINE_REVISION = 3             # 3 adds measured, tp, roofline (written by hasctl profile --roofline)
 OLD_STARTUP_FORMAT = "easerve.sm_profile"  # the encode start-up's own file before profile/v1
 TIERS = ("tight", "moderate", "loose")
@@ -204,6 +204,18 @@ class Interference:
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class SharingPoint:
+    """Revision 4: `stage`'s latency is multiplied by `slowdown` while `busy` other processes,
+    each running stage `by`, compute on the same `cores` CPU cores (processor sharing between
+    processes; every process with a torch thread per core, as the stages run)."""
+    stage: Stage
+    by: Stage
+    busy: Count
+    slowdown: Annotated[float, Field(gt=0)]
+    cores: Count
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Roofline:
     """Revision 3: how a derived (`measured: false`) profile was computed (`hasctl profile --roofline`):
     the device spec, its figures' source and the efficiency factors applied (easerve/roofline/spec.py)."""
@@ -236,7 +248,7 @@ class Profile:
     format: Literal["easerve.profile/v1"] = FORMAT
     scope: Literal["full", "encode"] = "full"
     # revision 2 (all optional: a revision-1 file loads with none of them)
-    revision: Literal[1, 2, 3] = 1
+    revision: Literal[1, 2, 3, 4] = 1
     gateway: tuple[GatewayPoint, ...] = ()
     transfer: Transfer | None = None
     interference: tuple[Interference, ...] = ()
@@ -244,6 +256,8 @@ class Profile:
     measured: bool = True         # False: computed by the roofline model, not measured
     tp: Count = 1                 # devices one instance of each stage spans (tensor parallel)
     roofline: Roofline | None = None
+    # revision 4 (optional): CPU sharing between processes
+    sharing: tuple[SharingPoint, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scope == "encode":
@@ -319,6 +333,23 @@ class Profile:
     def slowdown(self, stage: str, by: str) -> float:
         """Latency factor of `stage` while `by` shares its device or cores (1.0 when not profiled)."""
         return next((x.slowdown for x in self.interference if x.stage == stage and x.by == by), 1.0)
+
+    def sharing_slowdown(self, stage: str, by: str, busy: int) -> float | None:
+        """Latency factor of `stage` while `busy` other processes running `by` compute on its
+        cores: the measured point, linear between points and along the last segment past them
+        (a stage or neighbour not measured takes the mean of the points measured at each count);
+        None when the profile has no sharing points."""
+        if busy <= 0:
+            return 1.0
+        pts = ([p for p in self.sharing if p.stage == stage and p.by == by]
+               or [p for p in self.sharing if p.stage == stage] or list(self.sharing))
+        if not pts:
+            return None
+        by = {}
+        for p in pts:
+            by.setdefault(p.busy, []).append(p.slowdown)
+        curve = [(0.0, 1.0)] + [(float(k), sum(v) / len(v)) for k, v in sorted(by.items())]
+        return max(1.0, _interp(curve, float(busy)))
 
     def unloaded_for(self, modality: str) -> Unloaded:
         for u in self.unloaded:

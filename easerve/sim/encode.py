@@ -41,6 +41,11 @@ class EncodeBatching:
         return d
 
     @property
+    def ready(self) -> bool:
+        """A decided batch waits for the worker."""
+        return self._ready is not None
+
+    @property
     def pending(self) -> int:
         return self.batcher.pending + (self._ready.size if self._ready is not None else 0)
 

@@ -11,12 +11,20 @@ imports nothing of hasctl).
   of `profiles`); media rows and transfer sizes come from the main profile;
 - transfers: `latency_s + bytes / GB/s` of the link kind between the two devices (0 when the
   profile has no `transfer` section); links are not modelled as contended;
-- interference: a stage's latency times 1 + the sum over the busy workers that share its
-  device or cores of (`profile.slowdown(stage, by)` - 1) for a pair the profile measured; a
-  pair it did not measure counts CPU_SHARE_SLOWDOWN (2.0, processor sharing: two compute-bound
-  workers with a thread per core on the same cores each run at half speed) on CPU cores and
-  1.0 on a GPU; instances share a GPU when their GPU groups intersect. The factor is taken when
-  a batch or step starts.
+- interference (easerve/sim/compute.py): a job's slowdown at each moment, re-evaluated whenever
+  a worker that shares its device or cores starts or ends a job (processor sharing):
+  - workers of one process (an encode instance and its co-located prefill), and on a GPU any
+    workers whose GPU groups intersect: 1 + the sum of (`profile.slowdown(stage, by)` - 1) over
+    the busy ones, a pair the profile measured (in one process: `hasctl profile` runs the two
+    in two threads); a pair it did not measure counts CPU_SHARE_SLOWDOWN (2.0) on CPU cores and
+    1.0 on a GPU;
+  - workers of other processes on the same CPU cores: times `sharing(stage, busy)` with k of
+    them busy: the profile's sharing curve at k (`hasctl profile` times each stage while k
+    processes running one stage compute on its cores; for a mix, the mean over the k of the
+    curve of each one's stage), or, for a profile without one, 1 + k (CPU_SHARE_SLOWDOWN - 1):
+    k + 1 compute-bound processes with a thread per core each run at 1 / (k + 1) speed;
+  - a monolith's encode, prefill and decode do not run at once (one process, one loop, the
+    GIL): they take turns, so they never slow each other.
 """
 from __future__ import annotations
 
@@ -112,6 +120,18 @@ class ServiceModel:
             measured = any(x.stage == stage and x.by == by for x in getattr(self.profile, "interference", ()) or ())
             return self.profile.slowdown(stage, by) if measured or not cpu else CPU_SHARE_SLOWDOWN
         return self._memo(("s", stage, by, cpu), f)
+
+    def sharing(self, stage: str, busy: tuple[str, ...]) -> float:
+        """`stage`'s latency factor while workers of other processes, running the stages `busy`
+        (sorted), compute on its CPU cores: the profile's curve at k = len(busy) for each kind of
+        neighbour, weighted by how many of them run it."""
+        def f() -> float:
+            k, measured = len(busy), getattr(self.profile, "sharing_slowdown", None)
+            vals = [measured(stage, by, k) if measured is not None else None for by in busy]
+            if any(v is None for v in vals):
+                return 1.0 + k * (CPU_SHARE_SLOWDOWN - 1.0)
+            return sum(vals) / k
+        return self._memo(("sh", stage, busy), f)
 
     # ---- transfers ----------------------------------------------------------------------------
     def link_kind(self, a: str, b: str) -> str:

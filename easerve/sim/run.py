@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from easerve.sim.compute import SerialGroup
 from easerve.sim.events import EventQueue
 from easerve.sim.model import ModelConfig, ServiceModel, shares_compute
 from easerve.sim.stages import DecodeInstance, EncodeInstance, Gateway, PrefillWorker
@@ -89,13 +90,13 @@ class Sim:
         self.gateway_device = GATEWAY_DEVICE
         self.gateway = Gateway(self, topology.gateway)
         self.encode = [EncodeInstance(self, c, f"encode-{i}", tp("encode", i)) for i, c in enumerate(topology.encode)]
-        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i))
+        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i), SerialGroup())
                          for i, c in enumerate(topology.monolith)]
         self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}", tp=tp("prefill", i))
                                 for i, c in enumerate(topology.prefill)]
         self.decode = [DecodeInstance(self, c, f"decode-{i}", tp("decode", i)) for i, c in enumerate(topology.decode)]
-        self.mono_decode = [DecodeInstance(self, c, f"monolith-{i}/decode", tp("monolith", i))
-                            for i, c in enumerate(topology.monolith)]
+        self.mono_decode = [DecodeInstance(self, c, f"monolith-{i}/decode", tp("monolith", i), host=m)
+                            for i, (c, m) in enumerate(zip(topology.monolith, self.monolith))]
         self.encoders = self.encode + self.monolith
         self.text_prefills = self.remote_prefills + [m.local for m in self.monolith]
         self.decoders = self.decode + self.mono_decode

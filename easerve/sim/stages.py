@@ -18,6 +18,7 @@ from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.policy.prefill_plan import PrefillBatcher, PrefillBatchPlan
 from easerve.stages.encode.trace import UtilizationTrace
 from easerve.errors import Overloaded, RequestTooLarge
+from easerve.sim.compute import Compute, SerialGroup
 from easerve.sim.encode import EncodeBatching
 from easerve.sim.topology import (
     batcher_config,
@@ -29,25 +30,6 @@ from easerve.sim.topology import (
 
 if TYPE_CHECKING:
     from easerve.sim.run import Req, Sim
-
-
-class Compute:
-    """One worker's compute on a device (with `tp` > 1: the GPUs cuda:N .. cuda:N+tp-1);
-    `factor()` is the interference slowdown it suffers from the busy workers that share its
-    device or cores (see easerve/sim/model.py)."""
-
-    def __init__(self, sim: Sim, kind: str, device: str, tp: int = 1) -> None:
-        self.sim, self.kind, self.device, self.tp = sim, kind, device, tp
-        self.busy_kind: str | None = None
-        self.neighbours: list[Compute] = []
-        self.busy_s = 0.0
-
-    def factor(self, skip: Compute | None = None) -> float:
-        f, cpu = 1.0, not self.device.startswith("cuda")
-        for n in self.neighbours:
-            if n.busy_kind is not None and n is not skip:
-                f += self.sim.model.slowdown(self.kind, n.busy_kind, cpu) - 1.0
-        return f
 
 
 def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
@@ -117,7 +99,8 @@ class PrefillWorker:
                  tp: int = 1) -> None:
         self.sim, self.cfg, self.name, self.host = sim, cfg, name, host
         self.planner = PrefillBatcher(prefill_batch_config(cfg))
-        self.compute = Compute(sim, "prefill", device, tp)
+        self.compute = Compute(sim, "prefill", device, tp, host.name if host is not None else name,
+                               host.compute.serial if host is not None else None)
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
         self.reqs: dict[int, Req] = {}   # queued or running
@@ -155,25 +138,23 @@ class PrefillWorker:
             self.planner.remove(req.spec.index)
 
     def _kick(self) -> None:
-        if self.busy:
+        if self.busy or not self.compute.acquire(self._kick):
             return
         now = self.sim.events.now()
         plan = self.planner.next_batch(now)
         if plan is None:
+            self.compute.release()
             return
         base = self.sim.model.prefill_s(plan.total_tokens, plan.size, self.compute.tp)
         self.busy = True
-        self.compute.busy_kind = "prefill"
-        t = base * self._factor()
-        self.compute.busy_s += t
-        self.sim.events.after(t, self._done, plan, now)
+        self.compute.start("prefill", base, lambda: self._done(plan, now), self._factor)
 
     def _factor(self) -> float:
         h = self.host
         if h is None or h.alloc is None or h.alloc.encode_share == 1.0 and h.alloc.prefill_share == 1.0:
             return self.compute.factor()  # time-sliced with whatever shares the device
         other = self.compute.factor(skip=h.compute)
-        if not h.busy:
+        if h.compute.busy_kind is None:
             return other
         if h.alloc.prefill_share > 0:
             return max(other, 1.0 / h.alloc.prefill_share)
@@ -182,8 +163,8 @@ class PrefillWorker:
     def _done(self, plan: PrefillBatchPlan, t0: float) -> None:
         now = self.sim.events.now()
         self.busy = False
+        self.compute.release()
         self.planner.on_free(now)  # the live planner is work-conserving: it plans again once told
-        self.compute.busy_kind = None
         if self.host is not None:
             a = self.host.alloc
             self.host.trace.record("prefill", t0, now, a.prefill_share if a is not None and a.prefill_share > 0 else 1.0,
@@ -207,12 +188,14 @@ class PrefillWorker:
 
 
 class EncodeInstance:
-    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1) -> None:
+    """An encode service, or with `serial` (a monolith's) the encode of a monolith process."""
+
+    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1, serial: SerialGroup | None = None) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.batching = EncodeBatching(batcher_config(cfg))
         self.router = router(cfg)
         self.partitioner = partitioner(cfg, sim.model.for_tp(tp, name))
-        self.compute = Compute(sim, "encode", cfg.device, tp)
+        self.compute = Compute(sim, "encode", cfg.device, tp, name, serial)
         self.local = (PrefillWorker(sim, cfg, cfg.device, f"{name}/prefill", host=self, tp=tp)
                       if cfg.colocate_prefill else None)
         self.capacity = cfg.max_inflight
@@ -261,11 +244,12 @@ class EncodeInstance:
         self._arm(now)
 
     def _kick(self) -> None:
-        if self.busy:
+        if self.busy or not self.batching.ready or not self.compute.acquire(self._kick):
             return
         while True:
             d = self.batching.next_for_worker()
             if d is None:
+                self.compute.release()
                 return
             reqs = [r for r in (self.reqs.pop(i, None) for i in d.item_ids) if r is not None]
             if reqs:
@@ -279,16 +263,14 @@ class EncodeInstance:
             groups[(r.spec.modality, r.spec.media)] = groups.get((r.spec.modality, r.spec.media), 0) + 1
         base = self.sim.model.encode_batch_s(groups, share, self.compute.tp)
         partitioned = self.alloc is not None and not (self.alloc.encode_share == 1.0 and self.alloc.prefill_share == 1.0)
-        t = base * self.compute.factor(skip=self.local.compute if partitioned else None)
+        skip = self.local.compute if partitioned else None
         self.busy = True
-        self.compute.busy_kind = "encode"
-        self.compute.busy_s += t
-        self.sim.events.after(t, self._done, reqs, now, share)
+        self.compute.start("encode", base, lambda: self._done(reqs, now, share), lambda: self.compute.factor(skip))
 
     def _done(self, reqs: list[Req], t0: float, share: float) -> None:
         now = self.sim.events.now()
         self.busy = False
-        self.compute.busy_kind = None
+        self.compute.release()
         self.trace.record("encode", t0, now, share, len(reqs))
         self.batching.worker_free(now)
         for req in reqs:
@@ -311,10 +293,13 @@ class EncodeInstance:
 
 
 class DecodeInstance:
-    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1) -> None:
+    """A decode service, or with `host` (a monolith's encode) the decode of that monolith process."""
+
+    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1, host: EncodeInstance | None = None) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb, tp)
-        self.compute = Compute(sim, "decode", cfg.device, tp)
+        self.compute = Compute(sim, "decode", cfg.device, tp, host.name if host is not None else name,
+                               host.compute.serial if host is not None else None)
         self.capacity = 0
         self.held: dict[int, Req] = {}
         self.stepping = False
@@ -354,26 +339,25 @@ class DecodeInstance:
         self._kick()
 
     def _kick(self) -> None:
-        if self.stepping or not self.sched.has_work:
+        if self.stepping or not self.sched.has_work or not self.compute.acquire(self._kick):
             return
         plan = self.sched.schedule()
         if plan.admitted:
             self.admissions.append(plan.admitted)
         n = plan.batch_size
         if n == 0:
+            self.compute.release()
             return
         ctx = sum(self.held[int(r)].prompt_tokens + len(self.held[int(r)].tokens) for r in plan.request_ids) // n
-        t = self.sim.model.decode_step_s(n, ctx, self.compute.tp) * self.compute.factor()
         self.stepping = True
-        self.compute.busy_kind = "decode"
-        self.compute.busy_s += t
         self.steps += 1
-        self.sim.events.after(t, self._stepped, plan.request_ids)
+        rids = plan.request_ids
+        self.compute.start("decode", self.sim.model.decode_step_s(n, ctx, self.compute.tp), lambda: self._stepped(rids))
 
     def _stepped(self, rids: tuple[str, ...]) -> None:
         now = self.sim.events.now()
         self.stepping = False
-        self.compute.busy_kind = None
+        self.compute.release()
         finished = []
         for rid in rids:
             req = self.held.get(int(rid))

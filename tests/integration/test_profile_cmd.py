@@ -53,7 +53,10 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
     assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
 
     # revision 2: what the simulator reads besides the stage latencies, and hasctl simulate on it
-    assert p.revision == 2 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
+    assert p.revision == 4 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
+    stages = ("encode", "prefill", "decode")  # revision 4: each stage while one process of each kind shares the cores
+    assert sorted((x.stage, x.by, x.busy) for x in p.sharing) == sorted((s, b, 1) for s in stages for b in stages)
+    assert all(x.slowdown >= 1.0 and x.cores == p.hardware.cores for x in p.sharing)
     assert p.link("same_host").gb_per_s > 0 and p.link("other_host") is None
     assert {(g.modality, g.media) for g in p.gateway} == {("image", "56x56"), ("video", "2x56x56"), ("text", "")}
     assert {(x.stage, x.by) for x in p.interference} == {("encode", "prefill"), ("prefill", "encode")}

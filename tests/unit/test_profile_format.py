@@ -136,3 +136,23 @@ def test_revision_2_sections_round_trip_and_revision_1_still_loads(tmp_path):
     bad["transfer"]["links"][0]["kind"] = "carrier_pigeon"
     with pytest.raises(ValueError, match=r"transfer.links\[0\].kind"):
         Profile.from_dict(bad)
+
+
+def test_revision_4_sharing_curve_round_trips_interpolates_and_older_files_have_none(tmp_path):
+    from hasctl.profile_format import SharingPoint
+    old = make_profile()
+    assert old.sharing == () and old.sharing_slowdown("decode", "prefill", 2) is None
+    pts = (SharingPoint("decode", "prefill", 1, 1.4, 2), SharingPoint("decode", "prefill", 2, 2.0, 2),
+           SharingPoint("decode", "decode", 1, 1.2, 2), SharingPoint("prefill", "prefill", 1, 1.9, 2))
+    new = load(dump(dataclasses.replace(old, revision=4, sharing=pts), tmp_path / "p.json"))
+    assert new.sharing == pts
+    assert new.sharing_slowdown("decode", "prefill", 0) == 1.0
+    assert new.sharing_slowdown("decode", "prefill", 1) == pytest.approx(1.4)
+    assert new.sharing_slowdown("decode", "prefill", 3) == pytest.approx(2.6)   # along the last segment
+    assert new.sharing_slowdown("decode", "decode", 2) == pytest.approx(1.4)    # (0, 1) -> (1, 1.2) extended
+    assert new.sharing_slowdown("decode", "encode", 1) == pytest.approx(1.3)    # unmeasured neighbour: mean at k
+    assert new.sharing_slowdown("encode", "decode", 1) == pytest.approx((1.4 + 1.2 + 1.9) / 3)
+    raw = json.loads(json.dumps(new.to_dict()))
+    raw["sharing"][0]["busy"] = 0
+    with pytest.raises(ValueError, match=r"sharing\[0\].busy"):
+        Profile.from_dict(raw)

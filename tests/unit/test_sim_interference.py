@@ -1,13 +1,16 @@
-"""Workers that share CPU cores slow each other down in the simulator (processor sharing) unless
-the profile measured the pair; on a GPU an unmeasured pair does not interfere."""
+"""Workers that share CPU cores slow each other down in the simulator: workers of other processes
+by processor sharing (the profile's sharing curve, else 1 + k), workers of one process by the
+measured pair; a monolith's stages take turns; on a GPU an unmeasured pair does not interfere."""
 from __future__ import annotations
 
 import dataclasses
 import statistics
 
+import pytest
+
 from easerve.sim import simulate
 from easerve.sim.run import Sim
-from hasctl.profile_format import Interference
+from hasctl.profile_format import Interference, SharingPoint
 from tests.profiles import make_profile
 from tests.unit.sim_helpers import poisson, topo
 
@@ -34,13 +37,65 @@ def test_disjoint_cores_and_unprofiled_gpus_do_not_interfere():
         assert dec.factor() == 1.0, device
 
 
-def test_a_measured_pair_takes_the_profiles_slowdown():
-    prof = dataclasses.replace(make_profile(), interference=(Interference("decode", "encode", 1.25),))
-    enc, pre, dec = computes("cpu", prof)
+def test_a_measured_pair_slows_workers_of_one_process_and_the_sharing_curve_those_of_others():
+    prof = dataclasses.replace(make_profile(), interference=(Interference("prefill", "encode", 1.25),))
+    sim = Sim(topo(device="cpu", enc={"colocate_prefill": True}), prof)
+    enc, local, remote = sim.encoders[0].compute, sim.encoders[0].local.compute, sim.remote_prefills[0].compute
     enc.busy_kind = "encode"
-    assert dec.factor() == 1.25
-    pre.busy_kind = "prefill"           # not measured: processor sharing
-    assert dec.factor() == 2.25
+    assert local.factor() == 1.25       # same process: the measured pair (hasctl profile: two threads)
+    assert remote.factor() == 2.0       # another process: processor sharing (no curve in the profile)
+    curve = (SharingPoint("prefill", "encode", 1, 1.3, 2), SharingPoint("prefill", "encode", 2, 1.8, 2),
+             SharingPoint("prefill", "decode", 2, 1.4, 2))
+    sim = Sim(topo(device="cpu", enc={"colocate_prefill": True}), dataclasses.replace(prof, sharing=curve))
+    enc, remote, dec = sim.encoders[0].compute, sim.remote_prefills[0].compute, sim.decoders[0].compute
+    enc.busy_kind = "encode"
+    assert remote.factor() == 1.3
+    dec.busy_kind = "decode"
+    assert remote.factor() == pytest.approx((1.8 + 1.4) / 2)   # k = 2: each neighbour's curve at 2
+
+
+def test_a_job_is_slowed_only_while_a_neighbour_runs_processor_sharing():
+    sim = Sim(topo(device="cpu"), make_profile())
+    enc, dec = sim.encoders[0].compute, sim.decoders[0].compute
+    ends = {}
+    dec.start("decode", 1.0, lambda: ends.setdefault("decode", sim.events.now()))
+    sim.events.at(0.5, lambda: enc.start("encode", 0.25, lambda: ends.setdefault("encode", sim.events.now())))
+    sim.events.run()
+    # both at half speed from 0.5: encode's 0.25 s of work ends at 1.0; decode had 0.5 s left at
+    # 0.5, did 0.25 of it by 1.0 and the rest alone
+    assert ends == {"encode": pytest.approx(1.0), "decode": pytest.approx(1.25)}
+    assert dec.busy_s == pytest.approx(1.25) and enc.busy_s == pytest.approx(0.5)
+
+
+def test_a_monoliths_encode_prefill_and_decode_take_turns():
+    sim = Sim(topo(n_enc=0, n_pre=0, n_dec=0, n_mono=1, device="cpu"), make_profile())
+    group = [sim.monolith[0].compute, sim.monolith[0].local.compute, sim.mono_decode[0].compute]
+    assert all(c.serial is group[0].serial is not None for c in group)
+    starts = []
+    for c in group:
+        def start(kind, work_s, done, factor=None, c=c, orig=c.start):
+            starts.append((kind, sum(o.busy_kind is not None for o in group if o is not c), c.factor()))
+            return orig(kind, work_s, done, factor)
+        c.start = start
+    recs = sim.run(poisson(40, 6.0, seed=3, max_tokens=8)).records
+    assert all(r["error"] is None for r in recs)
+    assert {k for k, _, _ in starts} == {"encode", "prefill", "decode"}
+    assert all(busy == 0 and f == 1.0 for _, busy, f in starts)   # never two at once, never slowed by each other
+
+
+def test_processes_that_overlap_well_beat_a_monolith_that_serialises():
+    """With a measured sharing curve below processor sharing's 1 + k (each process alone leaves
+    cores idle), three processes on the same cores overlap their stages; a monolith cannot."""
+    prof = dataclasses.replace(make_profile(), sharing=tuple(
+        SharingPoint(s, b, k, 1.0 + 0.2 * k, 2) for s in ("encode", "prefill", "decode")
+        for b in ("encode", "prefill", "decode") for k in (1, 2)))
+    reqs = poisson(60, 6.0, seed=2, max_tokens=16)
+
+    def ttft(t) -> float:
+        recs = simulate(t, prof, reqs).records
+        return statistics.median(r["chunk_s"][0] - r["sent_s"] for r in recs if r["error"] is None)
+    split, mono = ttft(topo(device="cpu")), ttft(topo(n_enc=0, n_pre=0, n_dec=0, n_mono=1, device="cpu"))
+    assert mono > 1.3 * split
 
 
 def test_shared_cores_lengthen_decode_steps_in_a_run():
