@@ -105,14 +105,17 @@ def start_neighbour(model: str, threads: int, kind: str, quick: bool) -> subproc
 
 
 def neighbour(model: str, threads: int, kind: str, plan: str) -> None:
+    import os
+
     import torch
     from hasctl.profile import QUICK, Plan, Profiler
+    parent = os.getppid()
     torch.set_num_threads(threads)
     prof = Profiler(model, "cpu", QUICK if plan == "quick" else Plan())
     fn = reference_calls(prof)[kind]
     fn()
     print("ready", flush=True)
-    while True:
+    while os.getppid() == parent:  # the profiler went away without terminating it: stop too
         fn()
 
 

@@ -9,10 +9,12 @@ process that run one job at a time.
 - `process`: the workers of one process (an encode instance and its co-located prefill; a
   monolith's encode, prefill and decode) slow each other by the profile's measured pairs;
   workers of other processes on the same CPU cores by the profile's sharing curve.
-- `serial`: a `SerialGroup` the workers of one monolith share. One asyncio loop, one Python
-  interpreter (the GIL) and one torch thread pool run its encode batches, prefill batches and
-  decode steps, so they run one at a time: a worker that has work while another of the group
-  runs waits for it (in the order they asked), and the group's jobs do not slow each other.
+- `serial`: a `SerialGroup` the workers of one monolith share with ModelConfig(monolith="serial"):
+  its encode batches, prefill batches and decode steps run one at a time, as in a process whose
+  one interpreter and thread pool admit one stage at a time: a worker that has work while
+  another of the group runs waits for it (in the order they asked), and the group's jobs do not
+  slow each other. (The default, "threads", runs them concurrently, as the monolith service's
+  threads do, slowed by the profile's in-process pairs.)
 """
 from __future__ import annotations
 

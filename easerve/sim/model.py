@@ -23,8 +23,8 @@ imports nothing of hasctl).
     processes running one stage compute on its cores; for a mix, the mean over the k of the
     curve of each one's stage), or, for a profile without one, 1 + k (CPU_SHARE_SLOWDOWN - 1):
     k + 1 compute-bound processes with a thread per core each run at 1 / (k + 1) speed;
-  - a monolith's encode, prefill and decode do not run at once (one process, one loop, the
-    GIL): they take turns, so they never slow each other.
+  - a monolith's encode, prefill and decode are workers of one process (ModelConfig.monolith
+    "threads", the default), or with "serial" they take turns and never slow each other.
 """
 from __future__ import annotations
 
@@ -38,15 +38,24 @@ CPU_SHARE_SLOWDOWN = 2.0  # an unprofiled pair of busy workers on the same CPU c
 DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists no by_size point for it
 
 
+MONOLITH_MODES = ("threads", "serial")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """`devices_per_host`: GPUs per node (cuda:N lives on node N // devices_per_host); CPU
-    devices are all on node 0."""
+    devices are all on node 0. `monolith`: how a monolith's encode, prefill and decode share
+    its process: "threads" (as the service runs them: concurrently, each slowed by the
+    profile's in-process pairs while another runs) or "serial" (one at a time, in turns: a
+    process whose interpreter and thread pool admit one stage at a time)."""
     devices_per_host: int = 8
+    monolith: str = "threads"
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"devices_per_host must be >= 1, got {self.devices_per_host}")
+        if self.monolith not in MONOLITH_MODES:
+            raise ValueError(f"monolith must be one of {MONOLITH_MODES}, got {self.monolith!r}")
 
 
 class ServiceModel:

@@ -90,7 +90,8 @@ class Sim:
         self.gateway_device = GATEWAY_DEVICE
         self.gateway = Gateway(self, topology.gateway)
         self.encode = [EncodeInstance(self, c, f"encode-{i}", tp("encode", i)) for i, c in enumerate(topology.encode)]
-        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i), SerialGroup())
+        serial = self.model.config.monolith == "serial"
+        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i), SerialGroup() if serial else None)
                          for i, c in enumerate(topology.monolith)]
         self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}", tp=tp("prefill", i))
                                 for i, c in enumerate(topology.prefill)]

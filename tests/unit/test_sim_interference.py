@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from easerve.sim import simulate
+from easerve.sim.model import ModelConfig
 from easerve.sim.run import Sim
 from hasctl.profile_format import Interference, SharingPoint
 from tests.profiles import make_profile
@@ -67,10 +68,11 @@ def test_a_job_is_slowed_only_while_a_neighbour_runs_processor_sharing():
     assert dec.busy_s == pytest.approx(1.25) and enc.busy_s == pytest.approx(0.5)
 
 
-def test_a_monoliths_encode_prefill_and_decode_take_turns():
-    sim = Sim(topo(n_enc=0, n_pre=0, n_dec=0, n_mono=1, device="cpu"), make_profile())
+def monolith_starts(mode: str, prof=None) -> list[tuple[str, int, float]]:
+    """(kind, others of the monolith busy, factor) at each job start of a monolith run."""
+    sim = Sim(topo(n_enc=0, n_pre=0, n_dec=0, n_mono=1, device="cpu"), prof or make_profile(),
+              ModelConfig(monolith=mode))
     group = [sim.monolith[0].compute, sim.monolith[0].local.compute, sim.mono_decode[0].compute]
-    assert all(c.serial is group[0].serial is not None for c in group)
     starts = []
     for c in group:
         def start(kind, work_s, done, factor=None, c=c, orig=c.start):
@@ -80,7 +82,24 @@ def test_a_monoliths_encode_prefill_and_decode_take_turns():
     recs = sim.run(poisson(40, 6.0, seed=3, max_tokens=8)).records
     assert all(r["error"] is None for r in recs)
     assert {k for k, _, _ in starts} == {"encode", "prefill", "decode"}
+    return starts
+
+
+def test_a_serial_monoliths_encode_prefill_and_decode_take_turns():
+    starts = monolith_starts("serial")
     assert all(busy == 0 and f == 1.0 for _, busy, f in starts)   # never two at once, never slowed by each other
+
+
+def test_a_threaded_monoliths_stages_overlap_slowed_by_the_in_process_pairs_not_the_sharing_curve():
+    prof = dataclasses.replace(make_profile(), interference=(Interference("prefill", "decode", 1.5),),
+                               sharing=(SharingPoint("prefill", "decode", 1, 1.1, 2),))
+    starts = monolith_starts("threads", prof)
+    overlapped = [(k, f) for k, busy, f in starts if busy]
+    assert overlapped and all(f > 1.0 for _, f in overlapped)
+    prefill = {f for k, f in overlapped if k == "prefill"}
+    assert 1.5 in prefill and prefill <= {1.5, 2.5}   # decode busy: the pair; encode too: + 1.0 (unmeasured pair)
+    with pytest.raises(ValueError, match="monolith must be one of"):
+        ModelConfig(monolith="fibres")
 
 
 def test_processes_that_overlap_well_beat_a_monolith_that_serialises():
