@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resim", default=None, metavar="DIR",
                     help="re-simulate the cells of the finished run folder DIR with the current simulator (no live run)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="with --resim: simulate on this profile instead of the run folder's (e.g. one with a sharing curve)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny checkpoint, `hasctl profile --quick`, default and monolith at S, 6 requests")
     args = ap.parse_args(argv)
@@ -102,11 +104,14 @@ def checkpoint(args, modality: str) -> str:
 
 def profile_of(args, model: str, modality: str, say):
     """`hasctl profile` of `model` into the run folder, or the file an earlier run left there."""
-    from hasctl.profile_format import load
+    from hasctl.profile_format import REVISION, load
     path = args.out_dir / f"profile-{FAMILIES[modality]}-{args.scale}{'-quick' if args.quick else ''}.json"
     if path.is_file():
-        say(f"[{modality}] reusing {path}")
-        return load(path), path
+        old = load(path)
+        if old.revision >= REVISION:
+            say(f"[{modality}] reusing {path}")
+            return old, path
+        path.rename(path.with_suffix(f".rev{old.revision}.json"))  # an older revision lacks what the simulator reads now
     say(f"[{modality}] hasctl profile {model} -> {path}")
     cmd = [sys.executable, "-m", "hasctl.cli", "profile", "--model", model, "--out", str(path), "--no-progress"]
     # --quick: the small plan, but the median of 3 calls per point (one call is at the mercy of a
@@ -324,13 +329,13 @@ def config_of(doc: dict) -> BenchConfig:
     return BenchConfig(**c)
 
 
-def resim_modality(folder: Path, modality: str, old: dict, say) -> tuple[dict, dict]:
+def resim_modality(folder: Path, modality: str, old: dict, say, profile_file: str | None = None) -> tuple[dict, dict]:
     """Every live cell of `folder`/`modality` against the simulator now; `old`: the folder's
     fidelity.json (its cells' loads and meta), {} when it has none."""
     from hasctl.profile_format import load
     meta = dict(old.get("meta", {}).get(modality, {}))
     named = Path(meta["profile"]).name if meta.get("profile") else None
-    paths = [folder / named] if named and (folder / named).is_file() else \
+    paths = [Path(profile_file)] if profile_file else [folder / named] if named and (folder / named).is_file() else \
         sorted(folder.glob(f"profile-{FAMILIES[modality]}-*.json"))
     if not paths:
         raise SystemExit(f"--resim: no profile-{FAMILIES[modality]}-*.json in {folder}")
@@ -375,7 +380,7 @@ def main(argv=None) -> int:
     old = json.loads((args.out_dir / "fidelity.json").read_text()) if args.resim and \
         (args.out_dir / "fidelity.json").is_file() else {}
     for m in args.modalities:
-        cells[m], meta[m] = resim_modality(args.out_dir, m, old, say) if args.resim else run_modality(args, m, say)
+        cells[m], meta[m] = resim_modality(args.out_dir, m, old, say, args.profile) if args.resim else run_modality(args, m, say)
     text = table(cells, meta)
     print(text)
     (args.out_dir / "fidelity.md").write_text(text + "\n")

@@ -108,6 +108,7 @@ def neighbour(model: str, threads: int, kind: str, plan: str) -> None:
     import os
 
     import torch
+
     from hasctl.profile import QUICK, Plan, Profiler
     parent = os.getppid()
     torch.set_num_threads(threads)
