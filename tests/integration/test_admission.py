@@ -103,6 +103,25 @@ def test_a_burst_past_the_tier_is_partly_refused_and_what_is_admitted_meets_it(a
         assert after == ("ok", N), after
 
 
+def test_each_instance_reports_its_recent_pace_for_the_predictor(admit_stack):
+    """Stage/Load carries each instance's recent batch seconds and size (easerve/stages/common/pace.py):
+    after a few requests every encode instance that ran a batch, prefill and decode report theirs."""
+    from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
+    with grpc.insecure_channel(admit_stack.endpoints.grpc) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert [r[0] for r in pool.map(lambda k: _send(stub, 100 + k), range(4))] == ["ok"] * 4
+    paces = {}
+    for stage, addrs in admit_stack._addrs().items():
+        for addr in addrs if stage != "gateway" else ():
+            with grpc.insecure_channel(addr) as ch:
+                ld = stage_pb2_grpc.StageStub(ch).Load(stage_pb2.LoadRequest(), timeout=10)
+                paces[addr] = (stage, ld.recent_batch_s, ld.recent_batch_size)
+    enc = [p for p in paces.values() if p[0] == "encode"]
+    assert len(enc) == 2 and any(s > 0 and n >= 1 for _, s, n in enc), paces
+    assert all(s > 0 and n >= 1 for st, s, n in paces.values() if st in ("prefill", "decode")), paces
+
+
 def test_the_sdk_sends_the_tier_and_priority_as_metadata(admit_stack):
     client = Client(admit_stack.endpoints.grpc, timeout=120)
     out = client.generate("Hi", max_tokens=N, ignore_eos=True, slo_tier="loose", priority="batch",

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from easerve.rpc.errors import grpc_errors
+from easerve.stages.common.pace import Pace
 from easerve.transport.node import NodeIdentity, read_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 
@@ -18,6 +19,7 @@ class Load:
     queued: int = 0
     kv_free_tokens: int = 0
     kv_total_tokens: int = 0
+    pace: Pace | None = None  # easerve/stages/common/pace.py; None: the stage does not say
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -30,6 +32,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         msg = stage_pb2.LoadResponse(stage=self.stage, inflight=ld.inflight, max_inflight=ld.max_inflight,
                                      queued=ld.queued, kv_free_tokens=ld.kv_free_tokens,
                                      kv_total_tokens=ld.kv_total_tokens)
+        if ld.pace is not None:
+            msg.recent_batch_s, msg.recent_batch_size = ld.pace.now()
         self.node.to_proto(msg.node)
         return msg
 

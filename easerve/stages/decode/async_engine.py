@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from easerve.errors import EngineFailed, InvalidRequest, NotFound
+from easerve.stages.common.pace import Pace
 from easerve.types import KVPayload
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class AsyncEngine:
                  on_step: Callable[[int, float], None] | None = None):
         """`on_fatal(error)`: a step raised; `on_step(tokens, seconds)`: after each step."""
         self.engine, self.on_fatal, self.on_step = engine, on_fatal, on_step
+        self.pace = Pace()  # sequences per step and its seconds, served in Stage/Load
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -85,6 +87,7 @@ class AsyncEngine:
                 while await self._call(lambda: self.engine.has_work):
                     t0 = time.monotonic()
                     outs = await self._call(self.engine.step)
+                    self.pace.observe(time.monotonic() - t0, len(outs))
                     if self.on_step is not None:
                         self.on_step(sum(o.token_id is not None and o.index > 0 for o in outs), time.monotonic() - t0)
                     self._deliver(outs)

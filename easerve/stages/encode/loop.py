@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from easerve.policy.batcher import AdaptiveBatcher, Dispatch
 from easerve.policy.clock import Clock, MonotonicClock
+from easerve.stages.common.pace import Pace
 from easerve.types import MMItem
 
 log = logging.getLogger("easerve.encode")
@@ -55,6 +56,7 @@ class EncodeLoop:
         self._ready: Dispatch | None = None  # handed out by `add`, for the worker to run next
         self._arrival = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.pace = Pace()  # requests per batch and its seconds, served in Stage/Load
 
     @property
     def queued(self) -> int:
@@ -129,6 +131,7 @@ class EncodeLoop:
             _fail(batch, e)
             return
         t1 = self.clock.now()
+        self.pace.observe(t1 - t0, len(batch))
         i = 0
         for p in batch.values():
             n = len(p.items)

@@ -65,9 +65,12 @@ class GatewayAdmission:
         polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
         return LiveState(
             min(polled) if polled else self.clock.now(),
-            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch) for p in enc),
-            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens) for p in pre),
-            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens)
+            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch, 0.0,
+                              p.recent_batch_s, p.recent_batch_size) for p in enc),
+            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens,
+                               p.recent_batch_s, p.recent_batch_size) for p in pre),
+            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens,
+                              p.recent_batch_s, p.recent_batch_size)
                   for p in dec))
 
     def tier(self, name: str, modality: str) -> TierLimits:

@@ -47,6 +47,7 @@ import torch
 from easerve.cache.prefix_kv import PrefixKV
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.stages.common.pace import Pace
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
@@ -89,6 +90,7 @@ class PrefillLoop:
         self.batcher = PrefillBatcher(config or PrefillBatchConfig())
         self._own_pool = executor is None
         self._pool = executor
+        self.pace = Pace()  # prompt tokens per batch and its seconds, served in Stage/Load
         self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
         self._pending: dict[int, _Pending] = {}
         self._running: list[_Pending] = []
@@ -174,6 +176,7 @@ class PrefillLoop:
                     p.future.set_exception(e)
             return
         ms = (out.t1 - out.t0) * 1000
+        self.pace.observe(out.t1 - out.t0, sum(len(p.req.input_ids) for p in batch))
         for p, o in zip(batch, out.outcomes):
             if p.future.done():
                 continue
