@@ -19,7 +19,8 @@ where least-loaded placement sends the request):
   has waiting requests or less free KV than the request needs, the request waits for
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
-The queue waits shrink by the age of the snapshot (they drain while the state ages), never
+With a `Calibration`, both predictions are then scaled by its factors (what recent requests
+got over what was predicted for them). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
 below zero.
 
 Pace: the profile times a stage alone; a live instance can run slower (neighbours on the
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from easerve.fields import Checked, NonNegFloat, NonNegInt, PosInt
+from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock
 
 
@@ -109,11 +111,23 @@ class Prediction:
     encode_s: float
     prefill_s: float
     decode_wait_s: float
+    ttft_factor: float = 1.0   # the calibration's factors, already applied to ttft_s / tpot_s
+    tpot_factor: float = 1.0
+
+    @property
+    def raw_ttft_s(self) -> float:
+        return self.ttft_s / self.ttft_factor
+
+    @property
+    def raw_tpot_s(self) -> float:
+        return self.tpot_s / self.tpot_factor
 
 
 class LatencyPredictor:
-    def __init__(self, service: ServiceTimes, clock: Clock) -> None:
-        self.service, self.clock = service, clock
+    def __init__(self, service: ServiceTimes, clock: Clock, calibration: Calibration | None = None) -> None:
+        """`calibration`: scales every prediction by what past requests actually got
+        (easerve/policy/calibration.py); None: the raw model."""
+        self.service, self.clock, self.calibration = service, clock, calibration
 
     def predict(self, req: RequestShape, state: LiveState) -> Prediction:
         age = max(0.0, self.clock.now() - state.taken_at)
@@ -128,7 +142,8 @@ class LatencyPredictor:
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
-        return Prediction(g + queue + enc + pre, tpot, g, queue, enc, pre, dwait)
+        kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
+        return Prediction(kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp)
 
     # ---- per stage: (wait, own service time) -------------------------------------------------
     def _encode(self, req: RequestShape, e: EncodeState) -> tuple[float, float]:
