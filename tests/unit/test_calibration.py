@@ -33,16 +33,20 @@ def test_a_steady_bias_is_learned_and_applied_to_the_next_prediction():
     assert p.raw_ttft_s == pytest.approx(raw.ttft_s)
 
 
-def test_without_samples_the_factor_relaxes_to_one_by_its_half_life():
+def test_without_samples_the_fast_factor_relaxes_to_the_lasting_bias_learned_without_queues():
     clock = ManualClock(0.0)
-    cal = Calibration(clock, half_life_s=10.0)
+    cal = Calibration(clock, alpha=0.5, slow_alpha=0.5, half_life_s=10.0)
     assert cal.ttft_factor() == 1.0
-    cal.observe_ttft(1.0, 4.0)                           # the first sample is taken whole
+    cal.observe_ttft(1.0, 4.0)                           # uncongested: fast taken whole, slow halfway
     assert cal.ttft_factor() == pytest.approx(4.0)
-    clock.advance(10.0)
-    assert cal.ttft_factor() == pytest.approx(2.0)       # log halves in one half-life
-    clock.advance(100.0)
-    assert cal.ttft_factor() == pytest.approx(1.0, abs=1e-2)
+    base = 0.5 * math.log(4)
+    cal.observe_ttft(1.0, 9.0, raw_queue_s=0.5)          # in a queue: moves the fast one only
+    fast = math.log(4) + 0.5 * (math.log(9) - math.log(4))  # ln 6
+    assert math.log(cal.ttft_factor()) == pytest.approx(fast)
+    clock.advance(10.0)                                  # one half-life: halfway back to the slow average
+    assert math.log(cal.ttft_factor()) == pytest.approx(base + 0.5 * (fast - base))
+    clock.advance(300.0)
+    assert cal.ttft_factor() == pytest.approx(2.0, rel=1e-3)   # the lasting bias stays; the overload is gone
     assert cal.tpot_factor() == 1.0                      # TTFT and TPOT are apart
 
 
@@ -61,5 +65,7 @@ def test_the_factor_stays_within_its_bounds(samples):
 def test_bad_settings_say_what_to_change():
     with pytest.raises(ValueError, match="alpha"):
         Calibration(ManualClock(), alpha=0.0)
+    with pytest.raises(ValueError, match="slow_alpha"):
+        Calibration(ManualClock(), slow_alpha=2.0)
     with pytest.raises(ValueError, match="half_life_s"):
         Calibration(ManualClock(), half_life_s=0.0)

@@ -113,12 +113,13 @@ class GatewayAdmission:
         job.trace["ttft_ms"] = ttft_s * 1e3
         pred = job.admission.prediction
         self.m.ttft_prediction_error.observe(abs(pred.ttft_s - ttft_s) / max(ttft_s, 1e-9))
-        self.calibration.observe_ttft(pred.raw_ttft_s, ttft_s)
+        self.calibration.observe_ttft(pred.raw_ttft_s, ttft_s, pred.queue_s)
 
     def finished(self, job: Job, tpot_s: float | None) -> None:
         if job.trace is not None and tpot_s is not None:
             job.trace["tpot_ms"] = tpot_s * 1e3
-            self.calibration.observe_tpot(job.admission.prediction.raw_tpot_s, tpot_s)
+            pred = job.admission.prediction
+            self.calibration.observe_tpot(pred.raw_tpot_s, tpot_s, pred.decode_wait_s == 0.0)
 
     def trace(self, last: int) -> dict:
         recs = list(self.records)[-last:] if last > 0 else []
