@@ -18,6 +18,7 @@ class Load:
     queued: int = 0
     kv_free_tokens: int = 0
     kv_total_tokens: int = 0
+    busy_s: float = 0.0  # seconds computed so far (a counter)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -29,7 +30,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         ld = await self._load()
         msg = stage_pb2.LoadResponse(stage=self.stage, inflight=ld.inflight, max_inflight=ld.max_inflight,
                                      queued=ld.queued, kv_free_tokens=ld.kv_free_tokens,
-                                     kv_total_tokens=ld.kv_total_tokens)
+                                     kv_total_tokens=ld.kv_total_tokens, busy_s=ld.busy_s)
         self.node.to_proto(msg.node)
         return msg
 
