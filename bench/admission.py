@@ -135,6 +135,24 @@ def start_stack(args, model: str, profile: str, admission: str):
     return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=600)
 
 
+def start_all(starts: dict) -> dict:
+    """Start the stacks at once (name -> a call returning a started Stack); if one fails to start,
+    stop the others and raise its error."""
+    stacks, errors = {}, []
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futs = {name: pool.submit(start) for name, start in starts.items()}
+        for name, fut in futs.items():
+            try:
+                stacks[name] = fut.result()
+            except Exception as e:  # noqa: BLE001 - stop the others, then raise
+                errors.append(e)
+    if errors:
+        for st in stacks.values():
+            st.stop(grace_s=1.0)
+        raise errors[0]
+    return stacks
+
+
 def trace_records(url: str) -> list[dict]:
     return json.loads(urllib.request.urlopen(url + "/trace?last=100000", timeout=10).read())["requests"]
 
@@ -149,19 +167,9 @@ def main(argv=None) -> int:
     from hasctl import profile_format as pf
     limits = pf.load(profile).slo(args.tier).limits("image")
     run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
-    stacks = {}
+    stacks = start_all({m: lambda adm=adm: start_stack(args, model, profile, adm) for m, adm in (("off", "off"),
+                                                                                              ("on", "reject"))})
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
-            futs = {m: pool.submit(start_stack, args, model, profile, adm) for m, adm in (("off", "off"),
-                                                                                        ("on", "reject"))}
-            errors = []
-            for mode, fut in futs.items():
-                try:
-                    stacks[mode] = fut.result()
-                except Exception as e:  # noqa: BLE001 - stop the other one, then raise
-                    errors.append(e)
-            if errors:
-                raise errors[0]
         urls = {m: st.endpoints.http for m, st in stacks.items()}
         print(f"both stacks serving after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for url in urls.values():  # the same warm-up on both stacks: every batch shape once, cold

@@ -125,10 +125,14 @@ class EncodeLoop:
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]
         t0 = self.clock.now()
+        if self.m is not None:
+            self.m.on_batch_start(t0)
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
             _fail(batch, e)
+            if self.m is not None:
+                self.m.on_batch_failed(t0, self.clock.now())
             return
         t1 = self.clock.now()
         self.pace.observe(t1 - t0, len(batch))

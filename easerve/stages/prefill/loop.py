@@ -3,13 +3,14 @@
     loop = PrefillLoop(adapter, PrefillBatchConfig(max_batched_tokens=2048, max_batch_size=16),
                        executor=None, scope=None, on_busy=None, clock=MonotonicClock(), prefix=None)
     loop.start()                                   # inside the running event loop
-    one = await loop.prefill(req)                  # req: PrefillRequest
+    one = await loop.prefill(req, slo_s=None, yields=False)   # req: PrefillRequest
     one.result, one.first_token, one.prefill_ms, one.batch_size
     await loop.stop()
 
 - Batching: requests queue in a `PrefillBatcher` (FCFS under the token budget, see
-  `easerve.policy.prefill_plan`), told when its worker is free (`on_free` after each
-  batch). One worker task takes the next batch as soon as the previous one has finished,
+  `easerve.policy.prefill_plan`; in deadline order for requests that carry `slo_s`, the
+  seconds until their first token is due by their SLO tier, or `yields`), told when its
+  worker is free (`on_free` after each batch). One worker task takes the next batch as soon as the previous one has finished,
   with no waiting for more arrivals: requests that arrive while a batch runs form the next
   batch.
 - Compute: a batch runs in `executor` (default: one thread of its own) as ONE
@@ -135,13 +136,15 @@ class PrefillLoop:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    async def prefill(self, req: PrefillRequest) -> PrefilledOne:
-        """Queue one request; resolves when its batch has been prefilled."""
+    async def prefill(self, req: PrefillRequest, slo_s: float | None = None, yields: bool = False) -> PrefilledOne:
+        """Queue one request; resolves when its batch has been prefilled. `slo_s`: seconds until
+        its first token is due by its SLO tier; `yields`: best-effort or batch work."""
         if self._task is None or self._task.done():
             raise RuntimeError("the prefill loop is not running; call start() first")
         key = next(self._keys)
         tokens = self.prefix.to_compute(req) if self.prefix is not None else len(req.input_ids)
-        self.batcher.add(key, tokens, self.clock.now())
+        now = self.clock.now()
+        self.batcher.add(key, tokens, now, None if slo_s is None else now + slo_s, yields)
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = _Pending(req, fut)
         self._wake.set()

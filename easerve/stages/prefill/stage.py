@@ -62,23 +62,26 @@ class PrefillStage:
                                  f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
         return peer
 
-    async def run(self, req: PrefillRequest, target: str, deadline: Deadline,
-                  **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        """Yield the first-token chunk; return once the KV is at `target` (a decode address)."""
+    async def run(self, req: PrefillRequest, target: str, deadline: Deadline, slo: Deadline | None = None,
+                  yields: bool = False, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
+        """Yield the first-token chunk; return once the KV is at `target` (a decode address).
+        `slo`: when the first token is due by the request's SLO tier, `yields`: best-effort or
+        batch work (RequestMeta.slo_ttft_ms / yields; the planner's deadline order)."""
         with self.limit.admit():
             peer = None if self.local_submit is not None else await self._target(target)
             if peer is not None:
                 peer.outstanding += 1  # its channel stays open while this request needs it
             try:
-                async for chunk in self._run(req, peer, deadline, timings):
+                async for chunk in self._run(req, peer, deadline, slo, yields, timings):
                     yield chunk
             finally:
                 if peer is not None:
                     self.decode.finish(peer)
 
-    async def _run(self, req: PrefillRequest, peer, deadline: Deadline,
+    async def _run(self, req: PrefillRequest, peer, deadline: Deadline, slo: Deadline | None, yields: bool,
                    timings: dict) -> AsyncIterator[cpb.TokenChunk]:
-        one = await self.loop.prefill(req)
+        slo_s = slo.remaining() if slo is not None and slo.bounded else None
+        one = await self.loop.prefill(req, slo_s, yields)
         deadline.check("prefill")
         if self.m is not None:
             self.m.on_request(one.batch_size, one.result.prompt_len)
