@@ -98,3 +98,13 @@ def test_n_crosses_the_protos_and_the_kv_header():
     bad = KVPayload("r", kv, kv, 3, 0, 11, sp, first_tokens=[11, 12])
     with pytest.raises(CodecError, match="2 first tokens for n = 4"):
         kv_from_parts(*split_parts(join_parts(*kv_to_parts(bad))))
+
+
+def test_the_sdk_collects_each_choice_by_index():
+    from easerve.client import Chunk, Usage, collect_choices
+    chunks = [Chunk("a", (1,), index=0), Chunk("x", (5,), index=1), Chunk("y", (6,), "length", index=1),
+              Chunk("b", (2,), "stop", Usage(7, 4), index=0)]
+    first, second = collect_choices(chunks, 2)
+    assert (first.text, first.token_ids, first.finish_reason) == ("ab", (1, 2), "stop")
+    assert (second.text, second.token_ids, second.finish_reason) == ("xy", (5, 6), "length")
+    assert first.usage == second.usage == Usage(7, 4)
