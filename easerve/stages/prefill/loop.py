@@ -4,7 +4,7 @@
                        executor=None, scope=None, on_busy=None, clock=MonotonicClock(), prefix=None)
     loop.start()                                   # inside the running event loop
     one = await loop.prefill(req, slo_s=None, yields=False)   # req: PrefillRequest
-    one.result, one.first_token, one.prefill_ms, one.batch_size
+    one.result, one.first_tokens, one.prefill_ms, one.batch_size   # one.first_token: choice 0's
     await loop.stop()
 
 - Batching: requests queue in a `PrefillBatcher` (FCFS under the token budget, see
@@ -15,7 +15,8 @@
   batch.
 - Compute: a batch runs in `executor` (default: one thread of its own) as ONE
   `adapter.prefill(batch)` forward, then `easerve.engine.sampler.sample` draws each
-  request's first token (its own SamplingParams, step 0); both run under `scope()` when
+  request's first token (its own SamplingParams, step 0; with n > 1 one per choice, each
+  with `SamplingParams.choice(i)` and its own grammar state); both run under `scope()` when
   given (a context manager: e.g. the co-located prefill's share of the device).
   `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch.
 - Prefix cache (`prefix`, an easerve.cache.prefix_kv.PrefixKV, or None): before the
@@ -60,9 +61,13 @@ log = logging.getLogger("easerve.prefill")
 @dataclass(frozen=True)
 class PrefilledOne:
     result: PrefillResult
-    first_token: int
+    first_tokens: tuple[int, ...]  # one per choice (sampling n)
     prefill_ms: float
     batch_size: int
+
+    @property
+    def first_token(self) -> int:
+        return self.first_tokens[0]
 
 
 @dataclass
@@ -73,9 +78,9 @@ class _Pending:
 
 @dataclass
 class _BatchOut:
-    """What one batch run returns: per request a (result, first token) or its own InvalidRequest."""
+    """What one batch run returns: per request a (result, first tokens) or its own InvalidRequest."""
 
-    outcomes: list[tuple[PrefillResult, int] | InvalidRequest]
+    outcomes: list[tuple[PrefillResult, tuple[int, ...]] | InvalidRequest]
     t0: float
     t1: float
     forward_size: int
@@ -201,8 +206,8 @@ class PrefillLoop:
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
-                histories.append(TokenHistory.start(r.sampling, r.input_ids, self.adapter.eos_token_ids,
-                                                    self.adapter))
+                histories.append([TokenHistory.start(r.sampling.choice(c), r.input_ids, self.adapter.eos_token_ids,
+                                                     self.adapter) for c in range(r.sampling.n)])
             except InvalidRequest as e:
                 outcomes[i] = e
             else:
@@ -216,11 +221,15 @@ class PrefillLoop:
                                else self.adapter.prefill(batch))
                     for lk, res in zip(looks, results):
                         self.prefix.store(lk, res)
-                    logits = torch.stack([r.last_logits for r in results])
-                    firsts = sample(logits, [r.sampling for r in batch], [0] * len(good), histories)
+                    rows = [j for j, r in enumerate(batch) for _ in range(r.sampling.n)]  # a row per choice
+                    logits = torch.stack([results[j].last_logits for j in rows])
+                    firsts = sample(logits, [r.sampling.choice(c) for r in batch for c in range(r.sampling.n)],
+                                    [0] * len(rows), [h for hs in histories for h in hs])
             finally:
                 for lk in looks:
                     self.prefix.release(lk)
-            for i, res, tok in zip(good, results, firsts):
-                outcomes[i] = (res, int(tok))
+            at = 0
+            for i, r, res in zip(good, batch, results):
+                outcomes[i] = (res, tuple(int(t) for t in firsts[at:at + r.sampling.n]))
+                at += r.sampling.n
         return _BatchOut(outcomes, t0, self.clock.now(), len(good))
