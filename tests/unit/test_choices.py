@@ -5,9 +5,9 @@ import torch
 
 from easerve.engine.block_manager import BlockManager
 from easerve.engine.scheduler import Scheduler
-from easerve.errors import InvalidRequest, Overloaded, RequestTooLarge
+from easerve.errors import CodecError, InvalidRequest, Overloaded, RequestTooLarge
 from easerve.types import MAX_N, KVPayload, SamplingParams
-from easerve.wire.codec import CodecError, join_parts, kv_from_parts, kv_to_parts, split_parts
+from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
 from easerve.wire.sampling_proto import sampling_from_proto, sampling_to_proto
 
 
