@@ -46,7 +46,10 @@ def admit_stack(tiny_root, tmp_path_factory):
     d = Deployment(model=str(cached_tiny("qwen2.5-vl", tiny_root)), name="admission",
                    encode=tuple(Worker(f"cpu:{cores[i % len(cores)]}", flags={"max-batch": 4, **ONE}) for i in range(2)),
                    prefill=(Worker(flags=ONE),), decode=(Worker(flags={"num-slots": 32, **ONE}),))
+    # the profile is slow on purpose (3 s per item, where the tiny encoder takes milliseconds): the
+    # online calibration would learn that away within the burst, so this stack runs without it
     d = d.with_flags("gateway", admission="reject", slo_tier="tight", admission_encode_batch=4,
+                     no_admission_calibration=True, preprocess_threads=8,  # the burst reaches admission at once
                      profile=_profile(tmp_path_factory.mktemp("admission") / "prof.json")).with_gateway_ports(0, 0)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
     stack.start(timeout=420)
@@ -109,8 +112,10 @@ def test_each_instance_reports_its_recent_pace_for_the_predictor(admit_stack):
     from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
     with grpc.insecure_channel(admit_stack.endpoints.grpc) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert [r[0] for r in pool.map(lambda k: _send(stub, 100 + k), range(4))] == ["ok"] * 4
+        time.sleep(4 * POLL_S)  # one at a time on drained queues; once the slow-on-purpose profile's
+        # prefill and decode are scaled by the real (slower) pace, a request can be refused: fine here
+        sent = [_send(stub, 100 + k)[0] for k in range(4)]
+        assert "ok" in sent and "error" not in sent, sent
     paces = {}
     for stage, addrs in admit_stack._addrs().items():
         for addr in addrs if stage != "gateway" else ():

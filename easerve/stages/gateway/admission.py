@@ -47,7 +47,8 @@ class GatewayAdmission:
         self._enc, self._pre, self._dec = enc, pre, dec
         self.clock = clock or MonotonicClock()
         self.calibration = Calibration(self.clock)
-        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, self.calibration),
+        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock,
+                                                                None if cfg.no_admission_calibration else self.calibration),
                                 self.clock)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
 
