@@ -126,7 +126,10 @@ class EncodeLoop:
         items = [it for p in batch.values() for it in p.items]
         t0 = self.clock.now()
         if self.m is not None:
-            self.m.on_batch_start(t0)
+            try:
+                self.m.on_batch_start(t0)
+            except Exception:  # noqa: BLE001 - metrics must never stall encoding
+                log.exception("encode metrics hook failed")
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
