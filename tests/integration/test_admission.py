@@ -53,6 +53,10 @@ def admit_stack(tiny_root, tmp_path_factory):
                      profile=_profile(tmp_path_factory.mktemp("admission") / "prof.json")).with_gateway_ports(0, 0)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
     stack.start(timeout=420)
+    with grpc.insecure_channel(stack.endpoints.grpc) as ch:  # warm: a cold first request (imports, first
+        stub = gateway_pb2_grpc.GatewayStub(ch)              # kernels) would spread the burst's arrivals
+        assert [_send(stub, k)[0] for k in (900, 901)] == ["ok", "ok"]  # one at a time: both admitted
+    time.sleep(4 * POLL_S)
     yield stack
     stack.stop()
 
