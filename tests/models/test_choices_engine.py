@@ -5,7 +5,6 @@ seeded choice i draws what an n = 1 request with seed + i draws, through the rea
 the KV codec and a fresh engine; each choice keeps its own grammar state."""
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 
@@ -17,10 +16,9 @@ from easerve.engine.detok import prompt_tail
 from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
-from easerve.policy.prefill_plan import PrefillBatchConfig
-from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import KVPayload, PrefillRequest, SamplingParams, StructuredOutput
 from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
+from tests.models.test_sampling import prefill_once
 from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos
 
 torch.set_num_threads(1)
@@ -119,16 +117,7 @@ def dec(adapters):
 
 def split_choices(pre, dec, req: PrefillRequest, sp: SamplingParams) -> dict[int, list[int]]:
     """Prefill loop (n first tokens) -> codec bytes -> a fresh DecodeEngine: each choice's tokens."""
-    async def prefill():
-        loop = PrefillLoop(pre, PrefillBatchConfig())
-        loop.start()
-        try:
-            return await loop.prefill(PrefillRequest(req.request_id, req.input_ids, req.embeddings,
-                                                     req.items_meta, sp))
-        finally:
-            await loop.stop()
-
-    one = asyncio.run(prefill())
+    one = prefill_once(pre, req, sp)
     r = one.result
     assert len(one.first_tokens) == sp.n
     payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token, sp,
