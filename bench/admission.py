@@ -58,9 +58,10 @@ def parse_args(argv=None):
 
 
 def workload(n: int, rate: float, seed: int) -> list[tuple[float, int]]:
-    """(arrival s, image seed): Poisson arrivals, a new image each."""
+    """(arrival s, image seed): Poisson arrivals, a new image each (per seed: no run reuses another's
+    images, so no encoder- or prefix-cache hit flatters one stack)."""
     rng = np.random.default_rng(seed)
-    return [(float(t), 20_000 + k) for k, t in enumerate(np.cumsum(rng.exponential(1.0 / rate, n)))]
+    return [(float(t), 20_000 + 1000 * seed + k) for k, t in enumerate(np.cumsum(rng.exponential(1.0 / rate, n)))]
 
 
 # ---- client ------------------------------------------------------------------------------------
@@ -134,6 +135,24 @@ def start_stack(args, model: str, profile: str, admission: str):
     return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=600)
 
 
+def start_all(starts: dict) -> dict:
+    """Start the stacks at once (name -> a call returning a started Stack); if one fails to start,
+    stop the others and raise its error."""
+    stacks, errors = {}, []
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futs = {name: pool.submit(start) for name, start in starts.items()}
+        for name, fut in futs.items():
+            try:
+                stacks[name] = fut.result()
+            except Exception as e:  # noqa: BLE001 - stop the others, then raise
+                errors.append(e)
+    if errors:
+        for st in stacks.values():
+            st.stop(grace_s=1.0)
+        raise errors[0]
+    return stacks
+
+
 def trace_records(url: str) -> list[dict]:
     return json.loads(urllib.request.urlopen(url + "/trace?last=100000", timeout=10).read())["requests"]
 
@@ -148,37 +167,32 @@ def main(argv=None) -> int:
     from hasctl import profile_format as pf
     limits = pf.load(profile).slo(args.tier).limits("image")
     run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
-    stacks = {}
+    stacks = start_all({m: lambda adm=adm: start_stack(args, model, profile, adm) for m, adm in (("off", "off"),
+                                                                                              ("on", "reject"))})
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
-            futs = {m: pool.submit(start_stack, args, model, profile, adm) for m, adm in (("off", "off"),
-                                                                                        ("on", "reject"))}
-            errors = []
-            for mode, fut in futs.items():
-                try:
-                    stacks[mode] = fut.result()
-                except Exception as e:  # noqa: BLE001 - stop the other one, then raise
-                    errors.append(e)
-            if errors:
-                raise errors[0]
         urls = {m: st.endpoints.http for m, st in stacks.items()}
         print(f"both stacks serving after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        for url in urls.values():  # warm-up, sequential
-            run(url, [(0.1 * k, 900 + k) for k in range(2)])
+        for url in urls.values():  # the same warm-up on both stacks: every batch shape once, cold
+            run(url, workload(args.burst // 2, 4.0, 90))
         burst, wall = run(urls["off"], [(0.0, 1000 + k) for k in range(args.burst)])
         capacity = sum("ttft" in r for r in burst) / wall
+        run(urls["on"], [(0.0, 1000 + k) for k in range(args.burst)])  # alike (what it admits of it)
         rate = args.mult * capacity
         print(f"capacity {capacity:.2f} req/s -> trace at {rate:.2f} req/s; tier {args.tier}: "
               f"TTFT {limits[0]:.0f} ms, TPOT {limits[1]:.1f} ms", file=sys.stderr)
-        before = len(trace_records(urls["off"]))
-        if not args.quick:  # calibration at lower rates too
+        before = {m: len(trace_records(u)) for m, u in urls.items()}
+        if not args.quick:  # calibration at lower rates too, on both stacks alike
             for k, frac in enumerate((0.5, 1.0)):
-                run(urls["off"], workload(args.requests // 2, frac * capacity, args.seed + 1 + k))
+                for url in urls.values():
+                    run(url, workload(args.requests // 2, frac * capacity, args.seed + 1 + k))
         reqs = workload(args.requests, rate, args.seed)
         results, walls = {}, {}
         for mode in ("off", "on"):
             results[mode], walls[mode] = run(urls[mode], reqs)
-        recs = trace_records(urls["off"])[before:]
+        recs = [r for m, u in urls.items() for r in trace_records(u)[before[m]:]]
+        dump = ROOT / "runs" / "admission" / "last-run.json"
+        dump.write_text(json.dumps({"records": recs,
+                                    "results": results, "trace": reqs}))
     finally:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda st: st.stop(grace_s=3.0), stacks.values()))  # idle by now

@@ -24,7 +24,12 @@ Last stdout line: JSON with "online_over_static_sim" (the step, the worst profil
 (3600 / dwell per knob x knobs), "diurnal_online_over_static_sim", "diurnal_autoscale_over_static_sim"
 and "cells" (every run's figures).
 
+Live (--live, bench/online_live.py): one rate step on this machine, the bench-scale checkpoint
+served static and with encode --online; adds "online_over_static_live" and "live" (--no-sim: the
+live part alone).
+
   python bench/online_control.py --quick          # image only, shorter traces
+  python bench/online_control.py --live --no-sim  # the live step alone (~8 min here)
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import online_live  # noqa: E402
 from easerve.policy.online import OnlineBounds, OnlineConfig  # noqa: E402
 from easerve.roofline import load_spec  # noqa: E402
 from easerve.sim import SimRequest  # noqa: E402
@@ -80,10 +86,16 @@ def args_of(argv=None):
     ap.add_argument("--slo", default="moderate", choices=["tight", "moderate", "loose"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the result JSON here too")
-    ap.add_argument("--quick", action="store_true", help="image only, 120 s phases, 480 s diurnal")
+    ap.add_argument("--quick", action="store_true", help="image only, 120 s phases, 480 s diurnal; --live: the "
+                    "tiny checkpoint, 8 s phases (a smoke run)")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulator part (with --live)")
+    online_live.add_args(ap)
     args = ap.parse_args(argv)
+    if args.no_sim and not args.live:
+        ap.error("--no-sim leaves nothing to run; add --live")
     if args.quick:
         args.modalities, args.phase_s, args.period_s, args.tune_requests = "image", 120.0, 480.0, 80
+        online_live.quick(args)
     args.modalities = [m for m in args.modalities.split(",") if m]
     lo, _, hi = args.autoscale.partition(":")
     args.scale = (int(lo), int(hi))
@@ -164,7 +176,7 @@ def main(argv=None) -> int:
     args = args_of(argv)
     t0 = time.monotonic()
     cells, ratios = [], {"step": {}, "diurnal": {}}
-    for label, model, prof, devices in profiles(args):
+    for label, model, prof, devices in ([] if args.no_sim else profiles(args)):
         modality = label if label in MODELS else prof.model.modalities[0]
         spec = WorkloadSpec(modality=modality, **WORKLOAD)
         slo = prof.slo(args.slo)
@@ -199,9 +211,20 @@ def main(argv=None) -> int:
                   f"{res['autoscale']['gpu_seconds']:.0f} GPU-s vs {len(devices) * dur:.0f})", flush=True)
             for arm in ("online", "autoscale"):
                 print(f"    {arm}: " + "; ".join(res[arm]["log"][:14]), flush=True)
+    result = sim_result(args, cells, ratios) if cells else {}
+    if args.live:
+        result |= online_live.live(args)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def sim_result(args, cells: list[dict], ratios: dict) -> dict:
     cfg = online_config(args, args.scale)
     per_hour = max(c[k]["changes_per_hour"] for c in cells for k in ARMS)
-    result = {
+    return {
         "online_over_static_sim": round(min(r["online"] for r in ratios["step"].values()), 3),
         "online_same_instances_over_static_sim": round(min(r["online_same"] for r in ratios["step"].values()), 3),
         "autoscale_over_static_sim": round(min(r["autoscale"] for r in ratios["step"].values()), 3),
@@ -209,14 +232,10 @@ def main(argv=None) -> int:
         "changes_per_hour_bound": round(6 * 3600 / cfg.dwell_s),
         "diurnal_online_over_static_sim": round(min(r["online"] for r in ratios["diurnal"].values()), 3),
         "diurnal_autoscale_over_static_sim": round(min(r["autoscale"] for r in ratios["diurnal"].values()), 3),
-        "by_profile": ratios, "wall_s": round(time.monotonic() - t0, 1),
+        "by_profile": ratios,
         "cells": [{k: v for k, v in c.items() if k != "log"} | {a: {k: v for k, v in c[a].items() if k != "log"}
                                                                  for a in ("static", *ARMS)}
                   for c in cells]}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ roofline profiles) and the same three systems in the simulator:
 - dynamo-like: request-at-a-time encode, every prefill remote, its best E/P/D allocation;
 - EAServe: `hasctl tune --evaluator sim` (moderate tier of the variant) at the first ladder rate
   at or above the best baseline goodput (full mode), or, with
-  --quick, the best of the points HAS tries first (hasctl.tune_space.warm_starts: remote prefill,
-  co-located prefill, the monolith, each adaptive at B = 8) with no TPE draws.
+  --quick, the best of the points HAS tries first (hasctl.tune_space.warm_starts: the vLLM-like
+  data-parallel monolith, the Dynamo-like layout on the first E/P/D split, then remote prefill,
+  co-located prefill and the monolith, each adaptive at B = 8) with no TPE draws; so EAServe
+  is never below vLLM-like here, and a ratio of 1.0 over it means nothing beat the monolith.
 
 Each system's goodput is its best over the rate ladder of rate x SLO attainment (as paper_setting).
 The SLO of a variant is its tier's multiple (2x / 4x / 8x) of that variant's own unloaded TTFT and

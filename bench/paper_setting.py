@@ -3,9 +3,17 @@ on 8 x RTX 6000 Ada, roofline profiles (`hasctl profile --roofline`, tensor para
 model in bf16 does not fit one 48 GB card), and three systems in the simulator (easerve.sim):
 
 - EAServe: `hasctl tune --evaluator sim` (Optuna TPE over allocation x B x s, screened) at the
-  tuning rate, its best deployment;
+  tuning rate, its best deployment; its first trials are the baselines it could deploy instead
+  (the vLLM-like `monolith-dp` point and the Dynamo-like one on the screen's best E/P/D split:
+  hasctl.tune_space.warm_starts), so at the tuning rate it is never below them;
 - dynamo-like: request-at-a-time encode, every prefill remote; its best E/P/D allocation, every one tried;
-- vLLM-like: one aggregated (monolith) instance per tensor-parallel group, data parallel.
+- vLLM-like: one aggregated (monolith) instance per tensor-parallel group, data parallel (the
+  tune space's `monolith-dp` point).
+
+The roofline profile states what the GPUs share (hasctl/roofline_profile.py): each decode GPU's
+KV budget is what the weights leave (~10 GiB per card for a 34B model at tp2, not the
+simulator's 40 GiB default), and a monolith's decode step waits for the prefill chunk scheduled
+with it (chunked prefill), other co-resident stages time-slicing the GPU.
 
 Goodput (req/s meeting the moderate tier's TTFT and TPOT, 4x the roofline unloaded latencies) is
 each system's best over a ladder of Poisson rates of rate x SLO attainment (the met fraction of
@@ -19,7 +27,7 @@ peaks at (a target where the baselines are stressed; at a rate every deployment 
 Every instance is a tensor-parallel group of --tp GPUs (deployment `tp`), encode instances included
 (an encode-only worker could run on a single card: understated here for EAServe and Dynamo alike).
 
-  python bench/paper_setting.py --quick        # 4 tune trials, 60 requests per cell, 4 rates
+  python bench/paper_setting.py --quick        # 8 tune trials, 60 requests per cell, 8 rates
 Last stdout line: JSON with "easerve_over_vllm", "easerve_over_dynamo" (per modality) and
 "paper_ratio_rel_err_max" (target <= 0.25).
 """
@@ -38,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 from easerve.roofline import load_spec  # noqa: E402
 from hasctl import profile_format as pf  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
-from hasctl.deployment import PRESETS, Deployment, Worker  # noqa: E402
+from hasctl.deployment import Deployment  # noqa: E402
 from hasctl.roofline_profile import build  # noqa: E402
 from hasctl.simulate import run_simulation  # noqa: E402
-from hasctl.tune_space import MONOLITH, Space, deployment_for, runnable_allocations  # noqa: E402
+from hasctl.tune_space import MONOLITH, MONOLITH_DP, Space, deployment_for, runnable_allocations  # noqa: E402
 from hasctl.workload import WorkloadSpec  # noqa: E402
 
 MODELS = {"image": "llava-v1.6-34b", "video": "qwen2.5-vl-32b", "audio": "ultravox-27b"}
@@ -70,10 +78,11 @@ def args_of(argv=None):
                     help="rate HAS tunes for (default: the highest rate a baseline peaks at on the ladder)")
     ap.add_argument("--rates", default="0.25,0.5,0.75,1,1.5,2,2.5,3,4,5,6,8,10,12,16,20")
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--quick", action="store_true", help="4 trials, 60 requests per cell, 8 rates")
+    ap.add_argument("--quick", action="store_true", help="8 trials (the warm starts and a few TPE draws), 60 requests "
+                                                         "per cell, 8 rates")
     args = ap.parse_args(argv)
     if args.quick:
-        args.trials, args.requests, args.rates = 4, 60, "0.5,1,2,4,6,8,12,16"
+        args.trials, args.requests, args.rates = 8, 60, "0.5,1,2,4,6,8,12,16"
     args.modalities = [m for m in args.modalities.split(",") if m]
     args.rates = [float(x) for x in args.rates.split(",")]
     args.out_dir = Path(args.out_dir or ROOT / "runs" / time.strftime("paper-setting-%Y%m%d-%H%M%S"))
@@ -121,10 +130,11 @@ def dynamo_like(model: str, prof: pf.Profile, spec: WorkloadSpec, devices: list[
 
 
 def vllm_like(model: str, devices: list[str], tp: int = 1) -> Deployment:
-    mono = PRESETS[MONOLITH].monolith[0]
-    return Deployment(name="vllm-like", model=model, prefill=(), decode=(),
-                      monolith=tuple(Worker(device=x, flags=dict(mono.flags), tp=tp) for x in devices)
-                      ).with_gateway_ports(0, 0)
+    """One monolith per tensor-parallel group: the tune space's `monolith-dp` point at the monolith
+    preset's batching (adaptive, B = 8), so `hasctl tune` can pick exactly this deployment."""
+    space = Space((), tuple(devices), tp=tp)
+    alloc = MONOLITH_DP if space.data_parallel else MONOLITH
+    return deployment_for(space, {"alloc": alloc, "mode": "adaptive", "B": 8}, model, "vllm-like")
 
 
 def main(argv=None) -> int:

@@ -41,8 +41,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bench-scale tiny qwen2.5-vl)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
     ap.add_argument("--preset", default="default")
-    ap.add_argument("--rate", type=float, default=0.25, help="conversations started per second")
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--rate", type=float, default=1.2,
+                    help="conversations started per second (1.2: past the cache-off capacity on 2 cores)")
+    ap.add_argument("--conversations", type=int, default=40)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--slo-mult", type=float, default=4.0, help="SLO = this x the unloaded cache-off TTFT/TPOT")

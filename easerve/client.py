@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -68,8 +68,9 @@ class Logprob:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed delta. `finish_reason`, `usage` are set on the last chunk only;
-    `logprobs` (one per token id) when the request asked for them."""
+    """One streamed delta. `finish_reason` is set on the last chunk of its choice (`index`,
+    0..n-1), `usage` on the stream's last chunk only (completion tokens summed over the
+    choices); `logprobs` (one per token id) when the request asked for them."""
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
@@ -77,6 +78,7 @@ class Chunk:
     timings: Timings | None = None
     request_id: str = ""
     logprobs: tuple[Logprob, ...] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,11 @@ class ModelInfo:
 
 def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
     finish = FINISH_REASONS.get(m.finish_reason)
-    usage = Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens) if finish else None
+    usage = (Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens)
+             if finish and m.HasField("usage") else None)
     timings = timings_from_proto(m.timings) if m.HasField("timings") else None
     lps = tuple(Logprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in m.logprobs)
-    return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id, lps)
+    return Chunk(m.text, tuple(m.token_ids), finish, usage, timings, m.request_id, lps, m.index)
 
 
 def collect(chunks: Iterable[Chunk]) -> Completion:
@@ -118,6 +121,19 @@ def collect(chunks: Iterable[Chunk]) -> Completion:
         raise UnavailableError("the gateway closed the stream without a result")
     return Completion("".join(text), tuple(ids), last.finish_reason, last.usage or Usage(), timings,
                       last.request_id, tuple(lps))
+
+
+def collect_choices(chunks: Iterable[Chunk], n: int) -> list[Completion]:
+    """The n choices of a request's chunks, by index; each carries the request's usage
+    (completion tokens summed over the choices) and timings."""
+    by: list[list[Chunk]] = [[] for _ in range(n)]
+    usage, timings = Usage(), Timings()
+    for c in chunks:
+        if not 0 <= c.index < n:
+            raise UnavailableError(f"the gateway sent choice {c.index} of a request for n = {n}")
+        by[c.index].append(c)
+        usage, timings = c.usage or usage, timings.merge(c.timings)
+    return [replace(collect(cs), usage=usage, timings=timings) for cs in by]
 
 
 
@@ -190,8 +206,9 @@ class AsyncStream:
             call.cancel()
 
 
-async def _acollect(stream: AsyncStream) -> Completion:
-    return collect([c async for c in stream])
+async def _acollect(stream: AsyncStream, n: int = 1) -> Completion | list[Completion]:
+    chunks = [c async for c in stream]
+    return collect(chunks) if n == 1 else collect_choices(chunks, n)
 
 
 # ---- clients ---------------------------------------------------------------------------------
@@ -228,6 +245,8 @@ class Client(_Base):
     Sampling arguments take vLLM's meanings (see `easerve.types.SamplingParams`); `logit_bias` maps
     token ids to a bias in [-100, 100]. `slo_tier` ("tight", "moderate", "loose") and `priority`
     ("interactive", "batch") go as metadata to the gateway's SLO-aware admission.
+    `n` > 1 (at most 16): n choices of one prefill; a list of n `Completion`s (choice i at i),
+    or a stream whose chunks carry their choice's `index`. With a seed, choice i samples with seed + i.
     Structured outputs: `response_format` as OpenAI's
     ({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} or {"type": "json_object"}),
     or `structured_outputs` as vLLM's ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}).
@@ -247,20 +266,20 @@ class Client(_Base):
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
                  min_tokens: int = 0, logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
                  priority: str | None = None, response_format: dict | None = None,
-                 structured_outputs: dict | None = None) -> Completion | Stream:
+                 structured_outputs: dict | None = None, n: int = 1) -> Completion | list[Completion] | Stream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
-            response_format=response_format, structured_outputs=structured_outputs))
+            response_format=response_format, structured_outputs=structured_outputs, n=n))
         out = Stream(self._stub.Generate(req, timeout=self._timeout(timeout),
                                          metadata=self._call_metadata(slo_tier, priority)))
         if stream:
             return out
         with out:
-            return collect(out)
+            return collect(out) if n == 1 else collect_choices(out, n)
 
     def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         try:
@@ -302,20 +321,21 @@ class AsyncClient(_Base):
                        repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
                        logit_bias: dict[int, float] | None = None, slo_tier: str | None = None,
                        priority: str | None = None, response_format: dict | None = None,
-                       structured_outputs: dict | None = None) -> Completion | AsyncStream:
+                       structured_outputs: dict | None = None,
+                       n: int = 1) -> Completion | list[Completion] | AsyncStream:
         req = self._request(prompt, model, dict(
             messages=messages, raw_prompt=raw_prompt, images=images, video=video, audio=audio, video_fps=video_fps,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, request_id=request_id,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias,
-            response_format=response_format, structured_outputs=structured_outputs))
+            response_format=response_format, structured_outputs=structured_outputs, n=n))
         out = AsyncStream(self._stub().Generate(req, timeout=self._timeout(timeout),
                                                 metadata=self._call_metadata(slo_tier, priority)))
         if stream:
             return out
         async with out:
-            return await _acollect(out)
+            return await _acollect(out, n)
 
     async def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         try:

@@ -147,7 +147,7 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
                    logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                    repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
                    logit_bias: dict[int, float] | None = None, response_format: dict | None = None,
-                   structured_outputs: dict | None = None) -> cpb.SamplingParams:
+                   structured_outputs: dict | None = None, n: int = 1) -> cpb.SamplingParams:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     try:
         structured = [StructuredOutput.from_response_format(response_format) if response_format else None,
@@ -158,7 +158,7 @@ def sampling_proto(max_tokens: int = 256, temperature: float = 0.0, top_p: float
                            stop=stop, stop_token_ids=tuple(int(t) for t in stop_token_ids), ignore_eos=ignore_eos,
                            logprobs=logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
-                           logit_bias=logit_bias or {}, structured=structured[0] or structured[1])
+                           logit_bias=logit_bias or {}, structured=structured[0] or structured[1], n=n)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if seed is not None and seed < 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from easerve.errors import InvalidRequest
@@ -21,6 +21,7 @@ Role = Literal["encode", "prefill", "decode", "full", "processor"]
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's limit)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_REPETITION_PENALTY = 100.0
+MAX_N = 16  # choices per request (`SamplingParams.n`)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -113,8 +114,11 @@ class SamplingParams:
     min_tokens: int = 0              # EOS and stop_token_ids are masked until this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
     structured: StructuredOutput | None = None       # tokens outside the grammar are masked
+    n: int = 1  # choices: one prefill, n decodes sharing the prompt's KV (each its own `choice(i)`)
 
     def __post_init__(self) -> None:
+        if type(self.n) is not int or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be an integer in 1..{MAX_N} (choices per request), got {self.n!r}")
         if self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -157,6 +161,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def choice(self, i: int) -> "SamplingParams":
+        """The sampling of choice i (0..n-1) alone (n = 1). With a seed, choice i samples with
+        seed + i (mod 2**64): a seeded choice is reproducible on any instance, choice 0 draws what
+        the same request with n = 1 draws, and two choices of one request differ."""
+        if not 0 <= i < self.n:
+            raise ValueError(f"choice {i} of a request with n = {self.n}")
+        seed = None if self.seed is None else (self.seed + i) % (1 << 64)
+        return self if self.n == 1 else replace(self, n=1, seed=seed)
 
 
 @dataclass
@@ -255,6 +268,12 @@ class KVPayload:
     sampling: SamplingParams
     prompt_ids_tail: list[int] = field(default_factory=list)  # for stop strings / detok context
     penalty_ids: list[int] = field(default_factory=list)  # distinct prompt ids, for repetition_penalty
+    first_tokens: list[int] = field(default_factory=list)  # sampling.n > 1: choice i's first token at i
+
+    @property
+    def choice_tokens(self) -> list[int]:
+        """Every choice's first token, choice 0 first (just `first_token` when n = 1)."""
+        return list(self.first_tokens) or [self.first_token]
 
     @property
     def num_layers(self) -> int:

@@ -229,6 +229,7 @@ class Roofline:
     memory_eff: Share
     layer_overhead_s: Annotated[float, Field(ge=0)]
     call_overhead_s: Annotated[float, Field(ge=0)]
+    kv_gib_per_device: Annotated[float, Field(gt=0)] | None = None  # a decode / monolith GPU's KV budget (None: unstated)
 
 
 @dataclass(frozen=True, config=_CONFIG)

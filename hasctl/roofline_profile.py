@@ -6,7 +6,20 @@ The points are those of a plan (hasctl.profile.Plan; `ROOFLINE_PLAN` by default,
 GPUs and full-size models), each the roofline seconds of that call (see easerve/roofline/spec.py).
 The unloaded request of each modality is encode (batch 1) + prefill of its prompt (the media's rows
 + TEXT_TOKENS) for TTFT, one decode step at that context for TPOT; the gateway's preprocessing is
-not modelled (no `gateway` points: 0 s), nor is interference (none).
+not modelled (no `gateway` points: 0 s). The KV budget of a decode (or monolith) device is stated
+in the `roofline` block (`kv_gib_per_device`: easerve.roofline.models.kv_budget_gib; the
+simulator sizes its decode caches by it).
+
+Interference is stated, from the roofline's own times, not measured (`interference`): busy
+stages that share a GPU without an SM partition slow each other (a partitioned co-located
+encode + prefill runs at its shares instead: easerve/sim/stages.py), else the simulator would
+let one GPU run three stages at full speed at once:
+- decode with prefill: they meet only in one engine (the monolith, vLLM-like), whose chunked
+  prefill runs a chunk of CHUNK_TOKENS in the same step as the decode tokens, so a decode step
+  takes the chunk's time too: slowdown 1 + chunk / step, and prefill 1 + step / chunk, the step
+  at DECODE_REF_BATCH requests of the reference request's context;
+- every other pair (encode with either, a stage with itself: two processes or streams on one
+  GPU) time-slices it: TIMESLICE_SLOWDOWN, each at about half speed.
 """
 from __future__ import annotations
 
@@ -14,7 +27,7 @@ import hashlib
 from pathlib import Path
 
 from easerve.roofline import DeviceSpec, ModelArch, load_arch, load_spec
-from easerve.roofline.models import check_fits
+from easerve.roofline.models import check_fits, kv_budget_gib
 from easerve.stages.encode.profiler import media_label, utc_now
 from hasctl import profile_format as pf
 from hasctl.profile import Plan, reference_size, sizes_of
@@ -25,6 +38,9 @@ ROOFLINE_PLAN = Plan(image_sizes=((336, 336), (672, 672), (1024, 768)),
                      prompt_lens=(256, 1024, 4096), prefill_batches=(1, 4),
                      decode_batches=(1, 8, 32, 128), decode_contexts=(512, 2048), output_tokens=128, repeats=1)
 TEXT_TOKENS = 48  # the unloaded request's text and chat template, as hasctl profile's (32 words + template)
+TIMESLICE_SLOWDOWN = 2.0  # stated: two busy contexts time-slicing one GPU each run at about half speed
+CHUNK_TOKENS = 2048       # a monolith's prefill chunk: the engines' max_batched_tokens default (vLLM's too)
+DECODE_REF_BATCH = 16     # the decode step the chunk is weighed against: a moderately loaded instance
 NETWORK_LATENCY_S = 20e-6  # stated: one cross-node message (RDMA-class NICs: a few us; TCP: tens)
 
 
@@ -73,6 +89,7 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
         n = TEXT_TOKENS + (arch.rows(m, media) if media else 0)
         ttft = (rm.encode_s(m, media, 1) if media else 0.0) + rm.prefill_s(n, 1)
         unloaded.append(pf.Unloaded(m, media, n, plan.output_tokens, ttft, rm.decode_s(1, n)))
+    ref_n = unloaded[0].prompt_tokens  # the reference modality's request
     e = spec.efficiency
     own = spec.mem_gb_per_s * e.memory
     transfer = pf.Transfer(arch.lm.block.hidden * spec.dtype_bytes, arch.lm.kv_bytes_per_token(spec.dtype_bytes),
@@ -81,7 +98,8 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
                             *([pf.LinkPoint("other_host", network_gbps / 8, NETWORK_LATENCY_S, measured=False)]
                               if network_gbps else [])))
     info = pf.Roofline(spec.name, spec.source, spec.dtype, spec.tflops, spec.mem_gb_per_s, spec.interconnect_gb_per_s,
-                       e.compute, e.memory, e.layer_overhead_s, e.call_overhead_s)
+                       e.compute, e.memory, e.layer_overhead_s, e.call_overhead_s,
+                       round(kv_budget_gib(arch, spec.mem_gib, tp, spec.dtype_bytes), 3))
     hw = pf.Hardware(f"roofline {spec.name} (not measured)", 1, (spec.name,) * tp, f"{spec.name}:0",
                      tuple(f"{spec.name}:{i}" for i in range(tp)))
     digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
@@ -89,7 +107,16 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
     versions = pf.Versions(_version(), "n/a (roofline)", "n/a (roofline)", "n/a (roofline)")
     return pf.Profile(hw, versions, model, encode, prefill, decode, tuple(unloaded),
                       pf.tiers_from(unloaded, multipliers), utc_now(), False, revision=pf.ROOFLINE_REVISION,
-                      transfer=transfer, measured=False, tp=tp, roofline=info)
+                      transfer=transfer, measured=False, tp=tp, roofline=info,
+                      interference=interference(rm.prefill_s(CHUNK_TOKENS, 1), rm.decode_s(DECODE_REF_BATCH, ref_n)))
+
+
+def interference(chunk_s: float, step_s: float) -> tuple[pf.Interference, ...]:
+    """Every ordered pair of GPU stages (see the module docstring): a prefill chunk of `chunk_s`
+    serialized with a decode step of `step_s`, the other pairs time-sliced."""
+    stages = ("encode", "prefill", "decode")
+    engine = {("decode", "prefill"): 1 + chunk_s / step_s, ("prefill", "decode"): 1 + step_s / chunk_s}
+    return tuple(pf.Interference(a, b, round(engine.get((a, b), TIMESLICE_SLOWDOWN), 4)) for a in stages for b in stages)
 
 
 def _version() -> str:

@@ -80,6 +80,11 @@ class Verdict:
         return all(c.ok for c in self.checks)
 
     @property
+    def headroom(self) -> float:
+        """Capacity over demand of the tightest stage (>= 1: every stage carries the rate)."""
+        return min((c.capacity / c.demand for c in self.checks if c.demand > 0), default=float("inf"))
+
+    @property
     def reason(self) -> str:
         bad = [c.describe() for c in self.checks if not c.ok]
         return "; ".join(bad) if bad else "every stage carries the rate"
@@ -130,6 +135,32 @@ def screen(profile: Profile, demand: Demand, devices: int, max_batch: int | None
         raise ValueError(f"max_utilization must be in (0, 1], got {max_utilization}")
     return [check(profile, demand, a, max_batch, max_running, max_utilization, batch_mode)
             for a in enumerate_allocations(devices, media=demand.items > 0)]
+
+
+def best_allocation(profile: Profile, demand: Demand, allocations, max_batch: int | None = None,
+                    batch_mode: str = "adaptive") -> Allocation | None:
+    """Of `allocations`, the one of most headroom (its tightest stage's capacity over demand;
+    ties: the first), or None when there is none."""
+    return max(allocations, key=lambda a: check(profile, demand, a, max_batch, batch_mode=batch_mode).headroom,
+               default=None)
+
+
+def screen_candidates(prof: Profile, rate: float, modality: str | None, allocs, instances: int, max_batch: int,
+                      say=print, where: str = "the profile") -> tuple[list, dict]:
+    """`hasctl tune`'s screening of its candidate allocations `allocs` (of 2..instances instances)
+    at `rate`: the kept ones (each removal said with its reason), and the warm starts' picks among
+    them, as `Space` fields: `dynamo_alloc` (the non-colocated one of most headroom with
+    request-at-a-time encode) and `screened_best` (the one of most headroom with batches up to `max_batch`)."""
+    demand = demand_from(prof, rate, modality)
+    verdicts = {v.allocation: v for n in range(2, instances + 1) for v in screen(prof, demand, n, max_batch=max_batch)}
+    kept = [a for a in allocs if verdicts[a].kept]
+    for a in allocs:
+        if not verdicts[a].kept:
+            say(f"screened out {a.name}: {verdicts[a].reason}")
+    say(f"screening with {where}: {len(kept)} of {len(allocs)} allocations kept (the monolith is not screened)")
+    dynamo = best_allocation(prof, demand, [a for a in kept if not a.colocated], 1, "request_at_a_time")
+    best = best_allocation(prof, demand, kept, max_batch)
+    return kept, {"dynamo_alloc": dynamo.name if dynamo else "", "screened_best": best.name if best else ""}
 
 
 def demand_from(profile: Profile, rate: float, modality: str | None = None, items: float | None = None,

@@ -33,8 +33,9 @@ _ADDR = ("127.0.0.1:1",)  # placeholder peer addresses: the configs demand them,
 PROFILE_TEXT_TOKENS = 32  # words of text hasctl profile's unloaded request sends
 
 
-def topology(d: Deployment) -> Topology:
-    """The deployment's stage configs, built and checked as its processes would build them."""
+def topology(d: Deployment, gpu_kv_gib: float | None = None) -> Topology:
+    """The deployment's stage configs, built and checked as its processes would build them;
+    `gpu_kv_gib`: a decode GPU's KV budget (default: the simulator's DEFAULT_GPU_KV_GB)."""
     model = d.model or "model"
     wiring = {"decode": {}, "monolith": {}, "prefill": {"decode": _ADDR},
               "encode": {"prefill": _ADDR if d.prefill else (), "decode": _ADDR}}
@@ -42,7 +43,8 @@ def topology(d: Deployment) -> Topology:
                      for i, w in enumerate(getattr(d, s))) for s in STAGES}
     gw = _stage_config("gateway", {"model": model, "prefill": _ADDR, "decode": _ADDR}, d.gateway.flags, "gateway")
     return Topology(gw, cfgs["encode"], cfgs["prefill"], cfgs["decode"], cfgs["monolith"],
-                    tp={s: tuple(w.tp for w in getattr(d, s)) for s in STAGES})
+                    tp={s: tuple(w.tp for w in getattr(d, s)) for s in STAGES},
+                    **({"gpu_kv_gb": gpu_kv_gib} if gpu_kv_gib else {}))
 
 
 def media_of(spec: WorkloadSpec, modality: str) -> str:
@@ -86,10 +88,12 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
 def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None,
                    tp_profiles=(), online=None, requests: list[SimRequest] | None = None):
     """(BenchResult in hasctl bench's fields, the simulator's SimResult). A worker with `tp: k`
-    takes its service times from the profile of `profile` and `tp_profiles` whose tp is k.
+    takes its service times from the profile of `profile` and `tp_profiles` whose tp is k; a
+    roofline profile's `kv_gib_per_device` sizes the decode KV caches.
     `online`: an easerve.sim.online.OnlineDriver; `requests`: instead of config's seeded workload."""
     reqs = sim_requests(config, profile) if requests is None else requests
-    result = simulate(topology(d), profile, reqs, model, tp_profiles, online)
+    kv = profile.roofline.kv_gib_per_device if getattr(profile, "roofline", None) is not None else None
+    result = simulate(topology(d, kv), profile, reqs, model, tp_profiles, online)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result

@@ -13,7 +13,8 @@ a rerun must match them. SIGINT / SIGTERM: the running trial's stack is stopped,
 marked failed ("interrupted") and its parameters are queued so the next run tries them first;
 the command exits 130. Trials an earlier run left RUNNING (it was killed) are marked failed when
 the study is opened again: run one tuner per study at a time. A new study first runs the
-presets' points (`tune_space.warm_starts`; `--no-warm-start` leaves them out), then TPE's draws.
+baselines', the screen's and the presets' points (`tune_space.warm_starts`; `--no-warm-start`
+leaves them out), then TPE's draws.
 """
 from __future__ import annotations
 
@@ -335,8 +336,8 @@ def add_parser(sub) -> None:
                         "of them; with several devices)")
     p.add_argument("--ignore-eos", action="store_true", help="every request decodes --output-tokens tokens")
     p.add_argument("--no-warm-start", action="store_true",
-                   help="a new study starts with TPE's random draws only (default: the default, colocated and "
-                        "monolith presets' points first)")
+                   help="a new study starts with TPE's random draws only (default: the vLLM- and Dynamo-like "
+                        "baselines', the screen's best and the presets' points first)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a trial's stack to serve")
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds for a trial's bench")
     p.add_argument("--run-dir", default=None, help="folder of the trials' logs (default: a new temp folder)")
@@ -369,8 +370,9 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
     instances = args.instances or max(3, len(devices))
     media = args.modality != "text"
     allocs = runnable_allocations(instances, media)
+    seeds: dict = {}
     if args.profile:
-        allocs = _screened(args, allocs, instances, media, say)
+        allocs, seeds = _screened(args, allocs, instances, media, say)
     else:
         say(f"no --profile: all {len(allocs)} allocations of 2..{instances} instances are tried (no screening)")
     batch = tuple(_ints(args.batch_sizes, "--batch-sizes"))
@@ -380,7 +382,7 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
         places = places[:1]
     tp = _profile_tp(args.profile) if args.profile else 1
     return Space(tuple(allocs), devices, batch, monolith=not args.no_monolith, placements=places, batch_modes=modes,
-                 tp=tp)
+                 tp=tp, **seeds)
 
 
 def _profile_tp(path: str) -> int:
@@ -389,20 +391,11 @@ def _profile_tp(path: str) -> int:
     return load(path).tp
 
 
-def _screened(args, allocs, instances: int, media: bool, say) -> list:
+def _screened(args, allocs, instances: int, media: bool, say) -> tuple[list, dict]:
     from hasctl.profile_format import load
-    from hasctl.screen import demand_from, screen
-    prof = load(args.profile)
-    demand = demand_from(prof, args.rate, None if args.modality == "mixed" else args.modality)
-    max_b = max(_ints(args.batch_sizes, "--batch-sizes"))
-    verdicts = {v.allocation: v for n in range(2, instances + 1)
-                for v in screen(prof, demand, n, max_batch=max_b)}
-    kept = [a for a in allocs if verdicts[a].kept]
-    for a in allocs:
-        if not verdicts[a].kept:
-            say(f"screened out {a.name}: {verdicts[a].reason}")
-    say(f"screening with {args.profile}: {len(kept)} of {len(allocs)} allocations kept (the monolith is not screened)")
-    return kept
+    from hasctl.screen import screen_candidates
+    return screen_candidates(load(args.profile), args.rate, None if args.modality == "mixed" else args.modality,
+                             allocs, instances, max(_ints(args.batch_sizes, "--batch-sizes")), say, args.profile)
 
 
 def config_from_args(args, run_dir: str) -> TuneConfig:

@@ -5,7 +5,9 @@ Candidates:
   E/P/D instances, with and without co-located prefill, that a `Deployment` can run: p >= 1,
   because the gateway sends text-only requests to a prefill worker (the screen's P0 allocations
   are dropped); E0 ones only for a text-only workload;
-- `monolith`: encode + prefill + decode in one process on all the devices.
+- `monolith`: encode + prefill + decode in one process on all the devices;
+- `monolith-dp` (GPUs, more than one device or tp group): one monolith replica on each device,
+  data parallel: the vLLM-like aggregated layout (e.g. 4 x tp2 on 8 GPUs).
 
 Placement (`place`, one of the space's `placements`):
 - `split`: the k-th instance of an allocation, counted encode first, then prefill, then decode,
@@ -18,7 +20,8 @@ Placement (`place`, one of the space's `placements`):
   decode `decode_threads` (a drawn parameter: 1, or one per core); a co-located encode there
   draws `sm`: `timeslice` (encode and prefill both use every core, uncontrolled) or `dynamic`
   (the SM backend `auto`, on CPU a per-batch core split, with the dynamic partition policy).
-The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs.
+The monolith gets every CPU core (`cpu:0-1`), or the first device when they are GPUs; `monolith-dp` one
+replica per device.
 With `tp` > 1 (a tensor-parallel profile: `hasctl tune` takes the profile's tp) every instance
 spans tp GPUs and `devices` lists each group's first GPU (cuda:0,cuda:2,... for tp 2).
 
@@ -30,9 +33,12 @@ on several CPU cores, and, only for a co-located allocation, `s` (the share of r
 sends to remote prefill, 0..1 in steps of 0.05).
 
 `warm_starts` names the points a new study tries first (Optuna's `enqueue_trial`), before TPE's
-random start-up draws: the `default` preset (remote prefill), the `colocated` preset and the
-monolith, each at B = 8 with `adaptive` batching, as they exist in the space. A tuned deployment is then never one the
-search merely failed to stumble on; each is scored like any other trial.
+random start-up draws, in this order, as they exist in the space: the baselines a user could
+deploy instead (the vLLM-like `monolith-dp`; the Dynamo-like layout: request-at-a-time encode,
+every prefill remote, on `dynamo_alloc`), the screen's best allocation (`screened_best`, at the
+largest B), then the `default` preset (remote prefill), the `colocated` preset and the monolith,
+each at B = 8 with `adaptive` batching. A study of at least that many trials so ends at a
+deployment as good as each of those on its own objective; each is scored like any other trial.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from hasctl.tensor_parallel import check_tp
 from hasctl.screen import Allocation, enumerate_allocations
 
 MONOLITH = "monolith"
+MONOLITH_DP = "monolith-dp"
 BATCH_SIZES = (1, 2, 4, 8, 16)
 S_STEP = 0.05
 PLACEMENTS = ("split", "shared")
@@ -63,6 +70,8 @@ class Space:
     batch_modes: tuple[str, ...] = BATCH_MODES
     placements: tuple[str, ...] = ("split",)
     tp: int = 1
+    dynamo_alloc: str = ""     # the Dynamo-like warm start's allocation (default: the first non-colocated one)
+    screened_best: str = ""    # the screen's best allocation, warm-started at the largest B ("": none)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -82,6 +91,15 @@ class Space:
             raise ValueError(f"placements must be a non-empty subset of {PLACEMENTS}, got {self.placements!r}")
         if not self.allocations and not self.monolith:
             raise ValueError("the search space is empty: no allocation kept and the monolith left out")
+        names = {a.name for a in self.allocations}
+        for k in ("dynamo_alloc", "screened_best"):
+            if getattr(self, k) and getattr(self, k) not in names:
+                raise ValueError(f"{k} {getattr(self, k)!r} is not one of the allocations {sorted(names)}")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the space has `monolith-dp`: the monolith on, and several GPU devices (tp groups)."""
+        return self.monolith and len(self.devices) > 1 and not any(d.startswith("cpu:") for d in self.devices)
 
     @property
     def cores(self) -> tuple[int, ...]:
@@ -92,11 +110,12 @@ class Space:
 
     @property
     def choices(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.allocations) + ((MONOLITH,) if self.monolith else ())
+        return tuple(a.name for a in self.allocations) + ((MONOLITH,) if self.monolith else ()) + \
+            ((MONOLITH_DP,) if self.data_parallel else ())
 
     def allocation(self, name: str) -> Allocation | None:
-        """The allocation called `name`; None for the monolith."""
-        if name == MONOLITH and self.monolith:
+        """The allocation called `name`; None for the monolith (and `monolith-dp`)."""
+        if (name == MONOLITH and self.monolith) or (name == MONOLITH_DP and self.data_parallel):
             return None
         for a in self.allocations:
             if a.name == name:
@@ -165,15 +184,20 @@ class _Preferred:
 
 
 def warm_starts(space: Space) -> list[dict[str, Any]]:
-    """The presets' points in `space` (see the module docstring), without repeats."""
+    """The baselines', the screen's and the presets' points in `space` (see the module docstring),
+    without repeats."""
     b = max([x for x in space.batch_sizes if x <= WARM_B] or [min(space.batch_sizes)])
     base = {"B": b, "mode": "adaptive", "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
     plain = next((a.name for a in space.allocations if not a.colocated and a.encode), None)
     coloc = next((a.name for a in space.allocations if a.colocated), None)
-    wanted = [n for n in (plain, coloc, MONOLITH if space.monolith else None) if n]
+    dynamo = space.dynamo_alloc or plain
+    wanted = [({"alloc": MONOLITH_DP} if space.data_parallel else None),
+              ({"alloc": dynamo, "mode": "request_at_a_time", "place": "split"} if dynamo else None),
+              ({"alloc": space.screened_best, "B": max(space.batch_sizes)} if space.screened_best else None),
+              *({"alloc": n} for n in (plain, coloc, MONOLITH if space.monolith else None) if n)]
     out: list[dict[str, Any]] = []
-    for name in wanted:
-        p = suggest(_Preferred({**base, "alloc": name}), space)
+    for want in filter(None, wanted):
+        p = suggest(_Preferred({**base, **want}), space)
         if p not in out:
             out.append(p)
     return out
@@ -190,10 +214,11 @@ def deployment_for(space: Space, params: Mapping[str, Any], model: str, name: st
     if b is None:
         raise ValueError(f"batch mode {mode!r} needs 'B' (max-batch) in the params")
     if a is None:
-        mono = PRESETS[MONOLITH].monolith[0]
-        w = Worker(device=_all_of(space.devices), flags={**dict(mono.flags), "max-batch": b, "batch-mode": mode},
-                   tp=space.tp)
-        return Deployment(name=name, model=model, prefill=(), decode=(), monolith=(w,)).with_gateway_ports(0, 0)
+        flags = {**dict(PRESETS[MONOLITH].monolith[0].flags), "max-batch": b, "batch-mode": mode}
+        where = space.devices if params["alloc"] == MONOLITH_DP else (_all_of(space.devices),)
+        return Deployment(name=name, model=model, prefill=(), decode=(),
+                          monolith=tuple(Worker(device=x, flags=flags, tp=space.tp) for x in where)
+                          ).with_gateway_ports(0, 0)
     if a.colocated and "s" not in params:
         raise ValueError(f"{a.name} co-locates prefill: params need 's' (remote fraction in [0, 1])")
     enc_flags: dict[str, Any] = {"max-batch": b, "batch-mode": mode, "remote-fraction": 1.0}

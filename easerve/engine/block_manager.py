@@ -6,6 +6,12 @@ Capacity is `num_blocks` blocks of `block_size` token positions. Two layouts use
 
 A request reserves prompt_len + max_tokens positions when it is admitted, so an admitted
 request can never run out of KV mid-decode; `append` then hands out the next position.
+A request with n choices (`allocate_group`) is n sequences admitted together: the first owns
+its blocks; every other shares the blocks the prompt fills entirely (reference counts) and
+owns the rest, the partial last prompt block included (the engine copies only that block's
+prompt positions into it). A block goes back to the free list when its last holder frees it.
+The slot layout (one block per sequence, prompt_len < block_size) shares nothing: each
+choice holds a slot of its own with its own copy of the prompt.
 Free blocks are handed out lowest id first. In the slot layout `compact()` keeps the owned
 slots exactly 0..n-1 (the engine then reads the batch's KV as one strided view), moving the
 highest slots into holes and reporting each move for the engine to copy.
@@ -22,6 +28,7 @@ class _Seq:
     blocks: list[int]
     num_tokens: int   # positions already holding KV
     reserved: int     # positions this request may ever use
+    borrowed: int = 0  # leading blocks shared with the first sequence of its group
 
 
 class BlockManager:
@@ -33,6 +40,7 @@ class BlockManager:
         # the most positions one request may reserve (slots: block_size; paged: the whole pool)
         self.max_seq_tokens = min(max_seq_tokens or self.capacity_tokens, self.capacity_tokens)
         self._free: list[int] = list(range(num_blocks))  # a min-heap: lowest free id first
+        self._refs = [0] * num_blocks  # sequences holding each block
         self._seqs: dict[str, _Seq] = {}
 
     # ---- capacity ---------------------------------------------------------------------
@@ -55,16 +63,21 @@ class BlockManager:
 
     @property
     def used_tokens(self) -> int:
-        """Token positions that actually hold KV now."""
-        return sum(s.num_tokens for s in self._seqs.values())
+        """Token positions that actually hold KV now (a shared block counted once)."""
+        return sum(s.num_tokens - s.borrowed * self.block_size for s in self._seqs.values())
 
-    def fits_ever(self, reserve_tokens: int) -> bool:
-        """Whether a reservation this size could be admitted into an empty pool."""
-        return reserve_tokens <= self.max_seq_tokens
+    def group_blocks(self, reserve_tokens: int, prompt_len: int = 0, n: int = 1) -> int:
+        """Blocks n sequences of `reserve_tokens` take when they share the prompt's full blocks."""
+        own = self.blocks_needed(reserve_tokens)
+        return own + (n - 1) * (own - min(prompt_len // self.block_size, own))
+
+    def fits_ever(self, reserve_tokens: int, prompt_len: int = 0, n: int = 1) -> bool:
+        """Whether a reservation this size (n sequences of it) could be admitted into an empty pool."""
+        return reserve_tokens <= self.max_seq_tokens and self.group_blocks(reserve_tokens, prompt_len, n) <= self.num_blocks
 
     # ---- admission / release --------------------------------------------------------------
-    def can_allocate(self, reserve_tokens: int) -> bool:
-        return self.blocks_needed(reserve_tokens) <= len(self._free)
+    def can_allocate(self, reserve_tokens: int, prompt_len: int = 0, n: int = 1) -> bool:
+        return self.group_blocks(reserve_tokens, prompt_len, n) <= len(self._free)
 
     def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int) -> list[int]:
         """Reserve blocks for `reserve_tokens` positions, the first `num_tokens` already
@@ -75,17 +88,44 @@ class BlockManager:
             raise ValueError(f"need 0 < num_tokens <= reserve_tokens, got {num_tokens}, {reserve_tokens}")
         if not self.fits_ever(reserve_tokens) or not self.can_allocate(reserve_tokens):
             raise RuntimeError(f"no room for {reserve_tokens} tokens; call can_allocate first")
-        blocks = [heapq.heappop(self._free) for _ in range(self.blocks_needed(reserve_tokens))]
+        blocks = self._take(self.blocks_needed(reserve_tokens))
         self._seqs[seq_id] = _Seq(blocks, num_tokens, reserve_tokens)
         return list(blocks)
 
+    def allocate_group(self, seq_ids: list[str], num_tokens: int, reserve_tokens: int) -> list[list[int]]:
+        """`allocate` for the n choices of one request: the first sequence gets blocks of its
+        own, the others share its blocks that the `num_tokens` prompt positions fill entirely
+        (`borrowed_tokens`) and own the rest. Returns each sequence's block table."""
+        if len(set(seq_ids)) != len(seq_ids) or any(s in self._seqs for s in seq_ids):
+            raise ValueError(f"sequence ids {seq_ids!r} must be new and distinct")
+        if not self.fits_ever(reserve_tokens, num_tokens, len(seq_ids)) or \
+                not self.can_allocate(reserve_tokens, num_tokens, len(seq_ids)):
+            raise RuntimeError(f"no room for {len(seq_ids)} x {reserve_tokens} tokens; call can_allocate first")
+        lead = self.allocate(seq_ids[0], num_tokens, reserve_tokens)
+        shared = min(num_tokens // self.block_size, len(lead))
+        for sid in seq_ids[1:]:
+            for b in lead[:shared]:
+                self._refs[b] += 1
+            blocks = lead[:shared] + self._take(len(lead) - shared)
+            self._seqs[sid] = _Seq(blocks, num_tokens, reserve_tokens, shared)
+        return [list(self._seqs[sid].blocks) for sid in seq_ids]
+
+    def _take(self, count: int) -> list[int]:
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
     def free(self, seq_id: str) -> bool:
-        """Give the request's blocks back. Returns False if it held none."""
+        """Give the request's blocks back (a shared block once its last holder frees it).
+        Returns False if it held none."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
         for b in seq.blocks:
-            heapq.heappush(self._free, b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                heapq.heappush(self._free, b)
         return True
 
     def compact(self) -> list[tuple[str, int, int]]:
@@ -102,6 +142,7 @@ class BlockManager:
         moves = []
         for hole, (slot, rid) in zip(holes, movers):
             self._seqs[rid].blocks[0] = hole
+            self._refs[hole], self._refs[slot] = 1, 0
             moves.append((rid, slot, hole))
         if moves:
             self._free = list(range(n, self.num_blocks))  # already a valid min-heap
@@ -136,3 +177,10 @@ class BlockManager:
 
     def num_tokens(self, seq_id: str) -> int:
         return self._seqs[seq_id].num_tokens
+
+    def borrowed_tokens(self, seq_id: str) -> int:
+        """Leading positions whose KV the sequence reads from blocks its group's first sequence wrote."""
+        return self._seqs[seq_id].borrowed * self.block_size
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]

@@ -10,6 +10,12 @@ backend (`attention.select_attention`) as the cache. Requests join and leave bet
 Outputs: each request's first StepOutput (index 0) is the prefill's first token, so the
 stop rules, the text and the finish reason are decided here for every token; a service that
 already forwarded that token id from prefill can skip index 0's id (not its text).
+
+n > 1 (`SamplingParams.n`): the payload carries every choice's first token; `add` forks the
+request into n sequences (ids `request_id#i`; the request id itself when n = 1), each with
+its own sampling (`SamplingParams.choice(i)`: seed + i), stop rules and grammar state, that
+share the prompt's full KV blocks (`BlockManager.allocate_group`); a choice whose first token
+ends it never becomes a sequence. Outputs name the request and their `choice`.
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     index: int                  # position of token_id in the request's output (0 = prefill's token)
     logprobs: TokenLogprobs | None = None  # when the request asked for them (not for index 0)
+    choice: int = 0             # which of the request's n choices (0 when n = 1)
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,9 @@ class _Request:
     rope_delta: int
     rules: StopRules
     tokens: list[int]
-    history: TokenHistory | None = None  # for penalties / logit_bias / min_tokens
+    history: TokenHistory | None = None  # for penalties / logit_bias / min_tokens / grammar
+    request_id: str = ""        # the request this sequence is a choice of
+    choice: int = 0
 
 
 class DecodeEngine:
@@ -111,7 +120,8 @@ class DecodeEngine:
         self.linear_layouts = self._choose_linear_layouts(adapter)
         self._eos = frozenset(adapter.eos_token_ids)
         self._tokenizer = adapter.tokenizer
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, _Request] = {}   # by sequence id
+        self._groups: dict[str, list[str]] = {}  # request id -> its unfinished sequences
         self._unwritten: set[str] = set()  # running requests whose prompt KV is not in the pool yet
         self._pending: list[StepOutput] = []
         self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
@@ -135,43 +145,56 @@ class DecodeEngine:
 
     # ---- intake ---------------------------------------------------------------------------
     def add(self, payload: KVPayload) -> None:
-        """Queue a prefilled request. Raises ValueError on a bad payload, RequestTooLarge if
-        it can never fit, Overloaded if the waiting queue is full. A request whose first
-        token already finishes it never enters the queue and gives back its reservation."""
-        rid, sp = payload.request_id, payload.sampling
-        if rid in self._reqs:
+        """Queue a prefilled request (its n choices). Raises ValueError on a bad payload,
+        RequestTooLarge if it can never fit, Overloaded if the waiting queue is full. A request
+        whose first tokens already finish every choice never enters the queue and gives back
+        its reservation."""
+        rid, sp, firsts = payload.request_id, payload.sampling, payload.choice_tokens
+        if rid in self._groups or rid in self._reqs:
             raise InvalidRequest(f"request id {rid!r} is already in the engine; ids must be unique")
         if payload.num_tokens != payload.prompt_len:
             raise InvalidRequest(f"payload KV holds {payload.num_tokens} tokens but prompt_len is {payload.prompt_len}")
+        if len(firsts) != sp.n:
+            raise InvalidRequest(f"payload carries {len(firsts)} first tokens for n = {sp.n}; one per choice")
         self.pool.check_prompt_kv(payload.keys, payload.values, payload.prompt_len)
-        req = _Request(payload, sp, payload.rope_delta,
-                       StopRules(sp, self._eos, self._tokenizer, payload.prompt_ids_tail), [],
-                       TokenHistory.start(sp, payload.penalty_ids, self._eos, self.adapter))
-        first = self._on_token(rid, req, payload.first_token)
-        if first.finished:
+        live, outs = {}, []
+        for i, tok in enumerate(firsts):
+            ci = sp.choice(i)
+            req = _Request(payload, ci, payload.rope_delta,
+                           StopRules(ci, self._eos, self._tokenizer, payload.prompt_ids_tail), [],
+                           TokenHistory.start(ci, payload.penalty_ids, self._eos, self.adapter), rid, i)
+            outs.append(self._on_token(req, tok))
+            if not outs[-1].finished:
+                live[rid if sp.n == 1 else f"{rid}#{i}"] = req
+        if not live:
             self.scheduler.release_reservation(rid)
         else:
-            self.scheduler.add(rid, payload.prompt_len, sp.max_tokens)
-            self._reqs[rid] = req
-        self._pending.append(first)
+            self.scheduler.add(rid, payload.prompt_len, sp.max_tokens, tuple(live))
+            self._reqs.update(live)
+            self._groups[rid] = list(live)
+        self._pending.extend(outs)
 
-    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float = 60.0) -> None:
-        """Hold a place before prefill runs (see Scheduler.reserve); `add` of the same id takes
-        it. Raises Overloaded / RequestTooLarge exactly as `add` would, before any compute."""
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float = 60.0, n: int = 1) -> None:
+        """Hold a place (for n choices) before prefill runs (see Scheduler.reserve); `add` of the
+        same id takes it. Raises Overloaded / RequestTooLarge exactly as `add` would, before any compute."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.scheduler.reserve(request_id, prompt_len, max_tokens, time.monotonic(), ttl_s)
+        self.scheduler.reserve(request_id, prompt_len, max_tokens, time.monotonic(), ttl_s, n)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a waiting or running request and free its KV now; the next step() reports
-        it with finish_reason "abort". False if the engine does not hold it."""
-        req = self._reqs.pop(request_id, None)
-        if req is None:
+        """Stop a waiting or running request (every unfinished choice) and free its KV now;
+        the next step() reports each such choice with finish_reason "abort". False if the
+        engine does not hold it."""
+        seqs = self._groups.pop(request_id, None)
+        if seqs is None:
             return self.scheduler.abort(request_id)  # a reservation, if any
-        self.scheduler.abort(request_id)
-        self._unwritten.discard(request_id)
+        self.scheduler.abort(request_id)  # still waiting as one entry
+        for sid in seqs:
+            req = self._reqs.pop(sid)
+            self.scheduler.abort(sid)
+            self._unwritten.discard(sid)
+            self._pending.append(StepOutput(request_id, None, "", True, "abort", len(req.tokens), choice=req.choice))
         self._last = None
-        self._pending.append(StepOutput(request_id, None, "", True, "abort", len(req.tokens)))
         return True
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -196,14 +219,21 @@ class DecodeEngine:
             self._pending = outputs + self._pending
             raise
         finished = []
-        for rid, tok, lp in zip(plan.request_ids, tokens, logprobs):
-            out = self._on_token(rid, self._reqs[rid], tok, lp)
+        for sid, tok, lp in zip(plan.request_ids, tokens, logprobs):
+            out = self._on_token(self._reqs[sid], tok, lp)
             outputs.append(out)
             if out.finished:
-                finished.append(rid)
-                del self._reqs[rid]
+                finished.append(sid)
+                self._finish(sid)
         self.scheduler.update_from_output(finished)
         return outputs
+
+    def _finish(self, seq_id: str) -> None:
+        rid = self._reqs.pop(seq_id).request_id
+        group = self._groups[rid]
+        group.remove(seq_id)
+        if not group:
+            del self._groups[rid]
 
     def _move_and_write(self, plan: SchedulerOutput) -> None:
         """Copy the KV of requests the plan moved (slot layout), then write new prompts."""
@@ -214,12 +244,15 @@ class DecodeEngine:
                     self.pool.move(src, dst, pos[rid])  # positions 0..pos-1 hold KV
         if self._unwritten:
             tables = dict(zip(plan.request_ids, plan.block_tables))
-            for rid in list(self._unwritten):
-                req = self._reqs[rid]
-                where = tables[rid][0] if isinstance(self.pool, SlotKVPool) else tables[rid]
-                self.pool.write_prompt(where, req.payload.keys, req.payload.values)
+            for sid in list(self._unwritten):  # a choice skips the full blocks it shares
+                req = self._reqs[sid]
+                if isinstance(self.pool, SlotKVPool):
+                    self.pool.write_prompt(tables[sid][0], req.payload.keys, req.payload.values)
+                else:
+                    self.pool.write_prompt(tables[sid], req.payload.keys, req.payload.values,
+                                           start=self.blocks.borrowed_tokens(sid))
                 req.payload = None
-                self._unwritten.discard(rid)
+                self._unwritten.discard(sid)
 
     def _forward(self, plan: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None]]:
         inputs = self._inputs(plan)
@@ -266,13 +299,14 @@ class DecodeEngine:
         table = torch.tensor([(t + (0,) * nb)[:nb] for t in plan.block_tables], device=dev)
         return att.PagedStepCache(self.pool, blk, off, table, kv_len, att.length_mask(positions, pos, kv_len))
 
-    def _on_token(self, rid: str, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
-        """Record a sampled token and apply the request's stop rules (easerve.engine.stops)."""
+    def _on_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """Record a sampled token and apply the choice's stop rules (easerve.engine.stops)."""
         req.tokens.append(token)
         if req.history is not None:
             req.history.push(token)
         v = req.rules.push(token)
-        return StepOutput(rid, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1, logprobs)
+        return StepOutput(req.request_id, token, v.text, v.finished, v.finish_reason, len(req.tokens) - 1, logprobs,
+                          req.choice)
 
     # ---- state ---------------------------------------------------------------------------------
     @property

@@ -82,14 +82,16 @@ class PagedKVPool(_Pool):
         shape = (layout.num_layers, 2, blocks.num_blocks, blocks.block_size, layout.kv_heads, layout.head_dim)
         self.kv = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
 
-    def write_prompt(self, table: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Copy a prompt's KV (per layer [kv_heads, T, head_dim]) into positions 0..T-1."""
+    def write_prompt(self, table: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
+                     start: int = 0) -> None:
+        """Copy a prompt's KV (per layer [kv_heads, T, head_dim]) into positions start..T-1
+        (positions before `start` sit in blocks another choice of the request wrote)."""
         n = keys[0].shape[1]
-        pos = torch.arange(n, device=self.kv.device)
+        pos = torch.arange(start, n, device=self.kv.device)
         blk = torch.tensor(table, device=self.kv.device)[pos // self.block_size]
         off = pos % self.block_size
-        k_all = torch.stack([k.transpose(0, 1) for k in keys]).to(self.kv.device, self.kv.dtype)
-        v_all = torch.stack([v.transpose(0, 1) for v in values]).to(self.kv.device, self.kv.dtype)
+        k_all = torch.stack([k[:, start:].transpose(0, 1) for k in keys]).to(self.kv.device, self.kv.dtype)
+        v_all = torch.stack([v[:, start:].transpose(0, 1) for v in values]).to(self.kv.device, self.kv.dtype)
         self.kv[:, 0, blk, off] = k_all   # [L, T, H, d]
         self.kv[:, 1, blk, off] = v_all
 

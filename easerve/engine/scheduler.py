@@ -1,10 +1,13 @@
 """Torch-free decode scheduling policy: bounded waiting queue, running set, admission.
 
 `schedule()` produces a typed plan (`SchedulerOutput`) that the engine executes;
-`update_from_output()` tells the policy which requests finished. Admission is strict FCFS:
+`update_from_output()` tells the policy which sequences finished. Admission is strict FCFS:
 the head of the waiting queue is admitted when `max_running` and the KV memory allow it,
 and nobody behind it jumps ahead (no head-of-line skipping), so a long request is never
-starved by a stream of short ones.
+starved by a stream of short ones. A request with n choices waits as one entry and is
+admitted as n sequences at once (`BlockManager.allocate_group`: they share the prompt's full
+blocks), when n rows and the group's blocks fit; plans, finishing and `abort` then name
+sequence ids (the request id itself when n = 1).
 
 With `compact=True` (the slot layout) the plan's rows are in slot order and the running
 requests own slots 0..n-1: row i reads slot i. Slots freed since the last plan are first
@@ -46,6 +49,7 @@ class _Waiting:
     request_id: str
     prompt_len: int
     reserve_tokens: int
+    seq_ids: tuple[str, ...]
 
 
 class Scheduler:
@@ -63,56 +67,66 @@ class Scheduler:
         self._held: dict[str, float] = {}    # reservations: request id -> expiry time
 
     # ---- intake -------------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, now: float, ttl_s: float) -> None:
-        """Hold a place for a request whose prefill has not run yet, so a full engine is
-        known before any compute is spent. The place lapses at `now + ttl_s` unless `add`
-        takes it. Raises like `add`."""
+    def reserve(self, request_id: str, prompt_len: int, max_tokens: int, now: float, ttl_s: float,
+                n: int = 1) -> None:
+        """Hold a place for a request (of n choices) whose prefill has not run yet, so a full
+        engine is known before any compute is spent. The place lapses at `now + ttl_s` unless
+        `add` takes it. Raises like `add`."""
         self._expire(now)
         if request_id in self._held or request_id in self:
             raise InvalidRequest(f"request id {request_id!r} is already in the engine; ids must be unique")
-        reserve = self._check_size(request_id, prompt_len, max_tokens)
-        if self._full(reserve):
+        reserve = self._check_size(request_id, prompt_len, max_tokens, n)
+        if self._full(reserve, prompt_len, n):
             raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
         self._held[request_id] = now + ttl_s
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        """Queue a request whose prompt KV (prompt_len tokens) waits outside the pool.
-        A reserved request always gets in; others raise Overloaded if the queue is full
-        (RequestTooLarge if it could never fit)."""
-        if request_id in self:
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, seq_ids: tuple[str, ...] = ()) -> None:
+        """Queue a request whose prompt KV (prompt_len tokens) waits outside the pool, as the
+        sequences `seq_ids` (its choices; default: the request id alone). A reserved request
+        always gets in; others raise Overloaded if the queue is full (RequestTooLarge if it
+        could never fit)."""
+        seq_ids = tuple(seq_ids) or (request_id,)
+        if request_id in self or any(s in self for s in seq_ids):
             raise InvalidRequest(f"request id {request_id!r} is already in the engine; ids must be unique")
-        reserve = self._check_size(request_id, prompt_len, max_tokens)
+        reserve = self._check_size(request_id, prompt_len, max_tokens, len(seq_ids))
         held = self._held.pop(request_id, None) is not None
-        if not held and self._full(reserve):
+        if not held and self._full(reserve, prompt_len, len(seq_ids)):
             raise Overloaded(f"decode queue is full ({self.max_waiting} waiting); retry later")
-        self._waiting.append(_Waiting(request_id, prompt_len, reserve))
+        self._waiting.append(_Waiting(request_id, prompt_len, reserve, seq_ids))
 
     def release_reservation(self, request_id: str) -> bool:
         """Give back a held place that `add` will never take (the request finished on its
         first token). False if none is held."""
         return self._held.pop(request_id, None) is not None
 
-    def _check_size(self, request_id: str, prompt_len: int, max_tokens: int) -> int:
+    def _check_size(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1) -> int:
         reserve = prompt_len + max_tokens
         if not self.blocks.fits_ever(reserve):
             raise RequestTooLarge(
                 f"request {request_id!r} needs {reserve} KV tokens (prompt {prompt_len} + max_tokens "
                 f"{max_tokens}) but the engine holds at most {self.blocks.max_seq_tokens} per request; "
                 "lower max_tokens or raise the engine's KV capacity / max_seq_len")
+        if n > self.max_running or not self.blocks.fits_ever(reserve, prompt_len, n):
+            raise RequestTooLarge(
+                f"request {request_id!r} asks for n = {n} choices of {reserve} KV tokens: "
+                f"{self.blocks.group_blocks(reserve, prompt_len, n) * self.blocks.block_size} tokens and {n} "
+                f"running rows, but the engine holds {self.blocks.capacity_tokens} tokens and runs "
+                f"{self.max_running} rows; lower n or max_tokens")
         return reserve
 
-    def _full(self, reserve: int) -> bool:
+    def _full(self, reserve: int, prompt_len: int = 0, n: int = 1) -> bool:
         """No room to wait (reservations count as waiting) and not admissible at once."""
-        return len(self._waiting) + len(self._held) >= self.max_waiting and not self._admissible_now(reserve)
+        return (len(self._waiting) + len(self._held) >= self.max_waiting
+                and not self._admissible_now(reserve, prompt_len, n))
 
     def _expire(self, now: float) -> None:
         for rid in [r for r, until in self._held.items() if until <= now]:
             del self._held[rid]
 
-    def _admissible_now(self, reserve: int) -> bool:
+    def _admissible_now(self, reserve: int, prompt_len: int, n: int) -> bool:
         """The next schedule() would admit it at once: it never really waits."""
-        return (not self._waiting and not self._held and len(self._running) < self.max_running
-                and self.blocks.can_allocate(reserve))
+        return (not self._waiting and not self._held and len(self._running) + n <= self.max_running
+                and self.blocks.can_allocate(reserve, prompt_len, n))
 
     # ---- the plan -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -132,14 +146,15 @@ class Scheduler:
 
     def _admit(self) -> tuple[str, ...]:
         admitted = []
-        while self._waiting and len(self._running) < self.max_running:
+        while self._waiting and len(self._running) + len(self._waiting[0].seq_ids) <= self.max_running:
             head = self._waiting[0]
-            if not self.blocks.can_allocate(head.reserve_tokens):
+            if not self.blocks.can_allocate(head.reserve_tokens, head.prompt_len, len(head.seq_ids)):
                 break  # FCFS: wait for room rather than let later requests jump ahead
             self._waiting.popleft()
-            self.blocks.allocate(head.request_id, head.prompt_len, head.reserve_tokens)
-            self._running[head.request_id] = None
-            admitted.append(head.request_id)
+            self.blocks.allocate_group(list(head.seq_ids), head.prompt_len, head.reserve_tokens)
+            for sid in head.seq_ids:
+                self._running[sid] = None
+            admitted.extend(head.seq_ids)
         return tuple(admitted)
 
     def update_from_output(self, finished: Iterable[str]) -> None:
@@ -155,7 +170,8 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Drop a reserved, waiting or running request at once (its KV is freed). False if unknown."""
+        """Drop a reserved or waiting request, or a running sequence, at once (its KV is
+        freed). False if unknown."""
         if self._held.pop(request_id, None) is not None:
             return True
         if self._release(request_id):

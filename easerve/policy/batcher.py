@@ -22,11 +22,11 @@ An item that waited past the cap while the worker was busy leaves the moment it 
 
 Deadline order (SLO-aware admission): an item may carry the time its first token is due by
 its SLO tier (`deadline`) and whether it yields (`yields`: admitted best-effort, or of the
-`batch` priority class). When more items are due than a batch holds, the batch takes first the
-items that can still meet their tier (no yield, deadline not passed), earliest deadline first
-(an item without a deadline counts as due last among them), then the rest in arrival order;
-so best-effort and batch work never takes the place of an item that can still meet its tier.
-The timers (gap, cap) still look at arrivals only.
+`batch` priority class). When more items are due than a batch holds, the batch takes them in
+`easerve.policy.slo_order` order: first the items that can still meet their tier (no yield,
+deadline not passed), earliest deadline first (an item without a deadline counts as due last
+among them), then the rest in arrival order; so best-effort and batch work never takes the
+place of an item that can still meet its tier. The timers (gap, cap) still look at arrivals only.
 
 Rate estimate: an EWMA of inter-arrival gaps, weighted per arrival with a half-life of
 RATE_HALFLIFE arrivals; lambda = 1 / EWMA(gap) and the threshold is
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Hashable, Literal, get_args
 
 from easerve.fields import PosFloat, PosInt, check_fields
+from easerve.policy.slo_order import slo_order
 
 BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]  # --batch-mode
 MODES: tuple[str, ...] = get_args(BatchMode)
@@ -254,12 +255,9 @@ class AdaptiveBatcher:
     def _by_deadline(self, n: int, now: float) -> tuple[Hashable, ...]:
         """The `n` items to take when more are pending: those that can still meet their tier
         by deadline (then arrival), then the others by arrival; the rest stay queued in order."""
-        def key(pos: int) -> tuple:
-            deadline, yields = self._slo.get(self._queue[pos][0], (math.inf, False))
-            can_meet = not yields and deadline >= now
-            return (0, deadline, pos) if can_meet else (1, 0.0, pos)
-        take = set(sorted(range(len(self._queue)), key=key)[:n])
-        ids = tuple(self._queue[p][0] for p in sorted(take, key=key))
+        order = slo_order([self._slo.get(iid) for iid, _ in self._queue], now)[:n]
+        ids = tuple(self._queue[p][0] for p in order)
+        take = set(order)
         self._queue = deque(e for p, e in enumerate(self._queue) if p not in take)
         return ids
 

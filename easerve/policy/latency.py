@@ -19,8 +19,16 @@ where least-loaded placement sends the request):
   has waiting requests or less free KV than the request needs, the request waits for
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
-The queue waits shrink by the age of the snapshot (they drain while the state ages), never
+With a `Calibration`, both predictions are then scaled by its factors (what recent requests
+got over what was predicted for them). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
 below zero.
+
+Pace: the profile times a stage alone; a live instance can run slower (neighbours on the
+same cores or GPU, fewer threads). When a state carries the instance's recent pace (its
+moving-average batch seconds and size, from `Stage/Load`), that instance's times are the
+profile's times scaled by recent seconds / the profile's seconds for a batch of the recent
+size, within [1, 16]: the profile is the idle best case, and a batch that ran faster (cache
+hits, a smaller media size) says nothing about the next. Without a pace the scale is 1.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from easerve.fields import Checked, NonNegFloat, NonNegInt, PosInt
+from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock
 
 
@@ -46,6 +55,8 @@ class EncodeState(Checked):
     queued: NonNegInt
     max_batch: PosInt
     dispatch_wait_s: NonNegFloat = 0.0
+    recent_batch_s: NonNegFloat = 0.0      # pace: requests per batch, and its seconds
+    recent_batch_size: NonNegFloat = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class PrefillState(Checked):
     """One prefill instance: `queued` requests waiting, batched under `token_budget` tokens."""
     queued: NonNegInt
     token_budget: PosInt
+    recent_batch_s: NonNegFloat = 0.0      # pace: prompt tokens per batch, and its seconds
+    recent_batch_size: NonNegFloat = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,8 @@ class DecodeState(Checked):
     running: NonNegInt
     waiting: NonNegInt
     kv_free_tokens: NonNegInt
+    recent_batch_s: NonNegFloat = 0.0      # pace: sequences per step, and its seconds
+    recent_batch_size: NonNegFloat = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,11 +111,23 @@ class Prediction:
     encode_s: float
     prefill_s: float
     decode_wait_s: float
+    ttft_factor: float = 1.0   # the calibration's factors, already applied to ttft_s / tpot_s
+    tpot_factor: float = 1.0
+
+    @property
+    def raw_ttft_s(self) -> float:
+        return self.ttft_s / self.ttft_factor
+
+    @property
+    def raw_tpot_s(self) -> float:
+        return self.tpot_s / self.tpot_factor
 
 
 class LatencyPredictor:
-    def __init__(self, service: ServiceTimes, clock: Clock) -> None:
-        self.service, self.clock = service, clock
+    def __init__(self, service: ServiceTimes, clock: Clock, calibration: Calibration | None = None) -> None:
+        """`calibration`: scales every prediction by what past requests actually got
+        (easerve/policy/calibration.py); None: the raw model."""
+        self.service, self.clock, self.calibration = service, clock, calibration
 
     def predict(self, req: RequestShape, state: LiveState) -> Prediction:
         age = max(0.0, self.clock.now() - state.taken_at)
@@ -115,31 +142,50 @@ class LatencyPredictor:
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
-        return Prediction(g + queue + enc + pre, tpot, g, queue, enc, pre, dwait)
+        kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
+        return Prediction(kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp)
 
     # ---- per stage: (wait, own service time) -------------------------------------------------
     def _encode(self, req: RequestShape, e: EncodeState) -> tuple[float, float]:
         key = (req.modality, req.media)
+        pace = _pace(e.recent_batch_s, e.recent_batch_size,
+                     lambda n: self.service.encode_batch_s({key: n}))
         full, left = divmod(e.queued, e.max_batch)
         batch_s = self.service.encode_batch_s({key: e.max_batch})
         running = 0.5 * self.service.encode_batch_s({key: min(e.queued, e.max_batch)}) if e.queued else 0.0
-        return full * batch_s + running + e.dispatch_wait_s, self.service.encode_batch_s({key: left + 1})
+        return pace * (full * batch_s + running) + e.dispatch_wait_s, pace * self.service.encode_batch_s({key: left + 1})
 
     def _prefill(self, req: RequestShape, p: PrefillState) -> tuple[float, float]:
         per = max(1, p.token_budget // req.prompt_tokens)  # requests a batch holds
+        pace = _pace(p.recent_batch_s, p.recent_batch_size,
+                     lambda n: self.service.prefill_s(n, max(1, round(n / req.prompt_tokens))))
         full, left = divmod(p.queued, per)
         batch_s = self.service.prefill_s(per * req.prompt_tokens, per)
         running = 0.5 * self.service.prefill_s(min(p.queued, per) * req.prompt_tokens, min(p.queued, per)) \
             if p.queued else 0.0
-        return full * batch_s + running, self.service.prefill_s((left + 1) * req.prompt_tokens, left + 1)
+        return pace * (full * batch_s + running), pace * self.service.prefill_s((left + 1) * req.prompt_tokens, left + 1)
 
     def _decode(self, req: RequestShape, d: DecodeState) -> tuple[float, float]:
         context = req.prompt_tokens + req.max_tokens // 2
-        step = self.service.decode_step_s(d.running + 1, context)
+        pace = _pace(d.recent_batch_s, d.recent_batch_size, lambda n: self.service.decode_step_s(n, context))
+        step = pace * self.service.decode_step_s(d.running + 1, context)
         need = req.prompt_tokens + req.max_tokens
         ahead = d.waiting + (1 if d.kv_free_tokens < need else 0)
         wait = ahead * step * req.max_tokens / (2 * max(1, d.running)) if ahead else 0.0
         return step, wait
+
+
+PACE_BOUNDS = (1.0, 16.0)
+
+
+def _pace(recent_s: float, recent_size: float, profile_s) -> float:
+    """Recent seconds over the profile's seconds for a batch of the recent size (1 unknown)."""
+    if recent_s <= 0.0 or recent_size <= 0.0:
+        return 1.0
+    expected = profile_s(max(1, round(recent_size)))
+    if expected <= 0.0:
+        return 1.0
+    return min(PACE_BOUNDS[1], max(PACE_BOUNDS[0], recent_s / expected))
 
 
 def retry_after_s(pred: Prediction, ttft_limit_s: float, tpot_limit_s: float, elapsed_s: float,

@@ -228,10 +228,23 @@ def load_arch(model_dir: str | Path) -> ModelArch:
     return ARCHS[kind](cfg, json.loads(proc.read_text()) if proc.is_file() else None)
 
 
+MEMORY_UTILIZATION = 0.9   # of a device's memory an engine takes (vLLM's --gpu-memory-utilization default)
+ACTIVATION_RESERVE_GIB = 1.0  # stated: activations of a prefill chunk and CUDA graphs, per device
+
+
+def kv_budget_gib(arch: ModelArch, mem_gib: float, tp: int, b: int) -> float:
+    """KV-cache GiB per device of an instance holding the whole model over `tp` devices: the
+    engine's share of memory less the weights' share and ACTIVATION_RESERVE_GIB."""
+    weights = (arch.lm.weight_bytes(b) + arch.encoder_weight_bytes(b)) / tp / 2 ** 30
+    return MEMORY_UTILIZATION * mem_gib - weights - ACTIVATION_RESERVE_GIB
+
+
 def check_fits(arch: ModelArch, mem_gib: float, tp: int, b: int) -> None:
-    need = (arch.lm.weight_bytes(b) + arch.encoder_weight_bytes(b)) / tp / 2 ** 30
-    if need > 0.9 * mem_gib:
-        least = math.ceil((arch.lm.weight_bytes(b) + arch.encoder_weight_bytes(b)) / 2 ** 30 / (0.9 * mem_gib))
-        raise ValueError(f"{arch.family}: the weights need {need:.1f} GiB per device at tp={tp}, over 90% of the "
-                         f"device's {mem_gib:g} GiB; use --tp {least} or more")
+    room = MEMORY_UTILIZATION * mem_gib - ACTIVATION_RESERVE_GIB
+    if kv_budget_gib(arch, mem_gib, tp, b) <= 0:
+        total = (arch.lm.weight_bytes(b) + arch.encoder_weight_bytes(b)) / 2 ** 30
+        raise ValueError(f"{arch.family}: the weights need {total / tp:.1f} GiB per device at tp={tp}, over the "
+                         f"{room:.1f} GiB an engine has of the device's {mem_gib:g} GiB ({MEMORY_UTILIZATION:.0%} less "
+                         f"{ACTIVATION_RESERVE_GIB:g} GiB of activations), no room for a KV cache; "
+                         f"use --tp {math.floor(total / room) + 1} or more")
 

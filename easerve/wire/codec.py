@@ -237,6 +237,8 @@ def kv_to_parts(p: KVPayload) -> tuple[bytes, list[torch.Tensor]]:
             "num_tokens": p.num_tokens, "prompt_len": p.prompt_len, "rope_delta": p.rope_delta,
             "first_token": p.first_token, "sampling": sampling_to_dict(p.sampling),
             "prompt_ids_tail": list(p.prompt_ids_tail), "penalty_ids": list(p.penalty_ids)}
+    if p.first_tokens:
+        meta["first_tokens"] = list(p.first_tokens)
     return make_header(KIND_KV, meta, tensors), tensors
 
 
@@ -249,8 +251,8 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
             raise CodecError(f"KV header field {k!r} must be an int, got {m.get(k)!r}")
     if not isinstance(m.get("request_id"), str) or m.get("dtype") not in KV_DTYPES:
         raise CodecError(f"KV header needs a string request_id and a dtype of {KV_DTYPES}")
-    tail, penalty_ids = m.get("prompt_ids_tail"), m.get("penalty_ids", [])
-    for name, ids in (("prompt_ids_tail", tail), ("penalty_ids", penalty_ids)):
+    tail, penalty_ids, firsts = m.get("prompt_ids_tail"), m.get("penalty_ids", []), m.get("first_tokens", [])
+    for name, ids in (("prompt_ids_tail", tail), ("penalty_ids", penalty_ids), ("first_tokens", firsts)):
         if not isinstance(ids, list) or not all(type(i) is int for i in ids):
             raise CodecError(f"KV header field {name!r} must be a list of ints")
     if len(specs) != 2 * m["num_layers"]:
@@ -258,7 +260,11 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
     for i, s in enumerate(specs):
         if s.dtype != m["dtype"] or len(s.shape) < 2 or s.shape[-2] != m["num_tokens"]:
             raise CodecError(f"KV tensor {i} {s} does not hold {m['num_tokens']} tokens of {m['dtype']}")
+    sampling = sampling_from_dict(m.get("sampling"))
+    if firsts and (len(firsts) != sampling.n or firsts[0] != m["first_token"]):
+        raise CodecError(f"KV header carries {len(firsts)} first tokens for n = {sampling.n}; "
+                         "send one per choice, choice 0's equal to first_token")
     return KVPayload(
         request_id=m["request_id"], keys=list(tensors[0::2]), values=list(tensors[1::2]),
         prompt_len=m["prompt_len"], rope_delta=m["rope_delta"], first_token=m["first_token"],
-        sampling=sampling_from_dict(m.get("sampling")), prompt_ids_tail=tail, penalty_ids=penalty_ids)
+        sampling=sampling, prompt_ids_tail=tail, penalty_ids=penalty_ids, first_tokens=firsts)

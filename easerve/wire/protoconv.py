@@ -76,12 +76,13 @@ def media_item_from_proto(m: epb.MediaItem) -> MMItem:
 
 
 def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, text: str = "",
-                usage: tuple[int, int] | None = None, logprobs=(), cached_tokens: int = 0,
+                usage: tuple[int, int] | None = None, logprobs=(), cached_tokens: int = 0, index: int = 0,
                 **timings: float) -> cpb.TokenChunk:
     """`logprobs`: one easerve.engine.logprobs.TokenLogprobs per token id (or none at all);
-    `cached_tokens` (prefill's first chunk): prompt tokens the prefix cache answered."""
+    `cached_tokens` (prefill's first chunk): prompt tokens the prefix cache answered;
+    `index`: the choice (sampling n > 1) the tokens belong to."""
     chunk = cpb.TokenChunk(request_id=request_id, token_ids=list(token_ids), text=text,
-                           finish_reason=FINISH_TO_PROTO[finish_reason])
+                           finish_reason=FINISH_TO_PROTO[finish_reason], index=index)
     for lp in logprobs:
         lp.to_proto(chunk.logprobs.add())
     if usage is not None:

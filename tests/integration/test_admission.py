@@ -46,10 +46,17 @@ def admit_stack(tiny_root, tmp_path_factory):
     d = Deployment(model=str(cached_tiny("qwen2.5-vl", tiny_root)), name="admission",
                    encode=tuple(Worker(f"cpu:{cores[i % len(cores)]}", flags={"max-batch": 4, **ONE}) for i in range(2)),
                    prefill=(Worker(flags=ONE),), decode=(Worker(flags={"num-slots": 32, **ONE}),))
+    # the profile is slow on purpose (3 s per item, where the tiny encoder takes milliseconds): the
+    # online calibration would learn that away within the burst, so this stack runs without it
     d = d.with_flags("gateway", admission="reject", slo_tier="tight", admission_encode_batch=4,
+                     no_admission_calibration=True, preprocess_threads=8,  # the burst reaches admission at once
                      profile=_profile(tmp_path_factory.mktemp("admission") / "prof.json")).with_gateway_ports(0, 0)
     stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
     stack.start(timeout=420)
+    with grpc.insecure_channel(stack.endpoints.grpc) as ch:  # warm: a cold first request (imports, first
+        stub = gateway_pb2_grpc.GatewayStub(ch)              # kernels) would spread the burst's arrivals
+        assert [_send(stub, k)[0] for k in (900, 901)] == ["ok", "ok"]  # one at a time: both admitted
+    time.sleep(4 * POLL_S)
     yield stack
     stack.stop()
 
@@ -101,6 +108,27 @@ def test_a_burst_past_the_tier_is_partly_refused_and_what_is_admitted_meets_it(a
         time.sleep(4 * POLL_S)  # the gateway's view of the queues is its last load poll: let one see them empty
         after = _send(stub, BURST)                                  # queues drained: admitted again
         assert after == ("ok", N), after
+
+
+def test_each_instance_reports_its_recent_pace_for_the_predictor(admit_stack):
+    """Stage/Load carries each instance's recent batch seconds and size (easerve/stages/common/pace.py):
+    after a few requests every encode instance that ran a batch, prefill and decode report theirs."""
+    from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
+    with grpc.insecure_channel(admit_stack.endpoints.grpc) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        time.sleep(4 * POLL_S)  # one at a time on drained queues; once the slow-on-purpose profile's
+        # prefill and decode are scaled by the real (slower) pace, a request can be refused: fine here
+        sent = [_send(stub, 100 + k)[0] for k in range(4)]
+        assert "ok" in sent and "error" not in sent, sent
+    paces = {}
+    for stage, addrs in admit_stack._addrs().items():
+        for addr in addrs if stage != "gateway" else ():
+            with grpc.insecure_channel(addr) as ch:
+                ld = stage_pb2_grpc.StageStub(ch).Load(stage_pb2.LoadRequest(), timeout=10)
+                paces[addr] = (stage, ld.recent_batch_s, ld.recent_batch_size)
+    enc = [p for p in paces.values() if p[0] == "encode"]
+    assert len(enc) == 2 and any(s > 0 and n >= 1 for _, s, n in enc), paces
+    assert all(s > 0 and n >= 1 for st, s, n in paces.values() if st in ("prefill", "decode")), paces
 
 
 def test_the_sdk_sends_the_tier_and_priority_as_metadata(admit_stack):

@@ -1,19 +1,24 @@
-"""Structured outputs and tool calls on a live 2 prefill x 2 decode stack (the tiny random model,
-whose free text is never JSON): a JSON-schema answer and forced tool calls, streamed and not,
-parsed by the `openai` client's own models; the SDK's structured_outputs; an invalid schema is a
-400 naming the problem over HTTP and INVALID_ARGUMENT over gRPC."""
+"""Structured outputs, tool calls and n > 1 choices on a live 2 prefill x 2 decode stack (the tiny
+random model, whose free text is never JSON): a JSON-schema answer and forced tool calls, streamed
+and not, parsed by the `openai` client's own models; the SDK's structured_outputs; an invalid schema
+is a 400 naming the problem over HTTP and INVALID_ARGUMENT over gRPC; n = 3 choices (each with its
+own grammar state) parsed by the same models, streamed and not, with usage summed over the choices;
+a seeded n = 3 request answers the same on both decode instances, over HTTP and the SDK."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import grpc
 import pytest
 from pydantic import BaseModel, Field
 
 from easerve import Client
 from easerve.errors import InvalidRequest
 from easerve.models.tiny import cached_tiny
-from tests.integration.test_multi_instance import _multi
+from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.integration.test_multi_instance import _kv_received, _multi
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -96,3 +101,67 @@ def test_sdk_structured_outputs_and_invalid_argument(multi):
     assert 0 <= json.loads(out.text)["n"] <= 99
     with pytest.raises(InvalidRequest, match="regex is invalid"):
         c.generate("x", max_tokens=4, structured_outputs={"regex": "(unclosed"})
+
+
+# ---- n > 1: one prefill, n decodes sharing the prompt's KV --------------------------------------------
+def test_three_choices_parse_into_the_clients_models_with_usage_summed(oa):
+    r = oa.chat.completions.parse(model=_served(oa), messages=USER, response_format=Answer, max_tokens=200,
+                                  temperature=1.0, seed=11, n=3, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "stop" and isinstance(c.message.parsed, Answer) for c in r.choices)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    one = oa.chat.completions.create(model=_served(oa), messages=USER, max_tokens=2)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    tool = openai.pydantic_function_tool(GetWeather)
+    t = oa.chat.completions.parse(model=_served(oa), messages=USER, tools=[tool], tool_choice="required",
+                                  max_tokens=200, temperature=1.0, seed=2, n=2)
+    assert [c.finish_reason for c in t.choices] == ["tool_calls"] * 2
+    assert all(isinstance(c.message.tool_calls[0].function.parsed_arguments, GetWeather) for c in t.choices)
+
+
+def test_streamed_choices_end_once_each_and_equal_the_unary_answer(oa):
+    kw = dict(model=_served(oa), messages=USER, max_tokens=12, temperature=1.0, seed=5, n=3)
+    whole = oa.chat.completions.create(**kw)
+    text, finish, usage = {}, {}, None
+    for chunk in oa.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                assert c.index not in finish
+                finish[c.index] = c.finish_reason
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_seeded_three_choices_equal_on_both_decode_instances_and_through_the_sdk(multi, oa):
+    names = ("decode-0", "decode-1")
+    before = {n: sum(_kv_received(multi, n).values()) for n in names}
+
+    def ask(_):
+        r = oa.chat.completions.create(model=_served(oa), messages=USER, max_tokens=10, temperature=1.0,
+                                       seed=42, n=3, extra_body={"ignore_eos": True})
+        return [(c.index, c.message.content, c.finish_reason) for c in r.choices]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(6)))
+    after = {n: sum(_kv_received(multi, n).values()) for n in names}
+    assert all(after[n] > before[n] for n in names), (before, after)  # both decode instances forked some
+    assert all(a == answers[0] for a in answers)
+    assert len({text for _, text, _ in answers[0]}) == 3  # seed + i: the choices differ
+    sdk = Client(multi.endpoints.grpc, timeout=120).generate(messages=USER, max_tokens=10, temperature=1.0, seed=42,
+                                                           n=3, ignore_eos=True)
+    assert [c.text for c in sdk] == [text for _, text, _ in answers[0]]
+    assert sdk[0].usage.completion_tokens == sum(len(c.token_ids) for c in sdk) == 30
+
+
+def test_bad_n_is_a_400_or_invalid_argument_naming_it(multi, oa):
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 16"):
+        oa.chat.completions.create(model=_served(oa), messages=USER, max_tokens=4, n=17)
+    with pytest.raises(openai.BadRequestError, match="n = 16 choices"):  # more than decode's 8 slots could hold
+        oa.chat.completions.create(model=_served(oa), messages=USER, max_tokens=4, n=16)
+    with grpc.insecure_channel(multi.endpoints.grpc) as ch:
+        req = gateway_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=4, n=17))
+        with pytest.raises(grpc.RpcError) as e:
+            list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be an integer in 1..16" in e.value.details()

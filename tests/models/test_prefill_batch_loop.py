@@ -89,6 +89,30 @@ def test_arrivals_during_a_batch_form_the_next_batch(pre, reqs):
         torch.testing.assert_close(one.result.keys[0], ref.keys[0], atol=1e-4, rtol=1e-4)
 
 
+def test_a_request_that_can_meet_its_tier_is_prefilled_before_best_effort_work(pre, reqs):
+    """One request per forward: queued behind a running batch, a best-effort request (yields) and
+    a batch-class one come before a request with a deadline, which still goes first."""
+    gate, order = Gate(), []
+
+    async def work(loop):
+        async def one(r, **slo):
+            out = await loop.prefill(r, **slo)
+            order.append(r.request_id)
+            return out
+
+        first = asyncio.create_task(one(reqs[0]))
+        await until(lambda: gate.entered == 1)
+        rest = [asyncio.create_task(one(reqs[1], slo_s=5.0, yields=True)),
+                asyncio.create_task(one(reqs[2], yields=True)),
+                asyncio.create_task(one(reqs[3], slo_s=30.0))]
+        await until(lambda: loop.batcher.pending == 3)
+        gate.release()
+        return await first, await asyncio.gather(*rest)
+
+    run(pre, work, PrefillBatchConfig(max_batch_size=1), scope=gate)
+    assert order == [reqs[k].request_id for k in (0, 3, 1, 2)]
+
+
 def test_token_budget_splits_a_burst(pre, reqs):
     lens = [len(r.input_ids) for r in reqs]
     config = PrefillBatchConfig(max_batched_tokens=lens[0] + lens[1], max_batch_size=8)

@@ -40,8 +40,8 @@ def over_the_wire(payload):
     return kv_from_parts(*split_parts(join_parts(*kv_to_parts(payload))))
 
 
-def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
-    """Prefill loop -> codec bytes -> a new DecodeEngine: (tokens, finish reason)."""
+def prefill_once(pre, req: PrefillRequest, sp: SamplingParams):
+    """`req` with sampling `sp` through a fresh prefill loop: its PrefilledOne."""
     async def prefill():
         loop = PrefillLoop(pre, PrefillBatchConfig())
         loop.start()
@@ -51,7 +51,12 @@ def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[i
         finally:
             await loop.stop()
 
-    one = asyncio.run(prefill())
+    return asyncio.run(prefill())
+
+
+def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
+    """Prefill loop -> codec bytes -> a new DecodeEngine: (tokens, finish reason)."""
+    one = prefill_once(pre, req, sp)
     r = one.result
     payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token, sp,
                         prompt_ids_tail=prompt_tail(req.input_ids), penalty_ids=penalty_prompt_ids(sp, req.input_ids))

@@ -100,7 +100,7 @@ BAD = {  # field -> strategy of values that must be refused
     "ignore_eos": not_("bool"),
     "stream": not_("bool"),
     "stream_options": st.one_of(not_("dict"), st.fixed_dictionaries({"include_usage": not_("bool")})),
-    "n": st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=2)),
+    "n": st.one_of(not_("int"), st.integers(max_value=0), st.integers(min_value=17)),  # 1..16 choices
     "timeout": st.one_of(not_("float"), st.floats(max_value=0.0), st.floats(min_value=86400.001)),
     "presence_penalty": st.one_of(not_("float"), st.floats(max_value=-2.001), st.floats(min_value=2.001)),
     "frequency_penalty": st.one_of(not_("float"), st.floats(max_value=-2.001), st.floats(min_value=2.001)),
@@ -292,3 +292,39 @@ def test_a_stream_that_ends_without_a_finish_reason_ends_in_an_error_event_not_a
 def test_a_unary_answer_without_a_finish_reason_is_a_502(loop, cut_short, path, body):
     status, answer = post(loop, cut_short, path, body)
     assert status == 502 and "without a finish reason" in answer["error"]["message"], answer
+
+
+# ---- n choices: OpenAI's shapes from the core's deltas --------------------------------------------
+@pytest.fixture(scope="module")
+def two_choices(loop, adapter):
+    """HttpApi over a GatewayCore that answers n = 2 the way `choices.fan_in` does: both first
+    tokens, choice 1 ending first, then choice 0 ending the request with the summed usage."""
+    from easerve.stages.gateway.core import Delta, GatewayCore
+
+    class TwoChoices(GatewayCore):
+        async def generate(self, job):
+            assert job.sampling.n == 2
+            yield Delta([5], "Hel", index=0)
+            yield Delta([6], "Bye", index=1)
+            yield Delta([7], "!", "length", index=1)
+            yield Delta([8], "lo", "stop", prompt_tokens=9, completion_tokens=4, index=0)
+    yield from _http_client(loop, adapter, TwoChoices)
+
+
+def test_two_choices_unary_and_streamed(loop, two_choices):
+    status, body = post(loop, two_choices, "/v1/chat/completions", {**CHAT, "n": 2})
+    assert status == 200, body
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "Hello", "stop"), (1, "Bye!", "length")]
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (9, 4)
+
+    async def go():
+        async with two_choices.post("/v1/completions", json={**COMPLETION, "n": 2, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as r:
+            return await r.text()
+    events = [e.removeprefix("data: ") for e in loop.run_until_complete(go()).split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    got = [(c["index"], c["text"], c["finish_reason"]) for ch in chunks for c in ch["choices"]]
+    assert got == [(0, "Hel", None), (1, "Bye", None), (1, "!", "length"), (0, "lo", "stop")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4

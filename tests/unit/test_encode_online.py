@@ -71,3 +71,58 @@ def test_reconfigure_keeps_the_queue_and_routes_at_the_new_s():
     [r.route() for _ in range(5)]
     r.retarget(0.5)
     assert [r.route() for _ in range(4)].count("remote") == 2 and abs(r.error) <= 0.5
+
+
+def test_remote_prefill_utilization_comes_from_its_busy_seconds_not_from_holding_requests():
+    """Two remote prefill instances that always hold a request (Load's inflight > 0) but compute
+    10 % of the time (Load's busy_s): the controller sees 0.1 (the counters' increase, not what
+    they held before) and asks for one instance, not more."""
+    import asyncio
+
+    async def main():
+        cfg = encode_cfg(online_instances="1:4")
+        clock = ManualClock()
+        metrics = EncodeMetrics(1.0, clock=clock)
+        remote = Peers(prefill_pb2_grpc.PrefillStub, ["127.0.0.1:1", "127.0.0.1:2"])
+        task = OnlineTask(cfg.online_config, Knobs(4, 1.0, 0.1), clock, batcher=AdaptiveBatcher(cfg.batcher),
+                          router=DeficitRouter(1.0), partition=None, metrics=metrics, remote=remote,
+                          queued=lambda: 0, registry=metrics.registry)
+        peers = [remote.get(a) for a in remote.addrs]
+        for p in peers:
+            p.reported, p.busy_s = 2, 50.0  # counters from before this encode started watching
+        for _ in range(8):
+            clock.advance(1.0)
+            for p in peers:
+                p.busy_s += 0.1
+            task.step()
+        est = task.ctl.estimates(clock.now())
+        await remote.close()
+        return est, task, metrics
+
+    est, task, metrics = asyncio.run(main())
+    assert est.util("prefill") == pytest.approx(0.1, abs=1e-6)
+    moves = [(c.old, c.new, c.reason) for c in task.ctl.changes if c.knob == "instances_prefill"]
+    assert moves == [(2, 1, "stage_idle")]  # 2 x 0.1 fits one instance under the target
+    assert metric(generate_latest(metrics.registry).decode(), "easerve:desired_instances", stage="prefill") == 1
+
+
+def test_a_batch_longer_than_the_window_counts_as_busy_while_it_runs():
+    """One encode batch of 12 s (B grown large on a slow device) against a 5 s window: the
+    controller sees a busy encoder throughout, not an idle one until the batch ends."""
+    cfg = encode_cfg(max_batch=4)
+    clock = ManualClock()
+    metrics = EncodeMetrics(1.0, clock=clock)
+    batcher = AdaptiveBatcher(cfg.batcher)
+    task = OnlineTask(cfg.online_config, Knobs(4, 1.0, 0.1), clock, batcher=batcher, router=DeficitRouter(1.0),
+                      partition=None, metrics=metrics, remote=Peers(prefill_pb2_grpc.PrefillStub, []),
+                      queued=lambda: 4, registry=metrics.registry)
+    metrics.on_batch_start(clock.now())
+    for _ in range(10):
+        clock.advance(1.0)
+        task.step()
+    assert task.ctl.estimates(clock.now()).util("encode") == pytest.approx(1.0)
+    assert batcher.config.max_batch == 8  # grown (encode_busy), never shrunk as idle
+    assert [c.reason for c in task.ctl.changes if c.knob == "max_batch"] == ["encode_busy"]
+    clock.advance(2.0)
+    metrics.on_batch(Dispatch(("r",), "size", 0.0, 0.0), 4, 0.0, clock.now())
+    assert metrics.encode_busy_at(clock.now()) == pytest.approx(12.0)

@@ -141,3 +141,47 @@ def test_retrying_after_the_retry_after_is_predicted_to_meet_the_tier(enc_q, pre
 def test_an_unknown_mode_names_the_flag():
     with pytest.raises(ValueError, match="--admission"):
         admission("sometimes")
+
+
+def test_an_instance_running_slower_than_the_profile_scales_its_times_by_its_recent_pace():
+    # encode batches of 4 have lately taken 1.2 s where the profile says 0.4 s: 3x, on waits and service
+    slow = LiveState(0.0, (EncodeState(9, 4, 0.0, recent_batch_s=1.2, recent_batch_size=4),), (PrefillState(0, 256),))
+    p, base = predictor().predict(IMAGE, slow), predictor().predict(IMAGE, state(enc_q=9))
+    assert p.queue_s == pytest.approx(3 * base.queue_s)
+    assert p.encode_s == pytest.approx(3 * base.encode_s)
+    # decode steps of 8 sequences at 2x the profile's step time: TPOT doubles
+    dec = LiveState(0.0, (), (), (DecodeState(3, 0, 1 << 20, 2 * SVC.decode_step_s(8, 64 + 8), 8),))
+    assert predictor().predict(IMAGE, dec).tpot_s == pytest.approx(2 * predictor().predict(IMAGE, state(running=3)).tpot_s)
+    # prefill: 128 tokens a batch at 4x; an unknown pace (0) is the profile's own
+    pre = LiveState(0.0, (), (PrefillState(3, 256, 4 * SVC.prefill_s(128, 2), 128),))
+    assert predictor().predict(TEXT, pre).prefill_s == pytest.approx(4 * predictor().predict(TEXT, state(pre_q=3)).prefill_s)
+    assert predictor().predict(IMAGE, LiveState(0.0, (EncodeState(9, 4, 0.0, 0.0, 0.0),))).queue_s == \
+        pytest.approx(base.queue_s)
+
+
+def test_the_pace_scale_is_bounded_and_never_faster_than_the_profile():
+    wild = LiveState(0.0, (EncodeState(0, 4, 0.0, recent_batch_s=1e6, recent_batch_size=1),))
+    assert predictor().predict(IMAGE, wild).encode_s == pytest.approx(16 * 0.1)
+    quick = LiveState(0.0, (EncodeState(0, 4, 0.0, recent_batch_s=0.01, recent_batch_size=1),))  # cache hits
+    assert predictor().predict(IMAGE, quick).encode_s == pytest.approx(0.1)
+
+
+def test_pace_is_a_moving_average_of_batch_seconds_and_sizes_forgotten_when_stale():
+    from easerve.policy.clock import ManualClock
+    from easerve.stages.common.pace import Pace
+    clock = ManualClock(0.0)
+    p = Pace(alpha=0.5, ttl_s=5.0, clock=clock)
+    assert p.now() == (0.0, 0.0)
+    p.observe(1.0, 4)
+    assert p.now() == (1.0, 4.0)                       # the first batch is taken whole
+    clock.advance(1.0)
+    p.observe(3.0, 8)
+    assert p.now() == (2.0, 6.0)
+    p.observe(5.0, 0)                                  # an empty batch says nothing
+    assert p.now() == (2.0, 6.0)
+    clock.advance(5.5)                                 # idle past the ttl: unknown, not stale-slow
+    assert p.now() == (0.0, 0.0)
+    p.observe(0.5, 2)                                  # and the next batch starts afresh
+    assert p.now() == (0.5, 2.0)
+    with pytest.raises(ValueError, match="alpha"):
+        Pace(alpha=0.0)

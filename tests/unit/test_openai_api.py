@@ -111,7 +111,8 @@ M = [{"role": "user", "content": "x"}]
     ({"messages": M, "stream_options": {"include_usage": "yes"}}, r"^stream_options\.include_usage: "),
     ({"messages": M, "timeout": 0}, r"^timeout: "),
     ({"messages": M, "tool_choice": 5}, r"^tool_choice: Input should be 'none', 'auto' or 'required' \(got 5\)"),
-    ({"messages": M, "n": 2}, r"^n: n > 1 is not supported \(got 2\); send 2 requests"),
+    ({"messages": M, "n": 17}, r"^n: Input should be less than or equal to 16 \(got 17\)"),
+    ({"messages": M, "n": 0}, r"^n: Input should be greater than or equal to 1"),
     ({"messages": M, "n": "2"}, r"^n: Input should be a valid integer"),
     ({"messages": M, "tools": [{"type": "function"}]}, r"^tools\[0\]\.function: required field missing"),
     ({"messages": M, "tools": [{"type": "function", "function": {"name": "a b"}}]}, r"^tools\[0\]\.function\.name: "),
@@ -158,6 +159,7 @@ def test_unknown_fields_are_ignored_and_sampling_is_mapped():
     req = parse({"messages": M, "user": "u1", "metadata": {"k": "v"}, "parallel_tool_calls": True,
                  "top_k": -1, "seed": -1, "n": 1, "stop": "END", "stream_options": None})
     assert req.sampling.top_k == 0 and req.sampling.seed == (1 << 64) - 1 and req.sampling.stop == ("END",)
+    assert req.sampling.n == 1 and parse({"messages": M, "n": 16, "seed": 3}).sampling.n == 16
 
 
 def parse_completion(body, vocab=100):
@@ -184,7 +186,7 @@ def test_completion_prompt_forms(prompt, expected):
     ({"prompt": "x", "best_of": 2}, r"^best_of: not supported"),
     ({"prompt": "x", "suffix": "y"}, r"^suffix: not supported"),
     ({"prompt": "x", "logprobs": 21}, r"^logprobs: "),
-    ({"prompt": "x", "n": 3}, r"^n: n > 1 is not supported"),
+    ({"prompt": "x", "n": 17}, r"^n: Input should be less than or equal to 16"),
     ({"prompt": "x\ud800"}, r"^prompt: invalid unicode"),
 ])
 def test_bad_completion_requests_name_the_field(body, needle):

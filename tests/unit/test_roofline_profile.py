@@ -78,3 +78,53 @@ def test_screen_counts_tensor_parallel_instances(tmp_path, capsys):
     assert (doc["devices"], doc["instance_slots"], doc["tp"]) == (8, 4, 2)
     sizes = {sum(v["allocation"][k] for k in ("encode", "prefill", "decode")) for v in doc["kept"] + doc["removed"]}
     assert max(sizes) == 4
+
+
+def test_kv_budget_is_what_the_weights_leave_and_sizes_the_simulated_decode():
+    """LLaVA-v1.6-34B in bf16 (~69 GB) on 48 GB cards at tp2: ~32 GiB of weights per card leave
+    0.9 x 48 - 32 - 1 ~ 10 GiB of KV cache per card (not the simulator's 40 GiB default), so an
+    instance holds ~2 x 10 GiB / 240 KiB per token ~ 86k tokens: ~29 requests of 2,976 tokens."""
+    from easerve.roofline import load_arch
+    from easerve.roofline.models import kv_budget_gib
+    from easerve.sim.topology import DEFAULT_GPU_KV_GB
+    from hasctl.roofline_profile import build
+    from hasctl.simulate import topology
+    from hasctl.deployment import Deployment, Worker
+    model = str(PAPER / "llava-v1.6-34b")
+    arch = load_arch(model)
+    weights = (arch.lm.weight_bytes(2) + arch.encoder_weight_bytes(2)) / 2 / 2 ** 30
+    assert 31.5 < weights < 33.0
+    kv = kv_budget_gib(arch, 48, 2, 2)
+    assert kv == pytest.approx(0.9 * 48 - weights - 1.0) and 9 < kv < 11
+    assert arch.lm.kv_bytes_per_token(2) == 60 * 2 * 8 * 128 * 2  # 240 KiB
+    prof = build(model, load_spec("rtx6000-ada"), tp=2)
+    assert prof.roofline.kv_gib_per_device == pytest.approx(kv, abs=1e-3)
+    assert pf.Profile.from_dict(prof.to_dict()).roofline.kv_gib_per_device == prof.roofline.kv_gib_per_device
+    d = Deployment(name="m", model=model, prefill=(), decode=(), monolith=(Worker(device="cuda:0", tp=2),))
+    assert topology(d, prof.roofline.kv_gib_per_device).gpu_kv_gb == pytest.approx(kv, abs=1e-3)
+    assert topology(d).gpu_kv_gb == DEFAULT_GPU_KV_GB
+    assert 6 < kv_budget_gib(arch, 80, 1, 2) < 7  # one 80 GB card holds it, with a small cache
+    with pytest.raises(ValueError, match="no room for a KV cache; use --tp 2 or more"):
+        build(model, load_spec("rtx6000-ada"), tp=1)
+
+
+def test_roofline_profile_states_how_busy_stages_of_one_gpu_slow_each_other():
+    """Every ordered pair of GPU stages (a stage with itself too) is listed: a decode step in a
+    monolith's engine waits for the prefill chunk scheduled with it (1 + chunk / step, ~8x for
+    LLaVA-34B at tp2: a 2,048-token chunk ~0.4 s vs a ~50 ms step), prefill barely slows, and
+    the other pairs time-slice the GPU at half speed."""
+    from hasctl.roofline_profile import CHUNK_TOKENS, DECODE_REF_BATCH, TIMESLICE_SLOWDOWN, RooflineModel, build
+    from easerve.roofline import load_arch
+    model = str(PAPER / "llava-v1.6-34b")
+    prof = build(model, load_spec("rtx6000-ada"), tp=2)
+    stages = ("encode", "prefill", "decode")
+    assert {(x.stage, x.by) for x in prof.interference} == {(a, b) for a in stages for b in stages}
+    rm = RooflineModel(load_arch(model), load_spec("rtx6000-ada"), 2)
+    chunk, step = rm.prefill_s(CHUNK_TOKENS, 1), rm.decode_s(DECODE_REF_BATCH, prof.unloaded[0].prompt_tokens)
+    assert 0.3 < chunk < 0.6 and 0.04 < step < 0.07
+    assert prof.slowdown("decode", "prefill") == pytest.approx(1 + chunk / step, rel=1e-3)
+    assert 6 < prof.slowdown("decode", "prefill") < 12
+    assert prof.slowdown("prefill", "decode") == pytest.approx(1 + step / chunk, rel=1e-3)
+    assert prof.slowdown("prefill", "decode") < 1.2
+    others = [(a, b) for a in stages for b in stages if {a, b} != {"decode", "prefill"}]
+    assert all(prof.slowdown(a, b) == TIMESLICE_SLOWDOWN == 2.0 for a, b in others)

@@ -93,3 +93,46 @@ def test_prescreen_measures_only_the_top_k_simulated_candidates_live(tmp_path):
         assert t.user_attrs["evaluator"] == "live"
         assert t.user_attrs["prescreen_sim_goodput"] == sim_value
         assert t.value == t.user_attrs["metrics"]["request_goodput"]  # scored by the live evaluator
+
+
+def test_a_sim_search_ends_at_least_as_good_as_the_baselines_it_can_express(tmp_path):
+    """EAServe must not lose to a deployment it could have chosen: the vLLM-like layout (a
+    monolith on each GPU, data parallel) and the Dynamo-like one (request-at-a-time encode, every
+    prefill remote, at each E/P/D split) are points of the space; a search of as many trials as
+    its warm starts ends at a deployment at least as good as each, here the data-parallel
+    monolith (the test profile lists no interference, so four monoliths run four GPUs' worth)."""
+    from hasctl.cli import build_parser
+    from hasctl.deployment import PRESETS, Worker
+    from hasctl.tune import TrialFailed, config_from_args, evaluate_sim
+    from hasctl.tune_space import Space, deployment_for, runnable_allocations, warm_starts
+
+    prof = make_profile()
+    path = dump(prof, tmp_path / "p.json")
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    argv = ["tune", "--model", str(tmp_path), "--rate", "12", "--storage", storage, "--study", "s",
+            "--evaluator", "sim", "--profile", str(path), "--slo", "moderate", "--devices", DEVICES,
+            "--requests", "60", "--out", str(tmp_path / "best.yaml")]
+    args = build_parser(["tune"]).parse_args(argv)
+    from hasctl.tune import space_from_args
+    n_warm = len(warm_starts(space_from_args(args, say=lambda m: None)))
+    assert main([*argv, "--trials", str(n_warm)]) == 0
+    best = max(t.value for t in optuna.load_study(study_name="s", storage=storage).trials if t.value is not None)
+
+    cfg = config_from_args(args, str(tmp_path))
+    vllm = Deployment(name="vllm-like", model=cfg.model, prefill=(), decode=(),
+                      monolith=tuple(Worker(device=d, flags=dict(PRESETS["monolith"].monolith[0].flags))
+                                     for d in DEVICES.split(","))).with_gateway_ports(0, 0)
+    space = Space(tuple(a for a in runnable_allocations(4) if not a.colocated), tuple(DEVICES.split(",")))
+    dynamo = [deployment_for(space, {"alloc": a.name, "mode": "request_at_a_time"}, cfg.model)
+              for a in space.allocations]
+
+    def goodput(d):
+        try:
+            return evaluate_sim(d, cfg, prof)["request_goodput"]
+        except TrialFailed:
+            return 0.0
+    baselines = {"vllm": goodput(vllm), "dynamo": max(goodput(d) for d in dynamo)}
+    assert baselines["vllm"] > baselines["dynamo"] > 0  # the monolith per GPU is the one to match here
+    assert best >= max(baselines.values()) - 1e-9, (best, baselines)
+    chosen = Deployment.load(tmp_path / "best.yaml")
+    assert len(chosen.monolith) == 4 and [w.device for w in chosen.monolith] == DEVICES.split(",")

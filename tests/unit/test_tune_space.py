@@ -6,7 +6,8 @@ import pytest
 
 from hasctl.deployment import Deployment
 from hasctl.screen import Allocation
-from hasctl.tune_space import MONOLITH, Space, _all_of, core_devices, deployment_for, runnable_allocations, suggest
+from hasctl.tune_space import (MONOLITH, MONOLITH_DP, Space, _all_of, core_devices, deployment_for,
+                               runnable_allocations, suggest, warm_starts)
 
 DEVS = ("cpu:0", "cpu:1")
 
@@ -63,6 +64,29 @@ def test_monolith_point_takes_every_core():
     (m,) = d.monolith
     assert m.device == "cpu:0-1,3" and m.flag("max-batch") == 2 and m.flag("sm-backend") == "timeslice"
     assert _all_of(("cuda:1", "cuda:0")) == "cuda:1"
+
+
+def test_on_several_gpus_the_vllm_like_layout_is_a_point_of_the_space_and_tried_first():
+    """monolith-dp: one monolith replica per tensor-parallel group (4 x tp2 on 8 GPUs), as the
+    vLLM-like baseline runs; warm-started before the Dynamo-like layout and the presets' points."""
+    gpus = ("cuda:0", "cuda:2", "cuda:4", "cuda:6")
+    space = Space(tuple(runnable_allocations(4)), gpus, tp=2, dynamo_alloc="E1-P1-D2", screened_best="E2-P1-D1+coloc")
+    assert space.choices[-2:] == (MONOLITH, MONOLITH_DP)
+    d = deployment_for(space, {"alloc": MONOLITH_DP, "mode": "adaptive", "B": 8}, "/m")
+    assert [(w.device, w.tp, w.flag("max-batch")) for w in d.monolith] == [(g, 2, 8) for g in gpus]
+    assert not d.encode and not d.prefill and not d.decode
+    assert [w.device for w in deployment_for(space, {"alloc": MONOLITH, "B": 8}, "/m").monolith] == ["cuda:0"]
+    warm = warm_starts(space)
+    assert warm[:3] == [{"alloc": MONOLITH_DP, "mode": "adaptive", "B": 8},
+                        {"alloc": "E1-P1-D2", "mode": "request_at_a_time"},
+                        {"alloc": "E2-P1-D1+coloc", "mode": "adaptive", "B": 16, "s": 0.5}]
+    assert len(warm) == len({str(p) for p in warm})  # no point twice
+    # one device, or CPU cores: no data-parallel point (the monolith already takes every core)
+    assert MONOLITH_DP not in Space((), ("cuda:0",)).choices and MONOLITH_DP not in Space((), DEVS).choices
+    with pytest.raises(ValueError, match="not in this search space"):
+        Space((), DEVS).allocation(MONOLITH_DP)
+    with pytest.raises(ValueError, match="dynamo_alloc 'E9-P1-D1' is not one of the allocations"):
+        Space(tuple(runnable_allocations(4)), gpus, dynamo_alloc="E9-P1-D1")
 
 
 def test_space_rejects_what_cannot_run():

@@ -155,6 +155,9 @@ def test_trials_share_one_partition_profile_per_device_and_backend(tmp_path):
 def test_a_new_study_tries_the_presets_points_first_and_a_resumed_one_does_not_again(tmp_path):
     from hasctl.tune_space import warm_starts
     warm = warm_starts(SPACE)
+    # the Dynamo-like baseline (request-at-a-time encode, remote prefill), then the presets' points
+    assert warm[0] == {"alloc": "E1-P1-D1", "mode": "request_at_a_time"}
+    warm = warm[1:]
     assert [p["alloc"] for p in warm] == ["E1-P1-D1", "E1-P1-D1+coloc", "monolith"]
     assert all(p["B"] == 8 for p in warm)
 

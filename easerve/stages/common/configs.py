@@ -309,6 +309,9 @@ class GatewayConfig(PeerFields, StageConfig):
     admission_encode_batch: PosInt = opt(8, "the encode instances' --max-batch, for the latency predictor")
     admission_prefill_tokens: PosInt = opt(2048, "the prefill instances' --max-batched-tokens, for the latency "
                                            "predictor")
+    no_admission_calibration: bool = opt(False, "predict from the profile and the stages' pace alone (by default "
+                                         "the predictor is also scaled by what admitted requests actually got: "
+                                         "easerve/policy/calibration.py)")
 
     def _check(self) -> None:
         if not self.prefill or not self.decode:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from easerve.rpc.errors import grpc_errors
+from easerve.stages.common.pace import Pace
 from easerve.transport.node import NodeIdentity, read_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 
@@ -18,6 +19,8 @@ class Load:
     queued: int = 0
     kv_free_tokens: int = 0
     kv_total_tokens: int = 0
+    pace: Pace | None = None  # easerve/stages/common/pace.py; None: the stage does not say
+    busy_s: float = 0.0  # seconds computed so far (a counter)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -29,7 +32,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         ld = await self._load()
         msg = stage_pb2.LoadResponse(stage=self.stage, inflight=ld.inflight, max_inflight=ld.max_inflight,
                                      queued=ld.queued, kv_free_tokens=ld.kv_free_tokens,
-                                     kv_total_tokens=ld.kv_total_tokens)
+                                     kv_total_tokens=ld.kv_total_tokens, busy_s=ld.busy_s)
+        if ld.pace is not None:
+            msg.recent_batch_s, msg.recent_batch_size = ld.pace.now()
         self.node.to_proto(msg.node)
         return msg
 

@@ -32,6 +32,7 @@ class PrefillMetrics:
         """`queued()`: requests waiting for a prefill batch; `kv_held()`: KV bytes the senders
         still hold for decode (both read when scraped)."""
         r = registry
+        self.busy_s = 0.0  # seconds of batched forwards so far (Load's busy_s)
         self.batch_size = Histogram("easerve:prefill_batch_size",
                                     "Size of the prefill batch each request ran in", buckets=SIZE_BUCKETS, registry=r)
         self.batch_time = Histogram("easerve:prefill_batch_seconds", "Time of one prefill forward",
@@ -52,6 +53,7 @@ class PrefillMetrics:
 
     def on_batch(self, start: float, end: float) -> None:
         self.batch_time.observe(end - start)
+        self.busy_s += end - start
 
     def on_request(self, batch_size: int, prompt_tokens: int) -> None:
         self.batch_size.observe(batch_size)

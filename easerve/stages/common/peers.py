@@ -54,6 +54,9 @@ class Peer:
     polled_at: float = 0.0
     queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
     kv_free_tokens: int = 0  # decode only: KV room at the last poll
+    recent_batch_s: float = 0.0     # its recent pace at the last poll (easerve/stages/common/pace.py)
+    recent_batch_size: float = 0.0
+    busy_s: float = 0.0      # its compute seconds so far, at the last poll (0: not reported)
     load_stub: object = field(default=None, repr=False)
     health_stub: object = field(default=None, repr=False)
 
@@ -186,7 +189,8 @@ class Peers:
             log.info("%s is %s", p.addr, "serving" if serving else "not serving")
         p.up, p.reported, p.capacity = serving, load.inflight, load.max_inflight
         p.node, p.sent_since_poll, p.polled_at = NodeIdentity.from_proto(load.node), 0, time.monotonic()
-        p.queued, p.kv_free_tokens = load.queued, load.kv_free_tokens
+        p.queued, p.kv_free_tokens, p.busy_s = load.queued, load.kv_free_tokens, load.busy_s
+        p.recent_batch_s, p.recent_batch_size = load.recent_batch_s, load.recent_batch_size
 
     async def node_of(self, addr: str, timeout: float = 5.0) -> NodeIdentity | None:
         """The instance's node identity (asks it once if no poll has answered yet)."""

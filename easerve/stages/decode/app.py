@@ -70,7 +70,7 @@ async def main(cfg: DecodeConfig) -> None:
     async def load() -> stage_load.Load:
         s = last_stats["s"] = await engine.stats()
         return stage_load.Load(engine.num_streams, cfg.max_running + cfg.max_waiting, s.waiting,
-                               s.kv_free_tokens, s.kv_capacity_tokens)
+                               s.kv_free_tokens, s.kv_capacity_tokens, pace=engine.pace)
 
     async def warmup() -> None:
         engine.start()

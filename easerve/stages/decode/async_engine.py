@@ -24,16 +24,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from easerve.errors import EngineFailed, InvalidRequest, NotFound
+from easerve.stages.common.pace import Pace
 from easerve.types import KVPayload
 
 log = logging.getLogger(__name__)
 
 
 class _Stream:
-    def __init__(self) -> None:
+    """A request's outputs; it ends once each of its n choices has finished."""
+
+    def __init__(self, n: int = 1) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted = False
         self.done = False
+        self.left = n  # choices not finished yet
 
     def __aiter__(self):
         return self
@@ -46,7 +50,8 @@ class _Stream:
             self.done = True
             raise item
         if item.finished:
-            self.done = True
+            self.left -= 1
+            self.done = self.left <= 0
         return item
 
 
@@ -55,6 +60,7 @@ class AsyncEngine:
                  on_step: Callable[[int, float], None] | None = None):
         """`on_fatal(error)`: a step raised; `on_step(tokens, seconds)`: after each step."""
         self.engine, self.on_fatal, self.on_step = engine, on_fatal, on_step
+        self.pace = Pace()  # sequences per step and its seconds, served in Stage/Load
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -85,6 +91,7 @@ class AsyncEngine:
                 while await self._call(lambda: self.engine.has_work):
                     t0 = time.monotonic()
                     outs = await self._call(self.engine.step)
+                    self.pace.observe(time.monotonic() - t0, len(outs))
                     if self.on_step is not None:
                         self.on_step(sum(o.token_id is not None and o.index > 0 for o in outs), time.monotonic() - t0)
                     self._deliver(outs)
@@ -114,14 +121,15 @@ class AsyncEngine:
                                "this instance takes no new requests")
 
     @contextlib.asynccontextmanager
-    async def open(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float) -> AsyncIterator[_Stream]:
-        """Hold a place (raises the engine's Overloaded / RequestTooLarge at once when it
-        could not be admitted) and yield the stream the request's outputs arrive on."""
+    async def open(self, request_id: str, prompt_len: int, max_tokens: int, ttl_s: float,
+                   n: int = 1) -> AsyncIterator[_Stream]:
+        """Hold a place for n choices (raises the engine's Overloaded / RequestTooLarge at once
+        when it could not be admitted) and yield the stream the request's outputs arrive on."""
         self._check_alive()
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already open here; ids must be unique")
-        stream = _Stream()
-        await self._call(self.engine.reserve, request_id, prompt_len, max_tokens, ttl_s)
+        stream = _Stream(n)
+        await self._call(self.engine.reserve, request_id, prompt_len, max_tokens, ttl_s, n)
         self._streams[request_id] = stream
         try:
             yield stream
@@ -156,7 +164,8 @@ class AsyncEngine:
     async def generate(self, payload: KVPayload) -> AsyncIterator:
         """Reserve, submit and stream in one go (warm-up and in-process use)."""
         ttl = 600.0
-        async with self.open(payload.request_id, payload.prompt_len, payload.sampling.max_tokens, ttl) as s:
+        async with self.open(payload.request_id, payload.prompt_len, payload.sampling.max_tokens, ttl,
+                             payload.sampling.n) as s:
             await self.submit(payload)
             async for out in s:
                 yield out

@@ -14,6 +14,7 @@ from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest, Unavailable
+from easerve.types import MAX_N
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 
@@ -44,25 +45,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.num_tokens < 1 or request.max_new_tokens < 1:
             raise InvalidRequest(f"a reservation needs num_tokens >= 1 (the prompt) and max_new_tokens >= 1, got "
                                  f"{request.num_tokens} and {request.max_new_tokens}")
+        if request.n > MAX_N:
+            raise InvalidRequest(f"n must be in 1..{MAX_N} (choices per request), got {request.n}")
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
         ttl = min(deadline.remaining(), MAX_HOLD_S)
-        async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl) as stream:
+        async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl, request.n or 1) as stream:
             yield cpb.TokenChunk(request_id=rid)  # the place is held
-            n = 1
+            counts: dict[int, int] = {}  # tokens per choice
             try:
                 async for o in stream:
                     if o.index == 0 and not o.finished:
                         continue  # prefill sent the first token and its text
                     ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
                     lps = [o.logprobs] if ids and o.logprobs is not None else []
-                    n = max(n, o.index + 1)
+                    n = counts[o.choice] = max(counts.get(o.choice, 1), o.index + 1)
                     if not o.finished:
-                        yield token_chunk(rid, ids, text=o.text_delta, logprobs=lps)
+                        yield token_chunk(rid, ids, text=o.text_delta, logprobs=lps, index=o.choice)
                         continue
                     if self.m is not None:
                         self.m.finished.labels(finished_reason=o.finish_reason).inc()
                     yield token_chunk(rid, ids, o.finish_reason, text=o.text_delta, usage=(request.num_tokens, n),
-                                      logprobs=lps, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
+                                      logprobs=lps, index=o.choice, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
             finally:
                 self._kv_ms.pop(rid, None)
 

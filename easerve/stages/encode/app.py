@@ -114,7 +114,8 @@ class Encoder:
                                    on_busy=on_busy, metrics=self.prefill_metrics, clock=self.clock)
 
     async def load(self) -> stage_load.Load:
-        return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued)
+        return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued,
+                               pace=self.loop.pace)
 
     def partition_info(self, _req=None) -> dict:
         if self.controller is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from easerve.policy.batcher import AdaptiveBatcher, Dispatch
 from easerve.policy.clock import Clock, MonotonicClock
+from easerve.stages.common.pace import Pace
 from easerve.types import MMItem
 
 log = logging.getLogger("easerve.encode")
@@ -55,6 +56,7 @@ class EncodeLoop:
         self._ready: Dispatch | None = None  # handed out by `add`, for the worker to run next
         self._arrival = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.pace = Pace()  # requests per batch and its seconds, served in Stage/Load
 
     @property
     def queued(self) -> int:
@@ -123,12 +125,20 @@ class EncodeLoop:
     async def _run(self, d: Dispatch, batch: dict[str, _Pending]) -> None:
         items = [it for p in batch.values() for it in p.items]
         t0 = self.clock.now()
+        if self.m is not None:
+            try:
+                self.m.on_batch_start(t0)
+            except Exception:  # noqa: BLE001 - metrics must never stall encoding
+                log.exception("encode metrics hook failed")
         try:
             embeds = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_sync, items, len(batch))
         except Exception as e:  # noqa: BLE001 - every request of the batch learns why
             _fail(batch, e)
+            if self.m is not None:
+                self.m.on_batch_failed(t0, self.clock.now())
             return
         t1 = self.clock.now()
+        self.pace.observe(t1 - t0, len(batch))
         i = 0
         for p in batch.values():
             n = len(p.items)

@@ -38,7 +38,8 @@ class EncodeMetrics:
                               "1 when the SM backend partitions less than asked (see /partition 'degraded')",
                               registry=r)
         self.trace = UtilizationTrace()
-        self.busy_s = {"encode": 0.0, "prefill": 0.0}  # cumulative busy seconds (the online controller's input)
+        self.busy_s = {"encode": 0.0, "prefill": 0.0}  # cumulative busy seconds of finished batches
+        self._encoding_since: float | None = None        # start of the encode batch running now
         self._routes = {"local": 0, "remote": 0}
 
     def on_batch(self, dispatch, n_requests: int, start: float, end: float, share: float = 1.0) -> None:
@@ -48,6 +49,20 @@ class EncodeMetrics:
         self.share.observe(share)
         self.trace.record("encode", start, end, share, n_requests)
         self.busy_s["encode"] += end - start
+        self._encoding_since = None
+
+    def on_batch_start(self, start: float) -> None:
+        self._encoding_since = start
+
+    def on_batch_failed(self, start: float, end: float) -> None:
+        self.busy_s["encode"] += end - start
+        self._encoding_since = None
+
+    def encode_busy_at(self, now: float) -> float:
+        """Encode busy seconds up to `now`, the running batch's so far included (the online
+        controller's input: a batch longer than its window still counts while it runs)."""
+        running = 0.0 if self._encoding_since is None else max(0.0, now - self._encoding_since)
+        return self.busy_s["encode"] + running
 
     def on_partition(self, backend: str, policy: str, degraded: str) -> None:
         self.partition.labels(backend=backend, policy=policy).set(1)

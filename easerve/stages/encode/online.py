@@ -3,8 +3,10 @@
 Every `interval_s` it feeds the controller this worker's busy-seconds counters (encode and the
 co-located prefill, from EncodeMetrics), its queue (requests in the batcher or its running
 batch), both scaled to the encode stage by the instance count the launcher keeps in
-`--online-instances-file` (placement spreads the load evenly) and, for remote prefill, the instances' occupancy from their Load answers (an instance
-holding a request counts as busy for that interval); arrivals come from the servicer. It applies
+`--online-instances-file` (placement spreads the load evenly) and, for remote prefill, the
+increase of each instance's busy-seconds counter from its Load answers (`busy_s`; one that
+does not report it counts as busy for an interval in which it held a request); arrivals come
+from the servicer. Encode's busy seconds include the running batch's time so far. It applies
 the plan to the live batcher (B), the deficit router (s) and the partitioner (tolerance), logs
 each change with its reason and exports `easerve:online_changes_total{knob,reason}`,
 `easerve:desired_instances{stage}` (encode, and prefill when it has remote instances) and
@@ -62,6 +64,7 @@ class OnlineTask:
         self.metrics = OnlineMetrics(registry, ("encode", "prefill") if remote else ("encode",))
         self.metrics.on_plan(self.ctl.plan(clock.now()))
         self._remote_busy = 0.0
+        self._busy_seen: dict[str, float] = {}  # remote prefill address -> its busy_s at the last step
         self._last = clock.now()
         self._task: asyncio.Task | None = None
 
@@ -72,12 +75,12 @@ class OnlineTask:
         now = self.clock.now()
         busy = self.m.busy_s
         n = self._encode_instances()  # load is spread evenly (least-loaded placement): this one stands for each
-        self.ctl.observe("encode", now, busy["encode"] * n, n, self.queued() * n)
+        self.ctl.observe("encode", now, self.m.encode_busy_at(now) * n, n, self.queued() * n)
         if self.partition is not None:
             self.ctl.observe("local_prefill", now, busy["prefill"], 1)
         peers = [self.remote.get(a) for a in self.remote.addrs]
         if peers:
-            self._remote_busy += (now - self._last) * sum(1 for p in peers if p is not None and p.reported > 0)
+            self._remote_busy += self._remote_busy_since_last(peers, now - self._last)
             self.ctl.observe("prefill", now, self._remote_busy, len(peers),
                              sum(p.reported for p in peers if p is not None))
         self._last = now
@@ -90,6 +93,22 @@ class OnlineTask:
             log.info("online: %s %s -> %s (%s: %s)", c.knob, c.old, c.new, c.reason, c.detail)
         self.metrics.on_plan(plan)
         return plan
+
+    def _remote_busy_since_last(self, peers, dt: float) -> float:
+        """Compute seconds of the remote prefill instances since the last step (an instance
+        first seen now adds none: its counter is the baseline)."""
+        out, seen = 0.0, {}
+        for p in peers:
+            if p is None:
+                continue
+            if p.busy_s > 0:
+                seen[p.addr] = p.busy_s
+                last = self._busy_seen.get(p.addr)
+                out += 0.0 if last is None else min(max(0.0, p.busy_s - last), dt)
+            elif p.reported > 0:
+                out += dt
+        self._busy_seen = seen
+        return out
 
     def _encode_instances(self) -> int:
         if not self.instances_file:

@@ -67,6 +67,7 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
 
     async def _encode(self, request, context):
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        slo = Deadline.from_ms(request.meta.slo_ttft_ms)  # its first token's due time by its SLO tier
         rid = request.meta.request_id
         if not rid:
             raise InvalidRequest("meta.request_id is required")
@@ -85,18 +86,19 @@ class EncodeServicer(encode_pb2_grpc.EncodeServicer):
         if route == "local":
             req = PrefillRequest(rid, list(request.input_ids), res.embeddings,
                                  items_meta(items), sampling)
-            async for chunk in self.local.run(req, request.decode.address, deadline, **timings):
+            async for chunk in self.local.run(req, request.decode.address, deadline, slo, request.meta.yields,
+                                              **timings):
                 yield chunk
             return
-        async for chunk in self._remote_prefill(request, items, res, deadline, timings):
+        async for chunk in self._remote_prefill(request, items, res, deadline, slo, timings):
             yield chunk
 
-    async def _remote_prefill(self, request, items, res, deadline: Deadline, timings: dict):
+    async def _remote_prefill(self, request, items, res, deadline: Deadline, slo: Deadline, timings: dict):
         t0 = time.monotonic()
         embeddings = await asyncio.to_thread(lambda: [tensor_to_proto(e) for e in res.embeddings])
         msg = prefill_pb2.PrefillRequest(
             meta=cpb.RequestMeta(request_id=request.meta.request_id, deadline_ms=deadline.to_ms(),
-                                 model=request.meta.model),
+                                 model=request.meta.model, slo_ttft_ms=slo.to_ms(), yields=request.meta.yields),
             input_ids=request.input_ids, sampling=request.sampling, decode=request.decode,
             items=[item_meta_to_proto(it.modality, it.num_tokens, it.meta, it.content_hash) for it in items],
             embeddings=prefill_pb2.Embeddings(tensors=embeddings))

@@ -5,7 +5,8 @@ With `--profile`, every preprocessed request (media or text only) is predicted
 gateway sees of the stages: each instance's last `Stage/Load` answer (queued requests, decode's
 KV room) plus the calls it started there since. `--admission reject` refuses a predicted miss
 with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose Retry-After is the decision's;
-`best-effort` lets it in marked best-effort. Each request's prediction and its actual TTFT /
+`best-effort` lets it in marked best-effort. The predictor is calibrated online by the actual
+TTFT and TPOT of the requests it admitted (easerve/policy/calibration.py). Each request's prediction and its actual TTFT /
 TPOT go to the metrics and to a bounded list of records served at GET /trace.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from easerve.errors import BadRequest, Overloaded
 from easerve.policy.admission import PRIORITIES, TIER_NAMES, Admission, Decision, TierLimits
+from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
 from easerve.sim.model import ServiceModel
@@ -44,7 +46,10 @@ class GatewayAdmission:
         self.cfg, self.profile, self.m = cfg, profile, metrics
         self._enc, self._pre, self._dec = enc, pre, dec
         self.clock = clock or MonotonicClock()
-        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock), self.clock)
+        self.calibration = Calibration(self.clock)
+        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock,
+                                                                None if cfg.no_admission_calibration else self.calibration),
+                                self.clock)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
 
     @classmethod
@@ -65,9 +70,12 @@ class GatewayAdmission:
         polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
         return LiveState(
             min(polled) if polled else self.clock.now(),
-            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch) for p in enc),
-            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens) for p in pre),
-            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens)
+            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch, 0.0,
+                              p.recent_batch_s, p.recent_batch_size) for p in enc),
+            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens,
+                               p.recent_batch_s, p.recent_batch_size) for p in pre),
+            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens,
+                              p.recent_batch_s, p.recent_batch_size)
                   for p in dec))
 
     def tier(self, name: str, modality: str) -> TierLimits:
@@ -88,6 +96,7 @@ class GatewayAdmission:
                            "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
                            "predicted_ttft_ms": d.prediction.ttft_s * 1e3,
                            "predicted_tpot_ms": d.prediction.tpot_s * 1e3,
+                           "ttft_factor": d.prediction.ttft_factor, "tpot_factor": d.prediction.tpot_factor,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
@@ -103,12 +112,15 @@ class GatewayAdmission:
         if job.trace is None:
             return
         job.trace["ttft_ms"] = ttft_s * 1e3
-        pred = job.admission.prediction.ttft_s
-        self.m.ttft_prediction_error.observe(abs(pred - ttft_s) / max(ttft_s, 1e-9))
+        pred = job.admission.prediction
+        self.m.ttft_prediction_error.observe(abs(pred.ttft_s - ttft_s) / max(ttft_s, 1e-9))
+        self.calibration.observe_ttft(pred.raw_ttft_s, ttft_s, pred.queue_s)
 
     def finished(self, job: Job, tpot_s: float | None) -> None:
         if job.trace is not None and tpot_s is not None:
             job.trace["tpot_ms"] = tpot_s * 1e3
+            pred = job.admission.prediction
+            self.calibration.observe_tpot(pred.raw_tpot_s, tpot_s, pred.decode_wait_s == 0.0)
 
     def trace(self, last: int) -> dict:
         recs = list(self.records)[-last:] if last > 0 else []

@@ -12,6 +12,7 @@ easerve.cache.gateway) and given an internal id of the gateway's own. Then, for 
    once the KV is at decode;
 3. the first token goes out at once, then decode's tokens. The stop rules and the text are
    decided downstream (prefill for the first token, decode after it): the gateway forwards.
+   A request with n > 1 choices takes the same path once (`choices.fan_in`).
 
 Leaving early (client gone, deadline) cancels both calls, which frees every stage's work.
 """
@@ -25,14 +26,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-import grpc
-
-from easerve.engine.logprobs import TokenLogprobs
-from easerve.errors import BadRequest, CacheMiss, Internal, Unavailable
+from easerve.errors import BadRequest, CacheMiss, Internal
 from easerve.media import MediaResolver, config_for
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import from_rpc_error
 from easerve.rpc.server import ServerOptions
 from easerve.engine.config import default_max_len
 from easerve.stages.common.configs import GatewayConfig
@@ -47,21 +44,10 @@ from easerve.policy.admission import Decision
 from easerve.stages.gateway.admission import GatewayAdmission
 from easerve.cache.prefix import PrefixCacheConfig
 from easerve.cache.prefix_route import PrefixRoute, up_loads
+from easerve.stages.gateway.choices import Delta, chunk_logprobs, decode_chunks, drain, fan_in
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
-
-
-@dataclass(frozen=True)
-class Delta:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None  # on the first delta and the last one
-    logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
-    cached_tokens: int = 0          # on the last delta: prompt tokens prefill's prefix cache answered
 
 
 @dataclass
@@ -294,7 +280,7 @@ class GatewayCore:
     async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
         deadline = self._deadline(job)
         reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
-                                            max_new_tokens=job.sampling.max_tokens)
+                                            max_new_tokens=job.sampling.max_tokens, n=job.sampling.n)
         plan = job.media_plan  # a monolith holding the media also takes the reservation, when it can
         pinned = plan.target if plan is not None and plan.target in self._dec.addrs else None
         dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()),
@@ -302,11 +288,15 @@ class GatewayCore:
         upeers = upeer = ucall = tail = None
         try:
             upeers, upeer, ucall, first = await self._upstream(job, prompt, deadline, dpeer.addr)
+            if job.sampling.n > 1:
+                async for d in fan_in(self, job, prompt, first, ucall, dcall, dpeer.addr):
+                    yield d
+                return
             delta = self._first(job, prompt, first)
             yield delta
             if delta.finish_reason is not None:
                 return
-            tail = asyncio.ensure_future(_drain(ucall))
+            tail = asyncio.ensure_future(drain(ucall))
             async for d in self._decoded(job, prompt, dcall, tail, dpeer.addr):
                 yield d
         finally:
@@ -320,6 +310,14 @@ class GatewayCore:
             self._dec.finish(dpeer)
 
     def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
+        timings = self._first_timings(job, chunk)
+        finish = FINISH_FROM_PROTO[chunk.finish_reason]
+        if finish is not None:
+            return self._last(job, prompt, chunk, finish, 1, None, timings)
+        return Delta(list(chunk.token_ids), chunk.text, timings=timings, logprobs=chunk_logprobs(chunk))
+
+    def _first_timings(self, job: Job, chunk) -> Timings:
+        """The first token's timings (and its metrics); notes the prefix cache's hit on `job`."""
         ttft = time.monotonic() - job.received
         self.m.ttft.observe(ttft)
         if self.admission is not None:
@@ -332,72 +330,36 @@ class GatewayCore:
         skipped = bool(job.media_plan and job.media_plan.skipped)  # still so after the encode call: no late miss
         if skipped:
             self.m.preprocess_skipped.inc()
-        timings = Timings(ttft_ms=ttft * 1000, encode_ms=t.encode_ms, queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
-                          embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
-                          preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
         job.cached_tokens = chunk.usage.cached_tokens
-        finish = FINISH_FROM_PROTO[chunk.finish_reason]
-        if finish is not None:
-            return self._last(job, prompt, chunk, finish, 1, None, timings)
-        return Delta(list(chunk.token_ids), chunk.text, timings=timings, logprobs=_logprobs(chunk))
+        return Timings(ttft_ms=ttft * 1000, encode_ms=t.encode_ms, queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
+                       embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
+                       preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
 
     async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future,
                        addr: str) -> AsyncIterator[Delta]:
         """Decode's chunks, failing at once if the upstream call (the KV handoff) fails; a
         failure of the stream names the decode instance and how far the request got."""
         first_at, n = time.monotonic(), 1
-        while True:
-            read = asyncio.ensure_future(dcall.read())
-            waits = {read} if tail.done() else {read, tail}
-            try:
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                read.cancel()
-                raise
-            if tail in done and tail.exception() is not None:
-                read.cancel()
-                raise tail.exception()
-            if read not in done:
-                done, _ = await asyncio.wait({read})
-            try:
-                chunk = read.result()
-            except grpc.aio.AioRpcError as e:
-                raise from_rpc_error(e).where(f"decode instance {addr} after {n} token(s)") from None
-            if chunk is grpc.aio.EOF:
-                raise Unavailable(f"decode instance {addr} closed the stream after {n} token(s), "
-                                  "before the request finished")
+        async for chunk in decode_chunks(dcall, tail, addr, n):
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
                 timings = Timings(kv_transfer_ms=chunk.timings.kv_transfer_ms)
                 yield self._last(job, prompt, chunk, finish, n, first_at, timings)
                 return
-            yield Delta(list(chunk.token_ids), chunk.text, logprobs=_logprobs(chunk))
+            yield Delta(list(chunk.token_ids), chunk.text, logprobs=chunk_logprobs(chunk))
 
-    def _last(self, job, prompt, chunk, finish, n, first_at, timings: Timings) -> Delta:
-        now = time.monotonic()
-        tpot = (now - first_at) / (n - 1) if first_at is not None and n > 1 else 0.0
-        if n > 1:
+    def _last(self, job, prompt, chunk, finish, n, first_at, timings: Timings, steps: int = 0) -> Delta:
+        """The request's last delta: `n` tokens in all, `steps` (default n) of the longest choice."""
+        now, steps = time.monotonic(), steps or n
+        tpot = (now - first_at) / (steps - 1) if first_at is not None and steps > 1 else 0.0
+        if steps > 1:
             self.m.tpot.observe(tpot)
         if self.admission is not None:
-            self.admission.finished(job, tpot if n > 1 else None)
+            self.admission.finished(job, tpot if steps > 1 else None)
         self.m.e2e.observe(now - job.received)
         self.m.finished.inc(finished_reason=finish)
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
         return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
-                     replace(timings, tpot_ms=tpot * 1000), _logprobs(chunk), job.cached_tokens)
-
-
-def _logprobs(chunk) -> list[TokenLogprobs]:
-    return [TokenLogprobs.from_proto(m) for m in chunk.logprobs]
-
-
-async def _drain(call) -> None:
-    """Wait for the end of a call whose useful message was already read (the handoff's
-    success); its failure becomes the matching domain error."""
-    try:
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    except grpc.aio.AioRpcError as e:
-        raise from_rpc_error(e) from None
+                     replace(timings, tpot_ms=tpot * 1000), chunk_logprobs(chunk), job.cached_tokens)

@@ -21,6 +21,7 @@ from easerve.errors import BadRequest, BadUpstream
 from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
+from easerve.stages.gateway.choices import ended
 from easerve.stages.gateway.core import Delta, GatewayCore, Job
 from easerve.stages.gateway.tools import ToolCallStream
 
@@ -42,13 +43,15 @@ def _message(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-async def _finished(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    """`deltas` up to the one with a finish reason; a stream that ends before it raises
-    BadUpstream (502), so a cut-short answer never reads as a complete one."""
+async def _finished(deltas: AsyncIterator[Delta], n: int = 1) -> AsyncIterator[Delta]:
+    """`deltas` up to the one with the n-th finish reason (one per choice); a stream that ends
+    before it raises BadUpstream (502), so a cut-short answer never reads as a complete one."""
+    finished = 0
     try:
         async for d in deltas:
             yield d
-            if d.finish_reason is not None:
+            finished += d.finish_reason is not None
+            if ended(finished, n):
                 return
         log.error("the pipeline ended a request's stream without a finish reason")
         raise BadUpstream("the pipeline ended the stream without a finish reason; the answer is cut short")
@@ -129,7 +132,8 @@ class HttpApi:
             _classify(job, req, chat)
         except BadRequest as e:
             return self._bad(e)
-        return await self._answer(req, job, _ChatShape(chat, self.core.adapter.tokenizer), chat.stream, chat.include_usage)
+        tok = self.core.adapter.tokenizer
+        return await self._answer(req, job, lambda i: _ChatShape(chat, tok, i), chat.stream, chat.include_usage)
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
@@ -144,7 +148,8 @@ class HttpApi:
             _classify(job, req, comp)
         except BadRequest as e:
             return self._bad(e)
-        return await self._answer(req, job, _TextShape(comp, self.core.adapter.tokenizer), comp.stream, comp.include_usage)
+        tok = self.core.adapter.tokenizer
+        return await self._answer(req, job, lambda i: _TextShape(comp, tok, i), comp.stream, comp.include_usage)
 
     def _vocab_size(self) -> int:
         a = self.core.adapter
@@ -157,32 +162,35 @@ class HttpApi:
             raise BadRequest(f"prompt: token id {hit} is the {media[hit]} placeholder; token-id prompts "
                                 "take no media, send the media through /v1/chat/completions")
 
-    async def _answer(self, req: web.Request, job: Job, shape, stream: bool, usage: bool) -> web.StreamResponse:
+    async def _answer(self, req: web.Request, job: Job, shapes, stream: bool, usage: bool) -> web.StreamResponse:
+        """`shapes(i)`: the bodies of choice i (each choice keeps its own streaming state)."""
+        shapes = [shapes(i) for i in range(job.sampling.n)]
         if stream:
-            return await self._stream(req, job, shape, usage)
-        return await self._unary(job, shape)
+            return await self._stream(req, job, shapes, usage)
+        return await self._unary(job, shapes)
 
-    async def _unary(self, job: Job, shape) -> web.Response:
-        text, last = [], None
-        lps = []
+    async def _unary(self, job: Job, shapes: list) -> web.Response:
+        n = len(shapes)
+        text, lps, finish, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, None
         try:
-            async for d in _finished(self.core.generate(job)):
-                text.append(d.text)
-                lps += zip(d.token_ids, d.logprobs)
-                last = d
+            async for d in _finished(self.core.generate(job), n):
+                text[d.index].append(d.text)
+                lps[d.index] += zip(d.token_ids, d.logprobs)
+                finish[d.index], last = d.finish_reason or finish[d.index], d
         except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
-        return web.json_response(shape.whole("".join(text), last.finish_reason, last.prompt_tokens,
-                                             last.completion_tokens, lps, last.cached_tokens))
+        bodies = [sh.whole("".join(text[i]), finish[i], last.prompt_tokens, last.completion_tokens, lps[i],
+                           last.cached_tokens) for i, sh in enumerate(shapes)]
+        return web.json_response({**bodies[0], "choices": [b["choices"][0] for b in bodies]})
 
     def _fail(self, e: Exception) -> web.Response:
         err = domain_error(e)
         self.core.m.requests.inc(api="http", code=str(err.http))
         return _error(err.http, _message(e), err.retry_after_s)
 
-    async def _stream(self, req: web.Request, job: Job, shape, include_usage: bool) -> web.StreamResponse:
-        gen = _finished(self.core.generate(job))
+    async def _stream(self, req: web.Request, job: Job, shapes: list, include_usage: bool) -> web.StreamResponse:
+        gen = _finished(self.core.generate(job), len(shapes))
         created = int(time.time())
         try:  # fail before the 200 header when the request is bad or the pipeline refuses it
             first = await gen.__anext__()
@@ -190,19 +198,21 @@ class HttpApi:
             return self._fail(e)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(req)
-        opening = shape.opening(created)
-        if opening is not None:
-            await self._sse(resp, opening)
+        for opening in (sh.opening(created) for sh in shapes):
+            if opening is not None:
+                await self._sse(resp, opening)
         try:
-            d = first
+            d, finished = first, 0
             while True:
-                await self._sse(resp, shape.chunk(created, d.text, d.finish_reason, list(zip(d.token_ids, d.logprobs))))
-                if d.finish_reason is not None:
+                lps = list(zip(d.token_ids, d.logprobs))
+                await self._sse(resp, shapes[d.index].chunk(created, d.text, d.finish_reason, lps))
+                finished += d.finish_reason is not None
+                if ended(finished, len(shapes)):
                     break
                 d = await gen.__anext__()
             if include_usage:
                 usage = oa.usage_json(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
-                await self._sse(resp, {**shape.chunk(created, "", None, []), "choices": [], "usage": usage})
+                await self._sse(resp, {**shapes[0].chunk(created, "", None, []), "choices": [], "usage": usage})
             self.core.m.requests.inc(api="http", code="200")
         except ConnectionResetError:
             pass
@@ -228,15 +238,15 @@ def _classify(job: Job, req: web.Request, parsed) -> None:
 
 
 class _ChatShape:
-    """chat.completion / chat.completion.chunk bodies of one request. `lps`: (token id,
-    TokenLogprobs) pairs, shown when the request asked for logprobs."""
+    """chat.completion / chat.completion.chunk bodies of one choice (`index`) of a request.
+    `lps`: (token id, TokenLogprobs) pairs, shown when the request asked for logprobs."""
 
-    def __init__(self, chat: oa.ChatRequest, tokenizer):
-        self.r, self.tok, self.want = chat, tokenizer, chat.sampling.logprobs is not None
+    def __init__(self, chat: oa.ChatRequest, tokenizer, index: int = 0):
+        self.r, self.tok, self.want, self.i = chat, tokenizer, chat.sampling.logprobs is not None, index
         self.calls = None if chat.tools is None else ToolCallStream()  # tool calls parsed as they stream
 
     def opening(self, created: int) -> dict:
-        return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None)
+        return oa.chunk_json(self.r, created, {"role": "assistant", "content": ""}, None, index=self.i)
 
     def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
         delta: dict = {"content": text}
@@ -248,19 +258,19 @@ class _ChatShape:
             if finish == "stop" and self.calls.calls:
                 finish = "tool_calls"
         return oa.chunk_json(self.r, created, delta, finish,
-                             oa.chat_logprobs(lps, self.tok) if self.want else None)
+                             oa.chat_logprobs(lps, self.tok) if self.want else None, self.i)
 
     def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
               cached_tokens: int = 0) -> dict:
         return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                  oa.chat_logprobs(lps, self.tok) if self.want else None, cached_tokens)
+                                  oa.chat_logprobs(lps, self.tok) if self.want else None, cached_tokens, self.i)
 
 
 class _TextShape:
-    """text_completion bodies of one /v1/completions request (no opening event)."""
+    """text_completion bodies of one choice (`index`) of a /v1/completions request (no opening event)."""
 
-    def __init__(self, comp: oa.CompletionRequest, tokenizer):
-        self.r, self.tok, self.want = comp, tokenizer, comp.sampling.logprobs is not None
+    def __init__(self, comp: oa.CompletionRequest, tokenizer, index: int = 0):
+        self.r, self.tok, self.want, self.i = comp, tokenizer, comp.sampling.logprobs is not None, index
         self.offset = 0  # characters of text sent so far (text_offset of streamed logprobs)
 
     def opening(self, created: int) -> None:
@@ -269,9 +279,9 @@ class _TextShape:
     def chunk(self, created: int, text: str, finish: str | None, lps) -> dict:
         lp = oa.text_logprobs(lps, self.tok, self.offset) if self.want else None
         self.offset += len(text)
-        return oa.text_chunk_json(self.r, created, text, finish, lp)
+        return oa.text_chunk_json(self.r, created, text, finish, lp, self.i)
 
     def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
               cached_tokens: int = 0) -> dict:
         return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                       oa.text_logprobs(lps, self.tok) if self.want else None, cached_tokens)
+                                       oa.text_logprobs(lps, self.tok) if self.want else None, cached_tokens, self.i)

@@ -155,6 +155,7 @@ def sampling_from(body: osc.SamplingBody, default_max_tokens: int, plan: tl.Tool
             min_tokens=body.min_tokens or 0,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
             structured=structured,
+            n=1 if body.n is None else body.n,
         )
     except InvalidRequest as e:
         raise BadRequest(f"bad sampling parameter: {e}") from None
@@ -249,8 +250,8 @@ def parse_completion_request(body, served_model: str, vocab_size: int,
 
 
 def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = logprobs
     return {"id": req.request_id, "object": "chat.completion.chunk", "created": created,
@@ -265,7 +266,8 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0) -> dict:
+                    completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0,
+                    index: int = 0) -> dict:
     message: dict = {"role": "assistant", "content": text}
     if req.tools is not None:
         message["content"], calls = tl.split_tool_calls(text)
@@ -274,20 +276,21 @@ def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_toke
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None,
-                    logprobs: dict | None = None) -> dict:
-    """One SSE event of a streamed /v1/completions answer."""
+                    logprobs: dict | None = None, index: int = 0) -> dict:
+    """One SSE event of a streamed /v1/completions answer (choice `index`)."""
     return {"id": req.request_id, "object": "text_completion", "created": created, "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0) -> dict:
-    return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs),
+                         completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0,
+                         index: int = 0) -> dict:
+    return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs, index),
             "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
 
 

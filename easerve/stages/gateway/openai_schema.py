@@ -13,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from easerve.errors import BadRequest
 from easerve.policy.admission import Priority, TierName
-from easerve.types import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
+from easerve.types import MAX_LOGIT_BIAS, MAX_N, MAX_REPETITION_PENALTY
 
 U32 = (1 << 32) - 1
 
@@ -215,7 +215,7 @@ class SamplingBody(_Model):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices: one prefill, n decodes
     timeout: Annotated[float, Field(gt=0.0, le=86400.0)] | None = None  # seconds (an EAServe extension)
     slo_tier: TierName | None = None     # EAServe extensions: SLO-aware admission (--admission)
     priority: Priority | None = None
@@ -274,8 +274,6 @@ _NEUTRAL: dict[str, tuple] = {
 
 def refuse_unsupported(body: SamplingBody) -> None:
     """400 for an option that would change the answer and that this server cannot honour."""
-    if body.n not in (None, 1):
-        raise BadRequest(f"n: n > 1 is not supported (got {body.n}); send {body.n} requests")
     if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
         raise BadRequest(f"top_logprobs: needs logprobs: true (got top_logprobs {body.top_logprobs} without it)")
     for key, neutral in _NEUTRAL.items():

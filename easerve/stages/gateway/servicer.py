@@ -14,6 +14,7 @@ from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, TextPar
 from easerve.wire.sampling_proto import timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
+from easerve.stages.gateway.choices import ended
 from easerve.stages.gateway.core import GatewayCore, Job
 
 
@@ -106,14 +107,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         meta = dict(context.invocation_metadata() or ())
         job.slo_tier = checked_tier(meta.get(TIER_HEADER), f"metadata {TIER_HEADER}")
         job.priority = checked_priority(meta.get(PRIORITY_HEADER), f"metadata {PRIORITY_HEADER}")
+        finished = 0
         async for d in self.core.generate(job):
             msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
-                                               finish_reason=FINISH_TO_PROTO[d.finish_reason])
+                                               finish_reason=FINISH_TO_PROTO[d.finish_reason], index=d.index)
             if d.timings is not None:
                 timings_to_proto(d.timings, msg.timings)
             for lp in d.logprobs:
                 lp.to_proto(msg.logprobs.add())
-            if d.finish_reason is not None:
+            finished += d.finish_reason is not None
+            if ended(finished, job.sampling.n):  # the last choice's end: usage summed over the choices
                 msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
                 msg.usage.cached_tokens = d.cached_tokens
             yield msg

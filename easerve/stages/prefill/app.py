@@ -32,7 +32,8 @@ async def main(cfg: PrefillConfig) -> None:
                                 metrics=metrics, clock=MonotonicClock())
 
     async def load() -> stage_load.Load:
-        return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued)
+        return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued, pace=stage.loop.pace,
+                               busy_s=metrics.busy_s)
 
     async def warmup() -> None:  # one real prefill before SERVING
         await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)

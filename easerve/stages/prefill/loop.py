@@ -3,18 +3,20 @@
     loop = PrefillLoop(adapter, PrefillBatchConfig(max_batched_tokens=2048, max_batch_size=16),
                        executor=None, scope=None, on_busy=None, clock=MonotonicClock(), prefix=None)
     loop.start()                                   # inside the running event loop
-    one = await loop.prefill(req)                  # req: PrefillRequest
-    one.result, one.first_token, one.prefill_ms, one.batch_size
+    one = await loop.prefill(req, slo_s=None, yields=False)   # req: PrefillRequest
+    one.result, one.first_tokens, one.prefill_ms, one.batch_size   # one.first_token: choice 0's
     await loop.stop()
 
 - Batching: requests queue in a `PrefillBatcher` (FCFS under the token budget, see
-  `easerve.policy.prefill_plan`), told when its worker is free (`on_free` after each
-  batch). One worker task takes the next batch as soon as the previous one has finished,
+  `easerve.policy.prefill_plan`; in deadline order for requests that carry `slo_s`, the
+  seconds until their first token is due by their SLO tier, or `yields`), told when its
+  worker is free (`on_free` after each batch). One worker task takes the next batch as soon as the previous one has finished,
   with no waiting for more arrivals: requests that arrive while a batch runs form the next
   batch.
 - Compute: a batch runs in `executor` (default: one thread of its own) as ONE
   `adapter.prefill(batch)` forward, then `easerve.engine.sampler.sample` draws each
-  request's first token (its own SamplingParams, step 0); both run under `scope()` when
+  request's first token (its own SamplingParams, step 0; with n > 1 one per choice, each
+  with `SamplingParams.choice(i)` and its own grammar state); both run under `scope()` when
   given (a context manager: e.g. the co-located prefill's share of the device).
   `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch.
 - Prefix cache (`prefix`, an easerve.cache.prefix_kv.PrefixKV, or None): before the
@@ -47,6 +49,7 @@ import torch
 from easerve.cache.prefix_kv import PrefixKV
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.stages.common.pace import Pace
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
 from easerve.types import PrefillRequest, PrefillResult
@@ -58,9 +61,13 @@ log = logging.getLogger("easerve.prefill")
 @dataclass(frozen=True)
 class PrefilledOne:
     result: PrefillResult
-    first_token: int
+    first_tokens: tuple[int, ...]  # one per choice (sampling n)
     prefill_ms: float
     batch_size: int
+
+    @property
+    def first_token(self) -> int:
+        return self.first_tokens[0]
 
 
 @dataclass
@@ -71,9 +78,9 @@ class _Pending:
 
 @dataclass
 class _BatchOut:
-    """What one batch run returns: per request a (result, first token) or its own InvalidRequest."""
+    """What one batch run returns: per request a (result, first tokens) or its own InvalidRequest."""
 
-    outcomes: list[tuple[PrefillResult, int] | InvalidRequest]
+    outcomes: list[tuple[PrefillResult, tuple[int, ...]] | InvalidRequest]
     t0: float
     t1: float
     forward_size: int
@@ -89,6 +96,7 @@ class PrefillLoop:
         self.batcher = PrefillBatcher(config or PrefillBatchConfig())
         self._own_pool = executor is None
         self._pool = executor
+        self.pace = Pace()  # prompt tokens per batch and its seconds, served in Stage/Load
         self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
         self._pending: dict[int, _Pending] = {}
         self._running: list[_Pending] = []
@@ -133,13 +141,15 @@ class PrefillLoop:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    async def prefill(self, req: PrefillRequest) -> PrefilledOne:
-        """Queue one request; resolves when its batch has been prefilled."""
+    async def prefill(self, req: PrefillRequest, slo_s: float | None = None, yields: bool = False) -> PrefilledOne:
+        """Queue one request; resolves when its batch has been prefilled. `slo_s`: seconds until
+        its first token is due by its SLO tier; `yields`: best-effort or batch work."""
         if self._task is None or self._task.done():
             raise RuntimeError("the prefill loop is not running; call start() first")
         key = next(self._keys)
         tokens = self.prefix.to_compute(req) if self.prefix is not None else len(req.input_ids)
-        self.batcher.add(key, tokens, self.clock.now())
+        now = self.clock.now()
+        self.batcher.add(key, tokens, now, None if slo_s is None else now + slo_s, yields)
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = _Pending(req, fut)
         self._wake.set()
@@ -174,6 +184,7 @@ class PrefillLoop:
                     p.future.set_exception(e)
             return
         ms = (out.t1 - out.t0) * 1000
+        self.pace.observe(out.t1 - out.t0, sum(len(p.req.input_ids) for p in batch))
         for p, o in zip(batch, out.outcomes):
             if p.future.done():
                 continue
@@ -195,8 +206,8 @@ class PrefillLoop:
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
-                histories.append(TokenHistory.start(r.sampling, r.input_ids, self.adapter.eos_token_ids,
-                                                    self.adapter))
+                histories.append([TokenHistory.start(r.sampling.choice(c), r.input_ids, self.adapter.eos_token_ids,
+                                                     self.adapter) for c in range(r.sampling.n)])
             except InvalidRequest as e:
                 outcomes[i] = e
             else:
@@ -210,11 +221,15 @@ class PrefillLoop:
                                else self.adapter.prefill(batch))
                     for lk, res in zip(looks, results):
                         self.prefix.store(lk, res)
-                    logits = torch.stack([r.last_logits for r in results])
-                    firsts = sample(logits, [r.sampling for r in batch], [0] * len(good), histories)
+                    rows = [j for j, r in enumerate(batch) for _ in range(r.sampling.n)]  # a row per choice
+                    logits = torch.stack([results[j].last_logits for j in rows])
+                    firsts = sample(logits, [r.sampling.choice(c) for r in batch for c in range(r.sampling.n)],
+                                    [0] * len(rows), [h for hs in histories for h in hs])
             finally:
                 for lk in looks:
                     self.prefix.release(lk)
-            for i, res, tok in zip(good, results, firsts):
-                outcomes[i] = (res, int(tok))
+            at = 0
+            for i, r, res in zip(good, batch, results):
+                outcomes[i] = (res, tuple(int(t) for t in firsts[at:at + r.sampling.n]))
+                at += r.sampling.n
         return _BatchOut(outcomes, t0, self.clock.now(), len(good))

@@ -17,8 +17,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     @grpc_errors
     async def Prefill(self, request, context):
         deadline = Deadline.from_context(context, request.meta.deadline_ms)
+        slo = Deadline.from_ms(request.meta.slo_ttft_ms)  # its first token's due time by its SLO tier
         t0 = time.monotonic()
         req = await asyncio.to_thread(prefill_request_from_proto, request)  # tensor copies: off the loop
         timings = {"embed_transfer_ms": (time.monotonic() - t0) * 1000} if req.embeddings else {}
-        async for chunk in self.stage.run(req, request.decode.address, deadline, **timings):
+        async for chunk in self.stage.run(req, request.decode.address, deadline, slo, request.meta.yields,
+                                        **timings):
             yield chunk

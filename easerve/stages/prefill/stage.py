@@ -3,8 +3,9 @@ decode instance that holds the request's reservation, and let go.
 
 Used by the prefill service and by the encode service's co-located prefill, so a local
 and a remote prefill behave exactly alike downstream. The stream `run()` yields carries
-one chunk (the first token, its text, and the finish reason when the request ends right
-there) and ends once decode has the KV: the tokens after the first go from decode
+one chunk per choice (sampling n: the choice's first token, its text, and its finish reason
+when it ends right there; the KV goes to decode once, with every choice's first token) and
+ends once decode has the KV: the tokens after the first go from decode
 straight to the gateway, so prefill holds nothing for a request that is decoding.
 """
 from __future__ import annotations
@@ -62,41 +63,45 @@ class PrefillStage:
                                  f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
         return peer
 
-    async def run(self, req: PrefillRequest, target: str, deadline: Deadline,
-                  **timings: float) -> AsyncIterator[cpb.TokenChunk]:
-        """Yield the first-token chunk; return once the KV is at `target` (a decode address)."""
+    async def run(self, req: PrefillRequest, target: str, deadline: Deadline, slo: Deadline | None = None,
+                  yields: bool = False, **timings: float) -> AsyncIterator[cpb.TokenChunk]:
+        """Yield the first-token chunk; return once the KV is at `target` (a decode address).
+        `slo`: when the first token is due by the request's SLO tier, `yields`: best-effort or
+        batch work (RequestMeta.slo_ttft_ms / yields; the planner's deadline order)."""
         with self.limit.admit():
             peer = None if self.local_submit is not None else await self._target(target)
             if peer is not None:
                 peer.outstanding += 1  # its channel stays open while this request needs it
             try:
-                async for chunk in self._run(req, peer, deadline, timings):
+                async for chunk in self._run(req, peer, deadline, slo, yields, timings):
                     yield chunk
             finally:
                 if peer is not None:
                     self.decode.finish(peer)
 
-    async def _run(self, req: PrefillRequest, peer, deadline: Deadline,
+    async def _run(self, req: PrefillRequest, peer, deadline: Deadline, slo: Deadline | None, yields: bool,
                    timings: dict) -> AsyncIterator[cpb.TokenChunk]:
-        one = await self.loop.prefill(req)
+        slo_s = slo.remaining() if slo is not None and slo.bounded else None
+        one = await self.loop.prefill(req, slo_s, yields)
         deadline.check("prefill")
         if self.m is not None:
             self.m.on_request(one.batch_size, one.result.prompt_len)
             if self.loop.prefix is not None:
                 self.m.on_prefix_cache(one.result.prompt_len, one.result.cached_tokens)
-        verdict = StopRules(req.sampling, self.eos, self.tokenizer, prompt_tail(req.input_ids)).push(one.first_token)
-        usage = (one.result.prompt_len, 1) if verdict.finished else None
-        lps = [lp for lp in token_logprobs(one.result.last_logits[None], [one.first_token],
-                                           [req.sampling.logprobs]) if lp is not None]
-        yield token_chunk(req.request_id, [one.first_token], verdict.finish_reason, text=verdict.text,
-                          usage=usage, logprobs=lps, cached_tokens=one.result.cached_tokens,
-                          prefill_ms=one.prefill_ms, **timings)
-        if verdict.finished:
+        sp, tail, live = req.sampling, prompt_tail(req.input_ids), False
+        for i, tok in enumerate(one.first_tokens):  # a chunk per choice; the first carries the timings
+            verdict = StopRules(sp.choice(i), self.eos, self.tokenizer, tail).push(tok)
+            live = live or not verdict.finished
+            lps = [lp for lp in token_logprobs(one.result.last_logits[None], [tok], [sp.logprobs]) if lp is not None]
+            extra = dict(cached_tokens=one.result.cached_tokens, prefill_ms=one.prefill_ms, **timings) if i == 0 else {}
+            yield token_chunk(req.request_id, [tok], verdict.finish_reason, text=verdict.text, index=i,
+                              usage=(one.result.prompt_len, 1) if verdict.finished else None, logprobs=lps, **extra)
+        if not live:
             return  # the gateway ends its reservation at decode
         r = one.result
         payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
-                            req.sampling, prompt_ids_tail=prompt_tail(req.input_ids),
-                            penalty_ids=penalty_prompt_ids(req.sampling, req.input_ids))
+                            sp, prompt_ids_tail=tail, penalty_ids=penalty_prompt_ids(sp, req.input_ids),
+                            first_tokens=list(one.first_tokens) if sp.n > 1 else [])
         await self._handoff(peer, payload, deadline)
 
     async def _handoff(self, peer, payload: KVPayload, deadline: Deadline) -> None:

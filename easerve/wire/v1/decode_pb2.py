@@ -26,7 +26,7 @@ from easerve.wire.v1 import common_pb2 as easerve_dot_v1_dot_common__pb2
 from easerve.wire.v1 import kv_pb2 as easerve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/decode.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\x1a\x13\x65\x61serve/v1/kv.proto\"c\n\x0eReserveRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\"Z\n\rDecodeRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.easerve.v1.KVTransfer\"(\n\x0eSubmitResponse\x12\x16\n\x0ekv_transfer_ms\x18\x01 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xa0\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x10\n\x08reserved\x18\x07 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x86\x02\n\x06\x44\x65\x63ode\x12<\n\x04Open\x12\x1a.easerve.v1.ReserveRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x12?\n\x06Submit\x12\x19.easerve.v1.DecodeRequest\x1a\x1a.easerve.v1.SubmitResponse\x12<\n\x05Stats\x12\x18.easerve.v1.StatsRequest\x1a\x19.easerve.v1.StatsResponse\x12?\n\x06\x43\x61ncel\x12\x19.easerve.v1.CancelRequest\x1a\x1a.easerve.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/decode.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\x1a\x13\x65\x61serve/v1/kv.proto\"n\n\x0eReserveRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\t\n\x01n\x18\x04 \x01(\r\"Z\n\rDecodeRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.easerve.v1.KVTransfer\"(\n\x0eSubmitResponse\x12\x16\n\x0ekv_transfer_ms\x18\x01 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xa0\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x10\n\x08reserved\x18\x07 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x86\x02\n\x06\x44\x65\x63ode\x12<\n\x04Open\x12\x1a.easerve.v1.ReserveRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x12?\n\x06Submit\x12\x19.easerve.v1.DecodeRequest\x1a\x1a.easerve.v1.SubmitResponse\x12<\n\x05Stats\x12\x18.easerve.v1.StatsRequest\x1a\x19.easerve.v1.StatsResponse\x12?\n\x06\x43\x61ncel\x12\x19.easerve.v1.CancelRequest\x1a\x1a.easerve.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'easerve.wire.v1.decode_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=85
-  _globals['_RESERVEREQUEST']._serialized_end=184
-  _globals['_DECODEREQUEST']._serialized_start=186
-  _globals['_DECODEREQUEST']._serialized_end=276
-  _globals['_SUBMITRESPONSE']._serialized_start=278
-  _globals['_SUBMITRESPONSE']._serialized_end=318
-  _globals['_STATSREQUEST']._serialized_start=320
-  _globals['_STATSREQUEST']._serialized_end=334
-  _globals['_STATSRESPONSE']._serialized_start=337
-  _globals['_STATSRESPONSE']._serialized_end=497
-  _globals['_CANCELREQUEST']._serialized_start=499
-  _globals['_CANCELREQUEST']._serialized_end=534
-  _globals['_CANCELRESPONSE']._serialized_start=536
-  _globals['_CANCELRESPONSE']._serialized_end=567
-  _globals['_DECODE']._serialized_start=570
-  _globals['_DECODE']._serialized_end=832
+  _globals['_RESERVEREQUEST']._serialized_end=195
+  _globals['_DECODEREQUEST']._serialized_start=197
+  _globals['_DECODEREQUEST']._serialized_end=287
+  _globals['_SUBMITRESPONSE']._serialized_start=289
+  _globals['_SUBMITRESPONSE']._serialized_end=329
+  _globals['_STATSREQUEST']._serialized_start=331
+  _globals['_STATSREQUEST']._serialized_end=345
+  _globals['_STATSRESPONSE']._serialized_start=348
+  _globals['_STATSRESPONSE']._serialized_end=508
+  _globals['_CANCELREQUEST']._serialized_start=510
+  _globals['_CANCELREQUEST']._serialized_end=545
+  _globals['_CANCELRESPONSE']._serialized_start=547
+  _globals['_CANCELRESPONSE']._serialized_end=578
+  _globals['_DECODE']._serialized_start=581
+  _globals['_DECODE']._serialized_end=843
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("meta", "num_tokens", "max_new_tokens")
+    __slots__ = ("meta", "num_tokens", "max_new_tokens", "n")
     META_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     num_tokens: int
     max_new_tokens: int
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("meta", "kv")

@@ -1,0 +1,80 @@
+"""Online calibration of the latency predictor against what requests actually got.
+
+The predictor (easerve/policy/latency.py) is built from the profile and each instance's
+recent pace, so it misses what neither sees: stages that slow each other on shared cores,
+queues outside the batchers, the transfers between stages. A `Calibration` keeps, for TTFT
+and for TPOT separately, two moving averages of log(actual / predicted) over the requests
+that finished their first token (TTFT) or their stream (TPOT), and the predictor multiplies
+its raw prediction by exp(the fast one):
+- the slow one (`slow_alpha`) is the deployment's lasting bias (e.g. a profile taken with
+  more threads than the stage runs), learned only from requests predicted to wait in no
+  queue (a raw queue wait under a tenth of the raw TTFT), so an overload does not move it;
+- the fast one (`alpha`) follows the load of the moment, and between samples it relaxes
+  toward the slow one with a half-life of `half_life_s`, so a factor learned in a past
+  overload cannot keep refusing requests once no admitted request reports back.
+Both stay within [1 / `max_factor`, `max_factor`]. Pure, with an injected clock."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from easerve.policy.clock import Clock
+
+
+@dataclass
+class _LogRatio:
+    value: float = 0.0   # the fast average at `at`
+    base: float = 0.0    # the slow average
+    at: float = 0.0
+    samples: int = 0
+
+
+@dataclass
+class Calibration:
+    clock: Clock
+    alpha: float = 0.3          # weight of the newest request in the fast average
+    slow_alpha: float = 0.1     # ... in the slow one
+    half_life_s: float = 3.0    # relaxation of the fast average toward the slow one without samples
+    max_factor: float = 8.0
+    _ttft: _LogRatio = field(default_factory=_LogRatio)
+    _tpot: _LogRatio = field(default_factory=_LogRatio)
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.alpha <= 1.0 and 0.0 < self.slow_alpha <= 1.0):
+            raise ValueError(f"calibration alpha and slow_alpha must be in (0, 1], got {self.alpha}, {self.slow_alpha}")
+        if self.half_life_s <= 0.0 or self.max_factor < 1.0:
+            raise ValueError("calibration half_life_s must be > 0 and max_factor >= 1")
+
+    def ttft_factor(self) -> float:
+        return self._factor(self._ttft)
+
+    def tpot_factor(self) -> float:
+        return self._factor(self._tpot)
+
+    def observe_ttft(self, raw_predicted_s: float, actual_s: float, raw_queue_s: float = 0.0) -> None:
+        """One request's first token: its uncalibrated prediction, what it got, and the queue
+        wait the raw prediction counted in."""
+        self._observe(self._ttft, raw_predicted_s, actual_s, raw_queue_s <= 0.1 * raw_predicted_s)
+
+    def observe_tpot(self, raw_predicted_s: float, actual_s: float, uncongested: bool = True) -> None:
+        self._observe(self._tpot, raw_predicted_s, actual_s, uncongested)
+
+    # ---------------------------------------------------------------------------------------------
+    def _relaxed(self, r: _LogRatio) -> float:
+        if r.samples == 0:
+            return 0.0
+        return r.base + (r.value - r.base) * 0.5 ** (max(0.0, self.clock.now() - r.at) / self.half_life_s)
+
+    def _factor(self, r: _LogRatio) -> float:
+        bound = math.log(self.max_factor)
+        return math.exp(min(bound, max(-bound, self._relaxed(r))))
+
+    def _observe(self, r: _LogRatio, raw_predicted_s: float, actual_s: float, uncongested: bool) -> None:
+        if raw_predicted_s <= 0.0 or actual_s <= 0.0:
+            return
+        sample = math.log(actual_s / raw_predicted_s)
+        current = self._relaxed(r)
+        r.value = sample if r.samples == 0 else current + self.alpha * (sample - current)
+        if uncongested:
+            r.base += self.slow_alpha * (sample - r.base)
+        r.at, r.samples = self.clock.now(), r.samples + 1

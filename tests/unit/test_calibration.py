@@ -1,0 +1,71 @@
+"""Online calibration of the latency predictor (easerve/policy/calibration.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from easerve.policy.calibration import Calibration
+from easerve.policy.clock import ManualClock
+from easerve.policy.latency import LatencyPredictor, LiveState, RequestShape
+from easerve.sim.model import ServiceModel
+from tests.profiles import make_profile
+
+SVC = ServiceModel(make_profile(encode_s_per_item=0.1, prefill_tok_s=1000.0, decode_tok_s=2000.0))
+IMAGE = RequestShape("image", "224x224", prompt_tokens=64, max_tokens=16)
+
+
+def test_a_steady_bias_is_learned_and_applied_to_the_next_prediction():
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    pred = LatencyPredictor(SVC, clock, cal)
+    raw = LatencyPredictor(SVC, clock).predict(IMAGE, LiveState(0.0))
+    for _ in range(30):                                   # every request took 3x the TTFT and 1.5x the TPOT
+        clock.advance(0.1)
+        p = pred.predict(IMAGE, LiveState(clock.now()))
+        cal.observe_ttft(p.raw_ttft_s, 3.0 * p.raw_ttft_s)
+        cal.observe_tpot(p.raw_tpot_s, 1.5 * p.raw_tpot_s)
+    p = pred.predict(IMAGE, LiveState(clock.now()))   # (a little under: it relaxes 0.1 s between samples)
+    assert p.ttft_factor == pytest.approx(3.0, rel=0.05) and p.ttft_s == pytest.approx(p.ttft_factor * raw.ttft_s)
+    assert p.tpot_factor == pytest.approx(1.5, rel=0.05) and p.tpot_s == pytest.approx(p.tpot_factor * raw.tpot_s)
+    assert p.raw_ttft_s == pytest.approx(raw.ttft_s)
+
+
+def test_without_samples_the_fast_factor_relaxes_to_the_lasting_bias_learned_without_queues():
+    clock = ManualClock(0.0)
+    cal = Calibration(clock, alpha=0.5, slow_alpha=0.5, half_life_s=10.0)
+    assert cal.ttft_factor() == 1.0
+    cal.observe_ttft(1.0, 4.0)                           # uncongested: fast taken whole, slow halfway
+    assert cal.ttft_factor() == pytest.approx(4.0)
+    base = 0.5 * math.log(4)
+    cal.observe_ttft(1.0, 9.0, raw_queue_s=0.5)          # in a queue: moves the fast one only
+    fast = math.log(4) + 0.5 * (math.log(9) - math.log(4))  # ln 6
+    assert math.log(cal.ttft_factor()) == pytest.approx(fast)
+    clock.advance(10.0)                                  # one half-life: halfway back to the slow average
+    assert math.log(cal.ttft_factor()) == pytest.approx(base + 0.5 * (fast - base))
+    clock.advance(300.0)
+    assert cal.ttft_factor() == pytest.approx(2.0, rel=1e-3)   # the lasting bias stays; the overload is gone
+    assert cal.tpot_factor() == 1.0                      # TTFT and TPOT are apart
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 1e3), st.floats(1e-4, 1e3), st.floats(0, 30)), min_size=1, max_size=40))
+def test_the_factor_stays_within_its_bounds(samples):
+    clock = ManualClock(0.0)
+    cal = Calibration(clock, max_factor=8.0)
+    for pred, actual, dt in samples:
+        clock.advance(dt)
+        cal.observe_ttft(pred, actual)
+        assert 1 / 8.0 - 1e-9 <= cal.ttft_factor() <= 8.0 + 1e-9
+        assert math.isfinite(cal.ttft_factor())
+
+
+def test_bad_settings_say_what_to_change():
+    with pytest.raises(ValueError, match="alpha"):
+        Calibration(ManualClock(), alpha=0.0)
+    with pytest.raises(ValueError, match="slow_alpha"):
+        Calibration(ManualClock(), slow_alpha=2.0)
+    with pytest.raises(ValueError, match="half_life_s"):
+        Calibration(ManualClock(), half_life_s=0.0)
