@@ -5,9 +5,9 @@ its tier's limits and its priority class, asks the `LatencyPredictor`, and retur
 `Decision` the gateway carries out (`reject` -> RESOURCE_EXHAUSTED / 429 with the decision's
 `retry_after_s`). Modes (`--admission`): `off` admits everything (the prediction is still made,
 so predicted and actual TTFT can be compared); `reject` refuses a predicted miss; `best-effort`
-admits it marked best-effort. A request misses when the time it already spent (`received` to
-now) plus the predicted TTFT is over the tier's TTFT limit, or its predicted TPOT over the
-TPOT limit.
+admits it marked best-effort. A request misses when its predicted TTFT (the time it already
+spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit, or its
+predicted TPOT over the TPOT limit.
 """
 from __future__ import annotations
 
@@ -57,13 +57,12 @@ class Admission:
 
     def decide(self, req: RequestShape, state: LiveState, tier: TierLimits, priority: Priority,
                received: float) -> Decision:
-        pred = self.predictor.predict(req, state)
-        elapsed = max(0.0, self.clock.now() - received)
+        pred = self.predictor.predict(req, state, elapsed_s=max(0.0, self.clock.now() - received))
         deadline = received + tier.ttft_s
-        miss = elapsed + pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
+        miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
         if not miss:
             return Decision("admit", tier, priority, pred, deadline)
-        retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, elapsed, req.max_tokens)
+        retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, req.max_tokens)
         if self.mode == "reject":
             return Decision("reject", tier, priority, pred, deadline, retry)
         if self.mode == "best-effort":

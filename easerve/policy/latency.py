@@ -23,6 +23,12 @@ With a `Calibration`, both predictions are then scaled by its factors (what rece
 got over what was predicted for them). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
 below zero.
 
+Elapsed time: a caller that predicts after the gateway's preprocessing (the gateway's admission
+does) passes `elapsed_s`, the time the request has already spent since it arrived (its wait for a
+preprocessing thread and the preprocessing itself). That part is known, not predicted: the TTFT
+is then `elapsed_s` plus the calibrated rest (queues, encode, prefill), and `gateway_s` is not
+counted again. Without it (None) the request is predicted from its arrival, `gateway_s` included.
+
 Pace: the profile times a stage alone; a live instance can run slower (neighbours on the
 same cores or GPU, fewer threads). When a state carries the instance's recent pace (its
 moving-average batch seconds and size, from `Stage/Load`), that instance's times are the
@@ -102,8 +108,9 @@ class RequestShape(Checked):
 
 @dataclass(frozen=True)
 class Prediction:
-    """Seconds. `ttft_s` = gateway + queue_s + encode_s + prefill_s; `tpot_s` includes the
-    decode wait spread over the tokens after the first."""
+    """Seconds, from the request's arrival. `ttft_s` = elapsed_s + factor x (gateway_s + queue_s +
+    encode_s + prefill_s), where `gateway_s` is 0 when `elapsed_s` was given (preprocessing is
+    over); `tpot_s` includes the decode wait spread over the tokens after the first."""
     ttft_s: float
     tpot_s: float
     gateway_s: float
@@ -113,10 +120,17 @@ class Prediction:
     decode_wait_s: float
     ttft_factor: float = 1.0   # the calibration's factors, already applied to ttft_s / tpot_s
     tpot_factor: float = 1.0
+    elapsed_s: float = 0.0     # spent before the prediction was made (known, not scaled)
 
     @property
     def raw_ttft_s(self) -> float:
-        return self.ttft_s / self.ttft_factor
+        """The uncalibrated TTFT from arrival."""
+        return self.elapsed_s + self.remaining_raw_s
+
+    @property
+    def remaining_raw_s(self) -> float:
+        """The uncalibrated part still to come: what the calibration compares with."""
+        return (self.ttft_s - self.elapsed_s) / self.ttft_factor
 
     @property
     def raw_tpot_s(self) -> float:
@@ -129,9 +143,12 @@ class LatencyPredictor:
         (easerve/policy/calibration.py); None: the raw model."""
         self.service, self.clock, self.calibration = service, clock, calibration
 
-    def predict(self, req: RequestShape, state: LiveState) -> Prediction:
+    def predict(self, req: RequestShape, state: LiveState, elapsed_s: float | None = None) -> Prediction:
+        """`elapsed_s`: seconds since the request arrived, when the gateway's preprocessing is
+        already over (see the module docstring); None predicts from arrival."""
         age = max(0.0, self.clock.now() - state.taken_at)
-        g = self.service.gateway_s(req.modality, req.media)
+        g = self.service.gateway_s(req.modality, req.media) if elapsed_s is None else 0.0
+        spent = 0.0 if elapsed_s is None else max(0.0, elapsed_s)
         enc_wait = enc = 0.0
         if req.has_media:
             enc_wait, enc = min((self._encode(req, e) for e in state.encode or (EncodeState(0, 1),)),
@@ -143,7 +160,17 @@ class LatencyPredictor:
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
         kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
-        return Prediction(kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp)
+        return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent)
+
+    def observe_ttft(self, pred: Prediction, actual_s: float) -> None:
+        """A request's first token came `actual_s` after it arrived: the calibration learns from
+        the part that was predicted (what was already spent at the prediction is left out)."""
+        if self.calibration is not None:
+            self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s)
+
+    def observe_tpot(self, pred: Prediction, actual_s: float) -> None:
+        if self.calibration is not None:
+            self.calibration.observe_tpot(pred.raw_tpot_s, actual_s, pred.decode_wait_s == 0.0)
 
     # ---- per stage: (wait, own service time) -------------------------------------------------
     def _encode(self, req: RequestShape, e: EncodeState) -> tuple[float, float]:
@@ -188,11 +215,10 @@ def _pace(recent_s: float, recent_size: float, profile_s) -> float:
     return min(PACE_BOUNDS[1], max(PACE_BOUNDS[0], recent_s / expected))
 
 
-def retry_after_s(pred: Prediction, ttft_limit_s: float, tpot_limit_s: float, elapsed_s: float,
-                  max_tokens: int) -> float:
+def retry_after_s(pred: Prediction, ttft_limit_s: float, tpot_limit_s: float, max_tokens: int) -> float:
     """How long until a request of this shape would be predicted to meet the limits: the
-    queues must drain by the excess TTFT, and decode by the excess TPOT over the request's
-    tokens (at least a millisecond)."""
-    over_ttft = elapsed_s + pred.ttft_s - ttft_limit_s
+    queues must drain by the excess TTFT (the prediction's, from arrival), and decode by the
+    excess TPOT over the request's tokens (at least a millisecond)."""
+    over_ttft = pred.ttft_s - ttft_limit_s
     over_tpot = (pred.tpot_s - tpot_limit_s) * max(1, max_tokens - 1)
     return max(1e-3, over_ttft, over_tpot)

@@ -1,6 +1,7 @@
 """Online calibration of the latency predictor (easerve/policy/calibration.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from easerve.policy.calibration import Calibration
 from easerve.policy.clock import ManualClock
 from easerve.policy.latency import LatencyPredictor, LiveState, RequestShape
 from easerve.sim.model import ServiceModel
+from hasctl import profile_format as pf
 from tests.profiles import make_profile
 
 SVC = ServiceModel(make_profile(encode_s_per_item=0.1, prefill_tok_s=1000.0, decode_tok_s=2000.0))
@@ -69,3 +71,29 @@ def test_bad_settings_say_what_to_change():
         Calibration(ManualClock(), slow_alpha=2.0)
     with pytest.raises(ValueError, match="half_life_s"):
         Calibration(ManualClock(), half_life_s=0.0)
+
+
+def test_time_spent_before_the_prediction_is_counted_once_and_never_learned_as_a_bias():
+    """The gateway predicts after preprocessing: what the request already spent (a wait for a
+    preprocessing thread, say 2 s) is part of the predicted TTFT as it is, the preprocessing time
+    is not predicted again, and a model that is right about the rest keeps a factor of 1."""
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    prof = dataclasses.replace(SVC.profile, gateway=(pf.GatewayPoint("image", "224x224", 0.05),))
+    pred = LatencyPredictor(ServiceModel(prof), clock, cal)
+    fresh = pred.predict(IMAGE, LiveState(0.0))
+    later = pred.predict(IMAGE, LiveState(0.0), elapsed_s=2.0)
+    assert fresh.gateway_s > 0 and later.gateway_s == 0.0
+    assert later.ttft_s == pytest.approx(2.0 + fresh.ttft_s - fresh.gateway_s)
+    for _ in range(20):                                  # each got exactly the rest it was predicted
+        clock.advance(0.1)
+        p = pred.predict(IMAGE, LiveState(clock.now()), elapsed_s=2.0)
+        pred.observe_ttft(p, 2.0 + p.remaining_raw_s)
+    assert cal.ttft_factor() == pytest.approx(1.0)
+    for _ in range(30):                                  # the rest took twice as long: only it is scaled
+        clock.advance(0.1)
+        p = pred.predict(IMAGE, LiveState(clock.now()), elapsed_s=2.0)
+        pred.observe_ttft(p, 2.0 + 2.0 * p.remaining_raw_s)
+    p = pred.predict(IMAGE, LiveState(clock.now()), elapsed_s=2.0)
+    assert p.ttft_factor == pytest.approx(2.0, rel=0.05)
+    assert p.ttft_s == pytest.approx(2.0 + p.ttft_factor * (later.ttft_s - 2.0))

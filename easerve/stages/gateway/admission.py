@@ -95,6 +95,7 @@ class GatewayAdmission:
         job.trace = rec = {"request_id": job.request_id, "received": time.time() - (self.clock.now() - job.received),
                            "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
                            "predicted_ttft_ms": d.prediction.ttft_s * 1e3,
+                           "elapsed_ms": d.prediction.elapsed_s * 1e3,
                            "predicted_tpot_ms": d.prediction.tpot_s * 1e3,
                            "ttft_factor": d.prediction.ttft_factor, "tpot_factor": d.prediction.tpot_factor,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
@@ -114,13 +115,12 @@ class GatewayAdmission:
         job.trace["ttft_ms"] = ttft_s * 1e3
         pred = job.admission.prediction
         self.m.ttft_prediction_error.observe(abs(pred.ttft_s - ttft_s) / max(ttft_s, 1e-9))
-        self.calibration.observe_ttft(pred.raw_ttft_s, ttft_s, pred.queue_s)
+        self.policy.predictor.observe_ttft(pred, ttft_s)
 
     def finished(self, job: Job, tpot_s: float | None) -> None:
         if job.trace is not None and tpot_s is not None:
             job.trace["tpot_ms"] = tpot_s * 1e3
-            pred = job.admission.prediction
-            self.calibration.observe_tpot(pred.raw_tpot_s, tpot_s, pred.decode_wait_s == 0.0)
+            self.policy.predictor.observe_tpot(job.admission.prediction, tpot_s)
 
     def trace(self, last: int) -> dict:
         recs = list(self.records)[-last:] if last > 0 else []
