@@ -18,8 +18,16 @@ controller's high mark and halves when it idles. Everything else is the preset's
   what B = 1 carries but within what batching can win here: this machine's profile of the
   bench-scale checkpoint has 224x224 images at ~0.10-0.14 s each alone and ~0.08-0.10 s each in
   a batch of 8, so B buys the encoder at most ~1.25x; a higher step overloads both stacks.
-Goodput: requests meeting both limits per second of the trace. Returns
-{"online_over_static_live", "live": {capacity, rates, slo, static, online, changes}}.
+Goodput: requests meeting both limits per second of the trace.
+
+Ceiling (--live-ceiling-batches, default 4,16): more static stacks, each with B fixed at one of
+those values, run the same trace. Per phase, the best of all the static arms (B = --live-batch
+and these) is what a controller that only moves B could at best have chosen for that phase, had
+it known the phase in advance and switched at no cost; their sum over the phases, over the
+static arm's goodput, is "ceiling_over_static_live". Where it is under a target for
+"online_over_static_live", no B schedule reaches the target on this machine.
+Returns {"online_over_static_live", "ceiling_over_static_live", "live": {capacity, rates, slo,
+static, online, per-phase goodput of every arm, changes}}.
 """
 from __future__ import annotations
 
@@ -49,6 +57,9 @@ def add_args(ap) -> None:
     g.add_argument("--live-calib", type=int, default=5, help="sequential requests that measure the SLO")
     g.add_argument("--live-image-size", type=int, default=224)
     g.add_argument("--live-max-tokens", type=int, default=8)
+    g.add_argument("--live-ceiling-batches", default="4,16",
+                   help="comma-separated B of extra static arms that measure the best any B schedule can do "
+                        "('' for none)")
 
 
 def quick(args) -> None:
@@ -69,10 +80,10 @@ def trace(rates: list[float], phase_s: float, seed: int) -> list[tuple[float, in
     return out
 
 
-def start_stack(args, model: str, online: bool):
+def start_stack(args, model: str, online: bool, batch: int | None = None):
     from hasctl.deployment import preset
     from hasctl.launch import Stack
-    enc = dict(threads=1, grace_s=1.0, max_batch=args.live_batch)
+    enc = dict(threads=1, grace_s=1.0, max_batch=batch or args.live_batch)
     if online:
         dwell = max(1.0, 0.8 * args.live_window_s)
         enc |= dict(online=True, online_batch=args.live_online_batch, online_window_s=args.live_window_s,
@@ -80,6 +91,15 @@ def start_stack(args, model: str, online: bool):
     d = (preset("default").with_model(model).with_gateway_ports(0, 0).with_flags("encode", **enc)
          .with_flags("prefill", threads=1, grace_s=1.0).with_flags("decode", threads=1, grace_s=1.0))
     return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}, metrics=online).start(timeout=600)
+
+
+def per_phase(reqs, results, phase_s: float, phases: int, limits) -> list[int]:
+    """Requests that met both limits, by the phase they arrived in."""
+    good = [0] * phases
+    for (t, _), r in zip(reqs, results):
+        if admission.met(r, limits):
+            good[min(phases - 1, int(t // phase_s))] += 1
+    return good
 
 
 def online_changes(stack) -> dict:
@@ -120,8 +140,10 @@ def live(args) -> dict:
     def run(url, reqs):
         return asyncio.run(admission.run_load(url, name, reqs, args.live_image_size, args.live_max_tokens))
 
-    stacks = admission.start_all({arm: lambda on=arm == "online": start_stack(args, model, on)
-                                  for arm in ("static", "online")})
+    ceiling = [int(b) for b in args.live_ceiling_batches.split(",") if b.strip()]
+    arms = {"static": None, "online": None} | {f"static-b{b}": b for b in ceiling if b != args.live_batch}
+    stacks = admission.start_all({arm: lambda on=arm == "online", b=b: start_stack(args, model, on, b)
+                                  for arm, b in arms.items()})
     try:
         urls = {arm: st.endpoints.http for arm, st in stacks.items()}
         print(f"live: both stacks serving after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -136,19 +158,24 @@ def live(args) -> dict:
         print(f"live: capacity {capacity:.2f} req/s; step {', '.join(f'{r:.2f}' for r in rates)} req/s x "
               f"{args.live_phase_s:.0f} s ({len(reqs)} requests); SLO TTFT {limits[0]:.0f} ms, TPOT "
               f"{limits[1]:.1f} ms", flush=True)
-        out = {}
-        for arm in ("static", "online"):
+        out, phases = {}, {}
+        for arm in arms:
             results, _ = run(urls[arm], reqs)
             out[arm] = admission.summarize(results, args.live_phase_s * len(rates), limits)
-            print(f"live {arm}: {out[arm]}", flush=True)
+            phases[arm] = per_phase(reqs, results, args.live_phase_s, len(rates), limits)
+            print(f"live {arm}: {out[arm]}; good per phase {phases[arm]}", flush=True)
         changes = online_changes(stacks["online"])
     finally:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda st: st.stop(grace_s=3.0), stacks.values()))
     s = out["static"]["goodput_rps"]
+    static_arms = [a for a in arms if a != "online"]
+    best = sum(max(phases[a][p] for a in static_arms) for p in range(len(rates)))
     return {"online_over_static_live": round(out["online"]["goodput_rps"] / s, 3) if s else None,
+            "ceiling_over_static_live": round(best / sum(phases["static"]), 3) if sum(phases["static"]) else None,
             "live": {"model": name, "capacity_rps": capacity, "rates_rps": rates, "phase_s": args.live_phase_s,
                      "requests": len(reqs), "slo_ttft_ms": limits[0], "slo_tpot_ms": limits[1],
                      "static_batch": args.live_batch, "online_batch": args.live_online_batch,
                      "static": out["static"], "online": out["online"], "changes": changes,
+                     "arms": out, "good_per_phase": phases, "ceiling_batches": ceiling,
                      "wall_s": round(time.perf_counter() - t0, 1)}}

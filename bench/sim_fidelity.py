@@ -4,15 +4,18 @@ Per modality, on its bench-scale checkpoint (`hasctl make-tiny --scale bench`): 
 Qwen2.5-VL, audio on Ultravox:
 
 1. profile: `hasctl profile` of the checkpoint on this process's cores, reused when the run
-   folder already holds it (`profile-<family>-<scale>.json`);
+   folder already holds it (`profile-<family>-<scale>.json`), or --profile FILE;
 2. rates: each deployment's saturated throughput in the simulator (a burst of --requests sent at
    once), their median S; the rates are 0.5 S, S and 1.5 S (half of saturation, near it, over
-   it); the SLO is the profile's `--slo` tier;
+   it), or --rates; the SLO is the profile's `--slo` tier;
 3. cells: for each deployment (dynamo-like, default, colocated, monolith and
    bench/deployments/two-decode.yaml), one live stack (`hasctl.launch.Stack`, every worker on all
-   cores, as the presets) warmed up with a few requests, then `hasctl bench` (`run_bench`,
-   --requests Poisson arrivals, ignore_eos) at each rate; and `hasctl simulate`'s
-   `run_simulation` on the same BenchConfig (same seed, arrival times, modalities, sizes).
+   cores, as the presets) warmed up with a few requests; its per-request overhead measured with
+   --overhead-requests lone requests (`overhead`); then `hasctl bench` (`run_bench`, --requests
+   Poisson arrivals, ignore_eos) at each rate, all rates --live-repeats times, each run with media
+   of its own (`content_seed`: no cache hit from an earlier run); and `hasctl simulate`'s
+   `run_simulation` on the first run's BenchConfig (same seed, arrival times, modalities, sizes)
+   with the stack's overhead.
 
 Prints the table (live / simulated: goodput, throughput, P50 / P99 TTFT and TPOT) and the
 relative errors |sim - live| / live, where goodput and throughput take max(live, 0.2 req/s) as
@@ -20,9 +23,10 @@ the denominator (a cell near zero in both does not count as 100 % off). Saves (-
 profiles, every cell's bench JSON (live and simulated, for `hasctl report`), fidelity.md and
 fidelity.json. Last stdout line: JSON with "goodput_rel_err_median", "goodput_rel_err_max",
 "ttft_p50_rel_err_median", "rank_agreement" (Kendall tau-b of the deployments' goodput order,
-live vs simulated, per modality and rate, averaged) and "cells" (the per-cell figures).
+live vs simulated, per modality and rate, averaged), "live_vs_live" (the same figures for the
+second live run of each cell against the first: the noise floor, `live_floor`) and "cells".
 
-  python bench/sim_fidelity.py                           # image, 5 deployments x 3 rates, 30 requests
+  python bench/sim_fidelity.py                           # image, 5 deployments x 3 rates, 60 requests, 2 live runs
   python bench/sim_fidelity.py --modalities image,audio  # adds Ultravox
   python bench/sim_fidelity.py --quick                   # tiny checkpoint, 2 deployments x 1 rate
   python bench/sim_fidelity.py --resim runs/sim-fidelity  # re-simulate a finished run's cells (seconds)
@@ -56,6 +60,7 @@ FAMILIES = {"image": "qwen2.5-vl", "audio": "ultravox"}
 DEPLOYMENTS = ("dynamo-like", "default", "colocated", "monolith", "bench/deployments/two-decode.yaml")
 QUICK_DEPLOYMENTS = ("default", "monolith")
 LOADS = (0.5, 1.0, 1.5)   # x the simulated saturation
+CONTENT_SEED = 10_000    # + 100 x repeat + rate index: each live run's media (the warm-up's and overhead's differ too)
 FLOOR_RPS = 0.2           # denominator floor of the goodput / throughput errors
 FIELDS = (("request_goodput", "goodput"), ("request_throughput", "thru"), ("median_ttft_ms", "TTFT p50"),
           ("p99_ttft_ms", "TTFT p99"), ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
@@ -65,10 +70,18 @@ RATE_FIELDS = ("request_goodput", "request_throughput")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modalities", default="image", help=f"comma-separated, of {','.join(FAMILIES)}")
-    ap.add_argument("--requests", type=int, default=30, help="requests per cell")
+    ap.add_argument("--requests", type=int, default=60, help="requests per cell")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--slo", default="moderate", choices=["tight", "moderate", "loose"], help="profile SLO tier")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent to each stack before its cells")
+    ap.add_argument("--overhead-requests", type=int, default=4,
+                    help="requests sent one at a time to each idle stack after its warm-up: their median TTFT over "
+                         "the simulator's for the same request is the stack's per-request overhead, which the "
+                         "simulation of that deployment adds to every request (0: none)")
+    ap.add_argument("--live-repeats", type=int, default=2,
+                    help="live runs of each cell (same arrivals, new media, on the same stack, after all its rates): "
+                         "the 2nd measures how far live runs of one cell differ from each other, the floor under "
+                         "any simulator's error; the simulator is scored against the 1st")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs"), help="where the checkpoints are built")
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "sim-fidelity"),
                     help="run folder (a profile found there is reused)")
@@ -76,7 +89,11 @@ def parse_args(argv=None):
     ap.add_argument("--resim", default=None, metavar="DIR",
                     help="re-simulate the cells of the finished run folder DIR with the current simulator (no live run)")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="with --resim: simulate on this profile instead of the run folder's (e.g. one with a sharing curve)")
+                    help="simulate on this profile instead of measuring one (with --resim: instead of the run "
+                         "folder's, e.g. one with a sharing curve); a live run also takes its SLO tier from it")
+    ap.add_argument("--rates", default=None,
+                    help="comma-separated req/s of the cells, one per load 0.5x, 1x, 1.5x (default: those loads x "
+                         "the simulated saturation); e.g. an earlier run's rates, so its cells compare with these")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny checkpoint, `hasctl profile --quick`, default and monolith at S, 6 requests")
     args = ap.parse_args(argv)
@@ -87,8 +104,12 @@ def parse_args(argv=None):
     args.scale, args.deployments, args.loads = "bench", DEPLOYMENTS, LOADS
     if args.quick:
         args.scale, args.deployments, args.loads = "tiny", QUICK_DEPLOYMENTS, (1.0,)
-        args.requests, args.output_tokens, args.warmup = 6, 8, 1
+        args.requests, args.output_tokens, args.warmup, args.live_repeats, args.overhead_requests = 6, 8, 1, 1, 2
     args.out_dir = Path(args.out_dir)
+    if args.rates is not None:
+        args.rates = [float(x) for x in args.rates.split(",")]
+        if len(args.rates) != len(args.loads) or min(args.rates) <= 0:
+            ap.error(f"--rates: give {len(args.loads)} positive req/s, one per load {args.loads}")
     return args
 
 
@@ -105,6 +126,9 @@ def checkpoint(args, modality: str) -> str:
 def profile_of(args, model: str, modality: str, say):
     """`hasctl profile` of `model` into the run folder, or the file an earlier run left there."""
     from hasctl.profile_format import REVISION, load
+    if args.profile:
+        say(f"[{modality}] --profile {args.profile}")
+        return load(args.profile), Path(args.profile)
     path = args.out_dir / f"profile-{FAMILIES[modality]}-{args.scale}{'-quick' if args.quick else ''}.json"
     if path.is_file():
         old = load(path)
@@ -130,9 +154,13 @@ def workload(args, profile, modality: str) -> WorkloadSpec:
     return WorkloadSpec(modality="audio", audio_s=float((size or "2s").rstrip("s")), output_tokens=args.output_tokens)
 
 
-def bench_config(args, spec: WorkloadSpec, slo, rate: float, label: str, url: str = "http://simulated.invalid"):
+def bench_config(args, spec: WorkloadSpec, slo, rate: float, label: str, url: str = "http://simulated.invalid",
+                 content_seed: int | None = None):
+    """A cell's BenchConfig; every live run on one stack gets a `content_seed` of its own (new media
+    at the same arrivals), or the encoder and prefix caches would serve it the media of the cells
+    before it, which no simulated cell (a fresh run) sees."""
     return BenchConfig(url=url, rate=rate, num_requests=args.requests, seed=args.seed, workload=spec,
-                       ignore_eos=True, slo=slo, label=label, progress=False)
+                       ignore_eos=True, slo=slo, label=label, progress=False, content_seed=content_seed)
 
 
 # ---- 2. rates -----------------------------------------------------------------------------------
@@ -149,8 +177,9 @@ def saturation(args, profile, spec: WorkloadSpec, slo) -> tuple[float, dict[str,
 
 # ---- 3. cells -----------------------------------------------------------------------------------
 def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: list[float],
-               run_dir: Path, say) -> dict[float, dict]:
-    """One stack for every rate of `d`: warm-up, then `hasctl bench` at each rate."""
+               run_dir: Path, say) -> dict[float, list[dict]]:
+    """One stack for every rate of `d`: warm-up, then `hasctl bench` at each rate, the rates
+    --live-repeats times over; {rate: [metrics of each repeat]}."""
     from hasctl.launch import Stack
     from hasctl.tune import stop_uninterrupted
     stack = Stack(d.with_model(model).with_gateway_ports(0, 0), run_dir=run_dir, env={"EASERVE_LOG_LEVEL": "WARNING"})
@@ -162,19 +191,58 @@ def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: 
             warm = BenchConfig(url=url, rate=4.0, num_requests=args.warmup, seed=args.seed + 999, workload=spec,
                                progress=False)
             asyncio.run(run_bench(warm))
-        for rate in rates:
-            result = asyncio.run(run_bench(bench_config(args, spec, slo, rate, d.name, url)))
-            (run_dir / f"live-{rate:g}.json").write_text(result.to_json())
-            out[rate] = result.metrics
-            say(f"  live {d.name:12s} {rate:6.3f} req/s: {brief(result.metrics)}")
+        if args.overhead_requests:
+            overhead(args, d, spec, slo, url, run_dir, say)
+        for k in range(max(1, args.live_repeats)):
+            for j, rate in enumerate(rates):
+                fresh = CONTENT_SEED + 100 * k + j
+                result = asyncio.run(run_bench(bench_config(args, spec, slo, rate, d.name, url, content_seed=fresh)))
+                (run_dir / (f"live-{rate:g}.json" if k == 0 else f"repeat{k}-{rate:g}.json")).write_text(result.to_json())
+                out.setdefault(rate, []).append(result.metrics)
+                say(f"  live{k or ''} {d.name:12s} {rate:6.3f} req/s: {brief(result.metrics)}")
     finally:
         stop_uninterrupted(stack)
     return out
 
 
+def overhead(args, d: Deployment, spec: WorkloadSpec, slo, url: str, run_dir: Path, say) -> None:
+    """The stack's per-request overhead: --overhead-requests requests one at a time on the idle
+    stack; their median TTFT over the simulator's TTFT of the same lone request, into
+    run_dir/overhead.json (`model_config` reads it)."""
+    from hasctl.simulate import run_simulation
+    from hasctl.profile_format import load
+    live = []
+    for k in range(args.overhead_requests):
+        one = BenchConfig(url=url, rate=1.0, num_requests=1, seed=args.seed + 500 + k, workload=spec,
+                          ignore_eos=True, slo=slo, progress=False)
+        m = asyncio.run(run_bench(one)).metrics
+        if m.get("median_ttft_ms") is not None:
+            live.append(m["median_ttft_ms"])
+    if not live:
+        say(f"  {d.name}: no overhead request completed; simulating without an overhead")
+        return
+    profile = load(args.profile_path)
+    alone = BenchConfig(url="http://simulated.invalid", rate=1.0, num_requests=1, seed=args.seed + 500,
+                        workload=spec, ignore_eos=True, slo=slo, progress=False)
+    sim_ms = run_simulation(d, profile, alone)[0].metrics["median_ttft_ms"]
+    doc = {"live_unloaded_ttft_ms": statistics.median(live), "live_samples_ms": live, "sim_unloaded_ttft_ms": sim_ms,
+           "overhead_ms": max(0.0, statistics.median(live) - sim_ms)}
+    (run_dir / "overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
+    say(f"  {d.name}: unloaded TTFT live {doc['live_unloaded_ttft_ms']:.0f} ms, simulated {sim_ms:.0f} ms: "
+        f"overhead {doc['overhead_ms']:.0f} ms per request")
+
+
+def model_config(run_dir: Path):
+    """The simulator's ModelConfig for a deployment's cells: its measured overhead, if any."""
+    from easerve.sim.model import ModelConfig
+    path = run_dir / "overhead.json"
+    ms = json.loads(path.read_text())["overhead_ms"] if path.is_file() else 0.0
+    return ModelConfig(request_overhead_s=ms / 1e3)
+
+
 def sim_cell(d: Deployment, profile, config: BenchConfig, run_dir: Path) -> dict:
     from hasctl.simulate import ENDPOINT, run_simulation
-    bench, sim = run_simulation(d, profile, config)
+    bench, sim = run_simulation(d, profile, config, model_config(run_dir))
     doc = bench.to_dict()
     doc["endpoint"] = ENDPOINT
     doc["simulated"] = {"sim_seconds": sim.sim_seconds, "wall_seconds": sim.wall_seconds, "events": sim.events}
@@ -182,10 +250,14 @@ def sim_cell(d: Deployment, profile, config: BenchConfig, run_dir: Path) -> dict
     return bench.metrics
 
 
-def cell(load: float, live: dict, sim: dict) -> dict:
+def cell(load: float, live: dict, sim: dict, repeat: dict | None = None) -> dict:
+    """`repeat`: a second live run of the cell; its error against the first is the noise floor."""
     keep = lambda m: {k: m.get(k) for k, _ in FIELDS} | {"completed": m.get("completed"),  # noqa: E731
                                                         "failed": m.get("failed")}
-    return {"load": load, "live": keep(live), "sim": keep(sim), "err": cell_errors(live, sim)}
+    out = {"load": load, "live": keep(live), "sim": keep(sim), "err": cell_errors(live, sim)}
+    if repeat is not None:
+        out |= {"repeat": keep(repeat), "repeat_err": cell_errors(live, repeat)}
+    return out
 
 
 def brief(m: dict) -> str:
@@ -231,19 +303,37 @@ def cell_errors(live: dict, sim: dict) -> dict:
     return {k: rel_err(live.get(k), sim.get(k), FLOOR_RPS if k in RATE_FIELDS else 0.0) for k, _ in FIELDS}
 
 
-def summarize(cells: dict) -> dict:
-    """The last-line figures from the cells {modality: {rate: {deployment: {live, sim, err}}}}."""
-    flat = [c for by_rate in cells.values() for by_dep in by_rate.values() for c in by_dep.values()]
+def rank_taus(cells: dict, other: str) -> list[float | None]:
+    """Kendall tau of the deployments' goodput order, live vs `other` ("sim" or "repeat"), per modality and rate."""
     taus = []
     for by_rate in cells.values():
         for by_dep in by_rate.values():
-            names = sorted(by_dep)
+            names = sorted(n for n in by_dep if other in by_dep[n])
             if len(names) > 1:
                 taus.append(kendall_tau([by_dep[n]["live"]["request_goodput"] or 0.0 for n in names],
-                                        [by_dep[n]["sim"]["request_goodput"] or 0.0 for n in names]))
+                                        [by_dep[n][other]["request_goodput"] or 0.0 for n in names]))
+    return taus
+
+
+def live_floor(cells: dict) -> dict | None:
+    """The same figures for the 2nd live run against the 1st: how far one live run is from another
+    of the same cell. A deterministic simulator is at least half of that cell's gap from one of
+    the two runs, so where this is above a target, no simulator reaches it against a single run."""
+    flat = [{"err": c["repeat_err"]} for by_rate in cells.values() for by_dep in by_rate.values()
+            for c in by_dep.values() if "repeat_err" in c]
+    if not flat:
+        return None
+    known = [t for t in rank_taus(cells, "repeat") if t is not None]
+    return {**error_figures(flat), "rank_agreement": _r(statistics.mean(known)) if known else None, "cells": len(flat)}
+
+
+def summarize(cells: dict) -> dict:
+    """The last-line figures from the cells {modality: {rate: {deployment: {live, sim, err}}}}."""
+    flat = [c for by_rate in cells.values() for by_dep in by_rate.values() for c in by_dep.values()]
+    taus = rank_taus(cells, "sim")
     known = [t for t in taus if t is not None]
     return {**error_figures(flat), "rank_agreement": _r(statistics.mean(known)) if known else None,
-            "rank_rates": len(taus), "rank_rates_all_tied": len(taus) - len(known),
+            "rank_rates": len(taus), "rank_rates_all_tied": len(taus) - len(known), "live_vs_live": live_floor(cells),
             "by_deployment": {name: error_figures([c for by_rate in cells.values() for by_dep in by_rate.values()
                                                    for n, c in by_dep.items() if n == name])
                               for name in dict.fromkeys(n for by_rate in cells.values() for by_dep in by_rate.values()
@@ -264,7 +354,9 @@ def error_figures(cells: list[dict]) -> dict:
 
 
 def table(cells: dict, meta: dict) -> str:
-    head = ["modality", "deployment", "load", "rate"] + [f"{short} live/sim (err)" for _, short in FIELDS]
+    repeats = any("repeat" in c for by_rate in cells.values() for by_dep in by_rate.values() for c in by_dep.values())
+    head = ["modality", "deployment", "load", "rate"] + [f"{short} live/sim (err)" for _, short in FIELDS] + \
+        (["goodput live 2nd run (err)", "TTFT p50 live 2nd run (err)"] if repeats else [])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for mod, by_rate in cells.items():
         for rate, by_dep in by_rate.items():
@@ -275,6 +367,10 @@ def table(cells: dict, meta: dict) -> str:
                     e = c["err"][k]
                     vals.append(f"{fmt(c['live'].get(k), p)} / {fmt(c['sim'].get(k), p)} "
                                 f"({'-' if e is None else f'{e:.0%}'})")
+                for k in ("request_goodput", "median_ttft_ms") if repeats else ():
+                    e = c.get("repeat_err", {}).get(k)
+                    vals.append("-" if "repeat" not in c else
+                                f"{fmt(c['repeat'].get(k), 2 if k in RATE_FIELDS else 0)} ({'-' if e is None else f'{e:.0%}'})")
                 lines.append(f"| {mod} | {name} | {c['load']:g}x | {rate:g} | " + " | ".join(vals) + " |")
     for mod, m in meta.items():
         lines.append(f"\n{mod}: {m['family']} ({m['scale']}), profile {m['profile']}; simulated saturation "
@@ -289,10 +385,11 @@ def table(cells: dict, meta: dict) -> str:
 def run_modality(args, modality: str, say) -> tuple[dict, dict]:
     model = checkpoint(args, modality)
     profile, path = profile_of(args, model, modality, say)
+    args.profile_path = str(path)
     spec = workload(args, profile, modality)
     slo = profile.slo(args.slo)
     sat, per = saturation(args, profile, spec, slo)
-    rates = [round(f * sat, 3) for f in args.loads]
+    rates = args.rates or [round(f * sat, 3) for f in args.loads]
     say(f"[{modality}] simulated saturation {sat:.3f} req/s {per}; rates {rates}; SLO {slo.ttft_ms:.0f} ms TTFT, "
         f"{slo.tpot_ms:.1f} ms TPOT ({args.slo})")
     cells: dict[float, dict] = {r: {} for r in rates}
@@ -304,7 +401,7 @@ def run_modality(args, modality: str, say) -> tuple[dict, dict]:
         for load, rate in zip(args.loads, rates):
             sim = sim_cell(d, profile, bench_config(args, spec, slo, rate, d.name), run_dir)
             say(f"  sim  {d.name:12s} {rate:6.3f} req/s: {brief(sim)}")
-            cells[rate][d.name] = cell(load, live[rate], sim)
+            cells[rate][d.name] = cell(load, live[rate][0], sim, live[rate][1] if len(live[rate]) > 1 else None)
     meta = {"family": FAMILIES[modality], "scale": args.scale, "model": model, "profile": str(path),
             "saturation_rps": sat, "saturation_by_deployment": {k: round(v, 3) for k, v in per.items()},
             "rates": rates, "slo": slo.to_dict(), "requests": args.requests, "seed": args.seed,
@@ -353,7 +450,9 @@ def resim_modality(folder: Path, modality: str, old: dict, say, profile_file: st
             sim = sim_cell(d, profile, config, run_dir)
             say(f"  sim  {d.name:12s} {config.rate:6.3f} req/s: {brief(sim)}")
             load_ = loads.get(f"{modality}/{d.name}@{config.rate:g}", LOADS[i] if len(lives) == len(LOADS) else 0.0)
-            cells.setdefault(config.rate, {})[d.name] = cell(load_, doc, sim)
+            again = run_dir / f"repeat1-{config.rate:g}.json"
+            repeat = json.loads(again.read_text()) if again.is_file() else None
+            cells.setdefault(config.rate, {})[d.name] = cell(load_, doc, sim, repeat)
     meta.update(profile=str(paths[0]), resimulated=True)
     meta.setdefault("saturation_rps", float("nan"))
     for k, v in (("family", FAMILIES[modality]), ("scale", "?"), ("saturation_by_deployment", {}), ("slo", {}),

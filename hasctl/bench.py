@@ -46,6 +46,7 @@ class BenchConfig:
     num_requests: int | None = 100
     duration_s: float | None = None
     seed: int = 0
+    content_seed: int | None = None    # media and text of the synthetic requests (None: seed); arrivals stay seed's
     workload: WorkloadSpec = WorkloadSpec()
     dataset: str | None = None
     model: str | None = None           # None: the first id of GET /v1/models
@@ -139,7 +140,7 @@ def _requests(config: BenchConfig, n: int, given: Sequence[ChatRequest] | None) 
     if given is None and config.dataset:
         given = load_dataset(config.dataset, config.workload.output_tokens)
     if given is None:
-        return synthesize(config.workload, n, config.seed)
+        return synthesize(config.workload, n, config.seed, config.content_seed)
     if not given:
         raise ValueError("no requests to replay")
     return [ChatRequest(i, r.modality, r.messages, r.max_tokens) for i, r in
@@ -287,6 +288,9 @@ def add_workload_args(p) -> None:
     p.add_argument("--ttft-ms", type=float, default=None)
     p.add_argument("--tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--content-seed", type=int, default=None,
+                   help="seed of the synthetic media and text alone (default: --seed): a rerun against the same "
+                        "server with the same arrivals but media its encoder and prefix caches have not seen")
 
 
 def slo_from_args(args) -> SLO | None:
@@ -325,7 +329,7 @@ def config_from_args(args) -> BenchConfig:
     spec, n = workload_from_args(args), count_from_args(args)
     return BenchConfig(url=args.url, rate=args.rate, burstiness=args.burstiness, num_requests=n,
                        duration_s=args.duration, seed=args.seed, workload=spec, dataset=args.dataset,
-                       model=args.model, ignore_eos=args.ignore_eos, slo=slo_from_args(args),
+                       content_seed=args.content_seed, model=args.model, ignore_eos=args.ignore_eos, slo=slo_from_args(args),
                        request_timeout_s=args.request_timeout, timeout_s=args.timeout, label=args.label,
                        progress=not args.no_progress)
 

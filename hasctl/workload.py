@@ -154,12 +154,14 @@ def modalities(spec: WorkloadSpec, n: int, seed: int = 0) -> list[str]:
     return [rng.choice(spec.mix) if spec.modality == "mixed" else spec.modality for _ in range(n)]
 
 
-def synthesize(spec: WorkloadSpec, n: int, seed: int = 0) -> list[ChatRequest]:
-    """n requests of `spec`; request i's media are seeded by (seed, i), so each is unique."""
-    out = []
+def synthesize(spec: WorkloadSpec, n: int, seed: int = 0, content_seed: int | None = None) -> list[ChatRequest]:
+    """n requests of `spec`; request i's media and text are seeded by (content_seed, i), so each
+    is unique; the modality mix by `seed` (content_seed None: `seed` too). A run that must not hit
+    a server's caches with an earlier run's media, at the same arrivals, changes content_seed alone."""
+    out, c = [], seed if content_seed is None else content_seed
     for i, kind in enumerate(modalities(spec, n, seed)):
-        content = _media_parts(spec, kind, seed * 1_000_003 + i)
-        content.append({"type": "text", "text": text_of(spec.input_tokens, seed * 1_000_003 + i)})
+        content = _media_parts(spec, kind, c * 1_000_003 + i)
+        content.append({"type": "text", "text": text_of(spec.input_tokens, c * 1_000_003 + i)})
         out.append(ChatRequest(i, kind, ({"role": "user", "content": content},), spec.output_tokens))
     return out
 

@@ -47,15 +47,22 @@ class ModelConfig:
     devices are all on node 0. `monolith`: how a monolith's encode, prefill and decode share
     its process: "threads" (as the service runs them: concurrently, each slowed by the
     profile's in-process pairs while another runs) or "serial" (one at a time, in turns: a
-    process whose interpreter and thread pool admit one stage at a time)."""
+    process whose interpreter and thread pool admit one stage at a time).
+    `request_overhead_s`: what a live stack adds to every request outside the profiled calls
+    (HTTP, the gRPC hops between stage processes, process wake-ups): a delay before the gateway
+    takes the request, taking no core time; measured as a stack's unloaded TTFT over the
+    simulator's for the same request (bench/sim_fidelity.py does so per stack), 0 by default."""
     devices_per_host: int = 8
     monolith: str = "threads"
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"devices_per_host must be >= 1, got {self.devices_per_host}")
         if self.monolith not in MONOLITH_MODES:
             raise ValueError(f"monolith must be one of {MONOLITH_MODES}, got {self.monolith!r}")
+        if not self.request_overhead_s >= 0.0:
+            raise ValueError(f"request_overhead_s must be >= 0 seconds, got {self.request_overhead_s}")
 
 
 class ServiceModel:

@@ -55,6 +55,15 @@ class Gateway:
         self.inflight += 1
         req.at_gateway = True
         self.sim.events.after(self.cfg.request_timeout_s, self.sim.expire, req)
+        overhead = self.sim.model.config.request_overhead_s
+        if overhead > 0.0:
+            self.sim.events.after(overhead, self._take, req)
+        else:
+            self._take(req)
+
+    def _take(self, req: Req) -> None:
+        if req.done:
+            return
         self.queue.append(req)
         self._start()
 

@@ -41,3 +41,22 @@ def test_resim_of_the_simulators_own_cells_scores_zero_and_rewrites_the_sim_file
     sim = json.loads((tmp_path / "image" / "default" / "sim-6.json").read_text())
     assert sim["endpoint"] == "simulated" and sim["config"]["seed"] == 7 and sim["completed"] == 12
     assert (tmp_path / "fidelity.md").is_file() and (tmp_path / "fidelity.json").is_file()
+
+
+def test_the_second_live_run_of_each_cell_is_scored_against_the_first_as_the_noise_floor():
+    def c(live_good, again_good, ttft, again_ttft, sim_good=1.0):
+        live = {"request_goodput": live_good, "median_ttft_ms": ttft}
+        again = {"request_goodput": again_good, "median_ttft_ms": again_ttft}
+        return fidelity.cell(1.0, live, {"request_goodput": sim_good, "median_ttft_ms": ttft}, again)
+    # two deployments at one rate: the 2nd run swaps their order and moves goodput 25 % and 50 %
+    cells = {"image": {5.0: {"a": c(2.0, 1.5, 400.0, 500.0), "b": c(1.0, 1.5, 300.0, 300.0)}}}
+    out = fidelity.summarize(cells)
+    floor = out["live_vs_live"]
+    assert floor["cells"] == 2
+    assert floor["goodput_rel_err_median"] == 0.375 and floor["goodput_rel_err_max"] == 0.5
+    assert floor["ttft_p50_rel_err_median"] == 0.125
+    assert floor["rank_agreement"] is None            # the 2nd run ties them: no order to agree on
+    cells["image"][5.0]["b"] = c(1.0, 1.6, 300.0, 300.0)
+    assert fidelity.summarize(cells)["live_vs_live"]["rank_agreement"] == -1.0
+    assert out["goodput_rel_err_max"] == 0.5          # the simulator is still scored against the 1st run
+    assert fidelity.summarize({"image": {5.0: {"a": fidelity.cell(1.0, {}, {})}}})["live_vs_live"] is None

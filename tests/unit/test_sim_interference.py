@@ -124,3 +124,16 @@ def test_shared_cores_lengthen_decode_steps_in_a_run():
         recs = simulate(topo(device=device), make_profile(), reqs).records
         return statistics.median((r["chunk_s"][-1] - r["chunk_s"][0]) / 15 for r in recs if r["error"] is None)
     assert tpot("cpu") > 1.2 * tpot("cpu:{i}")
+
+
+def test_a_stacks_request_overhead_delays_every_first_token_by_it_and_takes_no_core_time():
+    reqs = poisson(40, 3.0, seed=4)
+    base = simulate(topo(), make_profile(), reqs)
+    slow = simulate(topo(), make_profile(), reqs, ModelConfig(request_overhead_s=0.25))
+    ttft = lambda res: {r["index"]: r["chunk_s"][0] - r["sent_s"] for r in res.records}  # noqa: E731
+    lone = simulate(topo(), make_profile(), reqs[:1], ModelConfig(request_overhead_s=0.25))
+    assert ttft(lone)[0] == pytest.approx(ttft(simulate(topo(), make_profile(), reqs[:1]))[0] + 0.25)
+    assert statistics.median(ttft(slow).values()) > statistics.median(ttft(base).values()) + 0.2
+    assert slow.busy_s == pytest.approx(base.busy_s)      # the same work on every worker
+    with pytest.raises(ValueError, match="request_overhead_s must be >= 0"):
+        ModelConfig(request_overhead_s=-0.1)

@@ -140,3 +140,14 @@ def test_spec_validation_says_what_to_change():
         WorkloadSpec(image_size=(0, 10))
     with pytest.raises(ValueError, match="mix must name"):
         WorkloadSpec(modality="mixed", mix=("image", "3d"))
+
+
+def test_a_content_seed_gives_new_media_and_text_with_the_same_modality_mix():
+    spec = WorkloadSpec(modality="mixed", image_size=(16, 16), video_frames=1, video_size=(16, 16), audio_s=0.1,
+                        input_tokens=6, mix=("image", "audio", "text"))
+    base, again, fresh = synthesize(spec, 12, seed=3), synthesize(spec, 12, seed=3), \
+        synthesize(spec, 12, seed=3, content_seed=77)
+    assert [r.messages for r in base] == [r.messages for r in again]
+    assert [r.modality for r in fresh] == [r.modality for r in base]
+    for a, b in zip(base, fresh):   # every part differs: no cache (media or prefix) can serve one for the other
+        assert all(pa != pb for pa, pb in zip(a.messages[0]["content"], b.messages[0]["content"]))
