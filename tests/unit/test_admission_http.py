@@ -64,6 +64,9 @@ def test_a_predicted_miss_is_a_429_with_retry_after_from_the_prediction(loop, cl
     assert rec["predicted_ttft_ms"] > rec["ttft_limit_ms"] == pytest.approx(4_000)
     assert int(retry) == max(1, math.ceil(rec["retry_after_s"]))
     assert rec["retry_after_s"] == pytest.approx((rec["predicted_ttft_ms"] - 4_000) / 1000, abs=0.5)
+    # the record holds the prediction's parts: nothing queued anywhere, the time already spent as it is
+    assert rec["seen_queued"] == [0, 0, 0] and rec["raw_queue_ms"] == 0 and rec["raw_service_ms"] > 12_000
+    assert rec["predicted_ttft_ms"] == pytest.approx(rec["elapsed_ms"] + rec["ttft_factor"] * rec["raw_service_ms"])
 
 
 def test_the_tier_comes_from_the_body_then_the_header(loop, client):

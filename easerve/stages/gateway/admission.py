@@ -88,14 +88,21 @@ class GatewayAdmission:
         tier = self.tier(job.slo_tier or self.cfg.slo_tier, modality)
         priority = job.priority or self.cfg.priority
         shape = RequestShape(modality, "", max(1, prompt_tokens), job.sampling.max_tokens)
-        d = self.policy.decide(shape, self.state(), tier, priority, job.received)
+        state = self.state()
+        d = self.policy.decide(shape, state, tier, priority, job.received)
+        p = d.prediction
         job.admission = d
         self.m.admissions.inc(decision=d.action, tier=tier.name, priority=priority)
         self.m.predicted_ttft.observe(d.prediction.ttft_s)
         job.trace = rec = {"request_id": job.request_id, "received": time.time() - (self.clock.now() - job.received),
                            "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
                            "predicted_ttft_ms": d.prediction.ttft_s * 1e3,
-                           "elapsed_ms": d.prediction.elapsed_s * 1e3,
+                           "elapsed_ms": p.elapsed_s * 1e3,
+                           # the raw model's parts and what it saw, to study the calibration offline
+                           "raw_queue_ms": p.queue_s * 1e3, "raw_service_ms": (p.gateway_s + p.encode_s + p.prefill_s) * 1e3,
+                           "seen_queued": [sum(e.queued for e in state.encode), sum(q.queued for q in state.prefill),
+                                           sum(q.waiting for q in state.decode)],
+                           "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
                            "predicted_tpot_ms": d.prediction.tpot_s * 1e3,
                            "ttft_factor": d.prediction.ttft_factor, "tpot_factor": d.prediction.tpot_factor,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
