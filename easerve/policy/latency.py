@@ -15,8 +15,9 @@ where least-loaded placement sends the request):
   its own batch (`queued % max_batch + 1` items) runs;
 - prefill (remote, or the text-only path): the same over a token budget (`budget //
   prompt_tokens` requests a batch), with the request's own prompt length for every one;
-- decode: TPOT is a step of `running + 1` requests at the request's mean context; when decode
-  has waiting requests or less free KV than the request needs, the request waits for
+- decode: TPOT is a step of `running + n` sequences (the request's n choices decode together)
+  at the request's mean context; when decode has waiting requests or less free KV than the
+  request needs (its prompt once plus n x max_tokens), the request waits for
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
@@ -100,6 +101,7 @@ class RequestShape(Checked):
     media: str             # its media size as the profile names it ("" for text, or unknown)
     prompt_tokens: PosInt
     max_tokens: PosInt
+    n: PosInt = 1          # choices: n sequences decode together, sharing the prompt's KV
 
     @property
     def has_media(self) -> bool:
@@ -195,8 +197,8 @@ class LatencyPredictor:
     def _decode(self, req: RequestShape, d: DecodeState) -> tuple[float, float]:
         context = req.prompt_tokens + req.max_tokens // 2
         pace = _pace(d.recent_batch_s, d.recent_batch_size, lambda n: self.service.decode_step_s(n, context))
-        step = pace * self.service.decode_step_s(d.running + 1, context)
-        need = req.prompt_tokens + req.max_tokens
+        step = pace * self.service.decode_step_s(d.running + req.n, context)
+        need = req.prompt_tokens + req.n * req.max_tokens
         ahead = d.waiting + (1 if d.kv_free_tokens < need else 0)
         wait = ahead * step * req.max_tokens / (2 * max(1, d.running)) if ahead else 0.0
         return step, wait

@@ -2,6 +2,8 @@
 over the simulator's own service times (`ServiceModel` of a hand-made profile)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -185,3 +187,14 @@ def test_pace_is_a_moving_average_of_batch_seconds_and_sizes_forgotten_when_stal
     assert p.now() == (0.5, 2.0)
     with pytest.raises(ValueError, match="alpha"):
         Pace(alpha=0.0)
+
+
+def test_n_choices_decode_together_and_need_the_kv_of_each():
+    four = dataclasses.replace(IMAGE, n=4)
+    p1, p4 = predictor().predict(IMAGE, state(running=3)), predictor().predict(four, state(running=3))
+    assert p1.tpot_s == pytest.approx(SVC.decode_step_s(4, 64 + 8))     # 3 running + 1
+    assert p4.tpot_s == pytest.approx(SVC.decode_step_s(7, 64 + 8))     # 3 running + 4 choices
+    room = 64 + 16 * 2                                                  # the prompt once and two choices' tokens
+    assert predictor().predict(dataclasses.replace(IMAGE, n=2), state(running=3, kv_free=room)).decode_wait_s == 0
+    assert predictor().predict(dataclasses.replace(IMAGE, n=3), state(running=3, kv_free=room)).decode_wait_s > 0
+    assert p4.ttft_s == pytest.approx(p1.ttft_s)                        # one prefill for every choice

@@ -87,7 +87,7 @@ class GatewayAdmission:
         """Decide; a reject raises Overloaded with the decision's Retry-After."""
         tier = self.tier(job.slo_tier or self.cfg.slo_tier, modality)
         priority = job.priority or self.cfg.priority
-        shape = RequestShape(modality, "", max(1, prompt_tokens), job.sampling.max_tokens)
+        shape = RequestShape(modality, "", max(1, prompt_tokens), job.sampling.max_tokens, job.sampling.n)
         state = self.state()
         d = self.policy.decide(shape, state, tier, priority, job.received)
         p = d.prediction
