@@ -113,7 +113,6 @@ class PrefillWorker:
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
         self.reqs: dict[int, Req] = {}   # queued or running
-        self.busy = False
 
     @property
     def device(self) -> str:
@@ -147,7 +146,7 @@ class PrefillWorker:
             self.planner.remove(req.spec.index)
 
     def _kick(self) -> None:
-        if self.busy or not self.compute.acquire(self._kick):
+        if self.compute.busy_kind is not None or not self.compute.acquire(self._kick):
             return
         now = self.sim.events.now()
         plan = self.planner.next_batch(now)
@@ -155,7 +154,6 @@ class PrefillWorker:
             self.compute.release()
             return
         base = self.sim.model.prefill_s(plan.total_tokens, plan.size, self.compute.tp)
-        self.busy = True
         self.compute.start("prefill", base, lambda: self._done(plan, now), self._factor)
 
     def _factor(self) -> float:
@@ -171,7 +169,6 @@ class PrefillWorker:
 
     def _done(self, plan: PrefillBatchPlan, t0: float) -> None:
         now = self.sim.events.now()
-        self.busy = False
         self.compute.release()
         self.planner.on_free(now)  # the live planner is work-conserving: it plans again once told
         if self.host is not None:
@@ -210,7 +207,6 @@ class EncodeInstance:
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: queued or encoding
         self.reqs: dict[int, Req] = {}   # queued in the batcher
-        self.busy = False
         self.alloc = None          # the partition of the batch running now
         self.trace = UtilizationTrace()
         self.routes: list[str] = []
@@ -253,7 +249,7 @@ class EncodeInstance:
         self._arm(now)
 
     def _kick(self) -> None:
-        if self.busy or not self.batching.ready or not self.compute.acquire(self._kick):
+        if self.compute.busy_kind is not None or not self.batching.ready or not self.compute.acquire(self._kick):
             return
         while True:
             d = self.batching.next_for_worker()
@@ -273,12 +269,10 @@ class EncodeInstance:
         base = self.sim.model.encode_batch_s(groups, share, self.compute.tp)
         partitioned = self.alloc is not None and not (self.alloc.encode_share == 1.0 and self.alloc.prefill_share == 1.0)
         skip = self.local.compute if partitioned else None
-        self.busy = True
         self.compute.start("encode", base, lambda: self._done(reqs, now, share), lambda: self.compute.factor(skip))
 
     def _done(self, reqs: list[Req], t0: float, share: float) -> None:
         now = self.sim.events.now()
-        self.busy = False
         self.compute.release()
         self.trace.record("encode", t0, now, share, len(reqs))
         self.batching.worker_free(now)
@@ -311,7 +305,6 @@ class DecodeInstance:
                                host.compute.serial if host is not None else None)
         self.capacity = 0
         self.held: dict[int, Req] = {}
-        self.stepping = False
         self.admissions: list[tuple[str, ...]] = []
         self.steps = 0
 
@@ -348,7 +341,7 @@ class DecodeInstance:
         self._kick()
 
     def _kick(self) -> None:
-        if self.stepping or not self.sched.has_work or not self.compute.acquire(self._kick):
+        if self.compute.busy_kind is not None or not self.sched.has_work or not self.compute.acquire(self._kick):
             return
         plan = self.sched.schedule()
         if plan.admitted:
@@ -358,14 +351,12 @@ class DecodeInstance:
             self.compute.release()
             return
         ctx = sum(self.held[int(r)].prompt_tokens + len(self.held[int(r)].tokens) for r in plan.request_ids) // n
-        self.stepping = True
         self.steps += 1
         rids = plan.request_ids
         self.compute.start("decode", self.sim.model.decode_step_s(n, ctx, self.compute.tp), lambda: self._stepped(rids))
 
     def _stepped(self, rids: tuple[str, ...]) -> None:
         now = self.sim.events.now()
-        self.stepping = False
         self.compute.release()
         finished = []
         for rid in rids:
