@@ -176,7 +176,7 @@ def saturation(args, profile, spec: WorkloadSpec, slo) -> tuple[float, dict[str,
 
 
 # ---- 3. cells -----------------------------------------------------------------------------------
-def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: list[float],
+def live_cells(args, d: Deployment, model: str, profile, spec: WorkloadSpec, slo, rates: list[float],
                run_dir: Path, say) -> dict[float, list[dict]]:
     """One stack for every rate of `d`: warm-up, then `hasctl bench` at each rate, the rates
     --live-repeats times over; {rate: [metrics of each repeat]}."""
@@ -192,7 +192,7 @@ def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: 
                                progress=False)
             asyncio.run(run_bench(warm))
         if args.overhead_requests:
-            overhead(args, d, spec, slo, url, run_dir, say)
+            overhead(args, d, profile, spec, slo, url, run_dir, say)
         for k in range(max(1, args.live_repeats)):
             for j, rate in enumerate(rates):
                 fresh = CONTENT_SEED + 100 * k + j
@@ -205,12 +205,11 @@ def live_cells(args, d: Deployment, model: str, spec: WorkloadSpec, slo, rates: 
     return out
 
 
-def overhead(args, d: Deployment, spec: WorkloadSpec, slo, url: str, run_dir: Path, say) -> None:
+def overhead(args, d: Deployment, profile, spec: WorkloadSpec, slo, url: str, run_dir: Path, say) -> None:
     """The stack's per-request overhead: --overhead-requests requests one at a time on the idle
     stack; their median TTFT over the simulator's TTFT of the same lone request, into
     run_dir/overhead.json (`model_config` reads it)."""
     from hasctl.simulate import run_simulation
-    from hasctl.profile_format import load
     live = []
     for k in range(args.overhead_requests):
         one = BenchConfig(url=url, rate=1.0, num_requests=1, seed=args.seed + 500 + k, workload=spec,
@@ -221,7 +220,6 @@ def overhead(args, d: Deployment, spec: WorkloadSpec, slo, url: str, run_dir: Pa
     if not live:
         say(f"  {d.name}: no overhead request completed; simulating without an overhead")
         return
-    profile = load(args.profile_path)
     alone = BenchConfig(url="http://simulated.invalid", rate=1.0, num_requests=1, seed=args.seed + 500,
                         workload=spec, ignore_eos=True, slo=slo, progress=False)
     sim_ms = run_simulation(d, profile, alone)[0].metrics["median_ttft_ms"]
@@ -385,7 +383,6 @@ def table(cells: dict, meta: dict) -> str:
 def run_modality(args, modality: str, say) -> tuple[dict, dict]:
     model = checkpoint(args, modality)
     profile, path = profile_of(args, model, modality, say)
-    args.profile_path = str(path)
     spec = workload(args, profile, modality)
     slo = profile.slo(args.slo)
     sat, per = saturation(args, profile, spec, slo)
@@ -397,7 +394,7 @@ def run_modality(args, modality: str, say) -> tuple[dict, dict]:
         d = deployment(name)
         run_dir = args.out_dir / modality / d.name
         run_dir.mkdir(parents=True, exist_ok=True)
-        live = live_cells(args, d, model, spec, slo, rates, run_dir, say)
+        live = live_cells(args, d, model, profile, spec, slo, rates, run_dir, say)
         for load, rate in zip(args.loads, rates):
             sim = sim_cell(d, profile, bench_config(args, spec, slo, rate, d.name), run_dir)
             say(f"  sim  {d.name:12s} {rate:6.3f} req/s: {brief(sim)}")
