@@ -46,9 +46,8 @@ class GatewayAdmission:
         self.cfg, self.profile, self.m = cfg, profile, metrics
         self._enc, self._pre, self._dec = enc, pre, dec
         self.clock = clock or MonotonicClock()
-        self.calibration = Calibration(self.clock)
-        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock,
-                                                                None if cfg.no_admission_calibration else self.calibration),
+        calibration = None if cfg.no_admission_calibration else Calibration(self.clock)
+        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, calibration),
                                 self.clock)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
 
@@ -93,25 +92,25 @@ class GatewayAdmission:
         p = d.prediction
         job.admission = d
         self.m.admissions.inc(decision=d.action, tier=tier.name, priority=priority)
-        self.m.predicted_ttft.observe(d.prediction.ttft_s)
+        self.m.predicted_ttft.observe(p.ttft_s)
         job.trace = rec = {"request_id": job.request_id, "received": time.time() - (self.clock.now() - job.received),
                            "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
-                           "predicted_ttft_ms": d.prediction.ttft_s * 1e3,
+                           "predicted_ttft_ms": p.ttft_s * 1e3,
                            "elapsed_ms": p.elapsed_s * 1e3,
                            # the raw model's parts and what it saw, to study the calibration offline
                            "raw_queue_ms": p.queue_s * 1e3, "raw_service_ms": (p.gateway_s + p.encode_s + p.prefill_s) * 1e3,
                            "seen_queued": [sum(e.queued for e in state.encode), sum(q.queued for q in state.prefill),
                                            sum(q.waiting for q in state.decode)],
                            "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
-                           "predicted_tpot_ms": d.prediction.tpot_s * 1e3,
-                           "ttft_factor": d.prediction.ttft_factor, "tpot_factor": d.prediction.tpot_factor,
+                           "predicted_tpot_ms": p.tpot_s * 1e3,
+                           "ttft_factor": p.ttft_factor, "tpot_factor": p.tpot_factor,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
         if d.action == "reject":
             raise Overloaded(f"request {job.request_id} is predicted to miss its SLO tier {tier.name!r} "
-                             f"(TTFT {d.prediction.ttft_s * 1e3:.0f} ms predicted, limit {tier.ttft_s * 1e3:.0f} ms; "
-                             f"TPOT {d.prediction.tpot_s * 1e3:.1f} ms, limit {tier.tpot_s * 1e3:.1f} ms); "
+                             f"(TTFT {p.ttft_s * 1e3:.0f} ms predicted, limit {tier.ttft_s * 1e3:.0f} ms; "
+                             f"TPOT {p.tpot_s * 1e3:.1f} ms, limit {tier.tpot_s * 1e3:.1f} ms); "
                              f"retry after {d.retry_after_s:.2f} s or ask for a looser tier",
                              retry_after_s=d.retry_after_s)
         return d
