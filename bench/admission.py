@@ -189,9 +189,10 @@ def main(argv=None) -> int:
         results, walls = {}, {}
         for mode in ("off", "on"):
             results[mode], walls[mode] = run(urls[mode], reqs)
-        recs = [r for m, u in urls.items() for r in trace_records(u)[before[m]:]]
-        dump = ROOT / "runs" / "admission" / "last-run.json"
-        dump.write_text(json.dumps({"records": recs,
+        every = {m: trace_records(u) for m, u in urls.items()}
+        recs = [r for m in urls for r in every[m][before[m]:]]
+        dump = ROOT / "runs" / "admission" / "last-run.json"  # with the warm-up and burst records, for study
+        dump.write_text(json.dumps({"records": recs, "every_record": every, "measured_from": before,
                                     "results": results, "trace": reqs}))
     finally:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -7,7 +7,8 @@ its tier's limits and its priority class, asks the `LatencyPredictor`, and retur
 so predicted and actual TTFT can be compared); `reject` refuses a predicted miss; `best-effort`
 admits it marked best-effort. A request misses when its predicted TTFT (the time it already
 spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit, or its
-predicted TPOT over the TPOT limit.
+predicted TPOT over the TPOT limit. The prediction knows the request's deadline and whether it
+yields (`batch`), so it counts only the queued requests the deadline order puts ahead of it.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class Admission:
 
     def decide(self, req: RequestShape, state: LiveState, tier: TierLimits, priority: Priority,
                received: float) -> Decision:
-        pred = self.predictor.predict(req, state, elapsed_s=max(0.0, self.clock.now() - received))
+        pred = self.predictor.predict(req, state, elapsed_s=max(0.0, self.clock.now() - received),
+                                      due_s=tier.ttft_s, yields=priority == "batch")
         deadline = received + tier.ttft_s
         miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
         if not miss:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Hashable, Literal, get_args
 
 from easerve.fields import PosFloat, PosInt, check_fields
-from easerve.policy.slo_order import slo_order
+from easerve.policy.slo_order import overdue, slo_order
 
 BatchMode = Literal["adaptive", "fixed", "request_at_a_time", "continuous"]  # --batch-mode
 MODES: tuple[str, ...] = get_args(BatchMode)
@@ -130,6 +130,11 @@ class AdaptiveBatcher:
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    def overdue(self, now: float) -> int:
+        """Pending items the deadline order puts last at `now` (they yield or are past their
+        deadline): an item that can still meet its tier waits only behind the others."""
+        return overdue((self._slo.get(iid) for iid, _ in self._queue), now)
 
     @property
     def busy(self) -> bool:

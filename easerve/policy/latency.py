@@ -21,7 +21,20 @@ where least-loaded placement sends the request):
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
-got over what was predicted for them). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
+got over what was predicted for them).
+
+Deadline order (easerve/policy/slo_order.py): the encode batcher and the prefill planner serve
+the requests that can still meet their tier first; a request that yields (best-effort, `batch`)
+or whose deadline has passed goes behind every such one. A state's `overdue` counts the
+queued requests put last. With `due_s` (the request's TTFT limit from its arrival) the
+request is first predicted behind only the others (`queued - overdue`); if it is predicted to
+leave its last queue (spent + gateway + waits + encode) after `due_s`, it will itself be
+overdue by then, and it is predicted again behind the whole queue (`demoted`). A request that
+`yields` is predicted behind the whole queue at once. Either way that is a lower bound: the
+requests that arrive after it and can still meet their tier go ahead of it too, which nothing
+seen at its arrival tells, so a demoted prediction calibrates only when the request came in under it
+(the model over-predicted; above it, it says nothing). Without
+`due_s` the request waits behind the whole queue as before (no deadline order assumed). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
 below zero.
 
 Elapsed time: a caller that predicts after the gateway's preprocessing (the gateway's admission
@@ -64,6 +77,11 @@ class EncodeState(Checked):
     dispatch_wait_s: NonNegFloat = 0.0
     recent_batch_s: NonNegFloat = 0.0      # pace: requests per batch, and its seconds
     recent_batch_size: NonNegFloat = 0.0
+    overdue: NonNegInt = 0                 # of `queued`, put last by the deadline order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_overdue(self)
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,17 @@ class PrefillState(Checked):
     token_budget: PosInt
     recent_batch_s: NonNegFloat = 0.0      # pace: prompt tokens per batch, and its seconds
     recent_batch_size: NonNegFloat = 0.0
+    overdue: NonNegInt = 0                 # of `queued`, put last by the deadline order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_overdue(self)
+
+
+def _check_overdue(s) -> None:
+    if s.overdue > s.queued:
+        raise ValueError(f"{type(s).__name__}: overdue ({s.overdue}) is part of queued ({s.queued}); "
+                         "pass overdue <= queued")
 
 
 @dataclass(frozen=True)
@@ -123,6 +152,7 @@ class Prediction:
     ttft_factor: float = 1.0   # the calibration's factors, already applied to ttft_s / tpot_s
     tpot_factor: float = 1.0
     elapsed_s: float = 0.0     # spent before the prediction was made (known, not scaled)
+    demoted: bool = False      # predicted behind the whole queue (it yields, or will be overdue): a lower bound
 
     @property
     def raw_ttft_s(self) -> float:
@@ -145,50 +175,64 @@ class LatencyPredictor:
         (easerve/policy/calibration.py); None: the raw model."""
         self.service, self.clock, self.calibration = service, clock, calibration
 
-    def predict(self, req: RequestShape, state: LiveState, elapsed_s: float | None = None) -> Prediction:
+    def predict(self, req: RequestShape, state: LiveState, elapsed_s: float | None = None,
+                due_s: float | None = None, yields: bool = False) -> Prediction:
         """`elapsed_s`: seconds since the request arrived, when the gateway's preprocessing is
-        already over (see the module docstring); None predicts from arrival."""
+        already over; `due_s`: its TTFT limit from arrival (the queues' deadline order);
+        `yields`: it goes behind every request that can still meet its tier (see the module
+        docstring for each)."""
         age = max(0.0, self.clock.now() - state.taken_at)
         g = self.service.gateway_s(req.modality, req.media) if elapsed_s is None else 0.0
         spent = 0.0 if elapsed_s is None else max(0.0, elapsed_s)
-        enc_wait = enc = 0.0
-        if req.has_media:
-            enc_wait, enc = min((self._encode(req, e) for e in state.encode or (EncodeState(0, 1),)),
-                                key=sum)
-        pre_wait, pre = min((self._prefill(req, p) for p in state.prefill or (PrefillState(0, req.prompt_tokens),)),
-                            key=sum)
-        queue = max(0.0, enc_wait + pre_wait - age)
+        kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
+        demoted = yields or due_s is None  # behind the whole queue (without a deadline: no order assumed)
+        queue, enc, pre = self._waits(req, state, age, behind_all=demoted)
+        if not demoted and spent + kt * (g + queue + enc) > due_s:  # overdue before it leaves its queues
+            demoted = True
+            queue, enc, pre = self._waits(req, state, age, behind_all=True)
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
-        kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
-        return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent)
+        return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
+                          demoted and due_s is not None)
 
     def observe_ttft(self, pred: Prediction, actual_s: float) -> None:
         """A request's first token came `actual_s` after it arrived: the calibration learns from
-        the part that was predicted (what was already spent at the prediction is left out)."""
-        if self.calibration is not None:
+        the part that was predicted (what was already spent at the prediction is left out); from
+        a demoted prediction (a lower bound, see the module docstring) only when it came in under it."""
+        if self.calibration is not None and not (pred.demoted and actual_s >= pred.ttft_s):
             self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s)
 
     def observe_tpot(self, pred: Prediction, actual_s: float) -> None:
         if self.calibration is not None:
             self.calibration.observe_tpot(pred.raw_tpot_s, actual_s, pred.decode_wait_s == 0.0)
 
+    def _waits(self, req: RequestShape, state: LiveState, age: float, behind_all: bool) -> tuple[float, float, float]:
+        """(encode + prefill wait aged by `age`, encode time, prefill time) on the best instances."""
+        enc_wait = enc = 0.0
+        if req.has_media:
+            enc_wait, enc = min((self._encode(req, e, behind_all) for e in state.encode or (EncodeState(0, 1),)),
+                                key=sum)
+        pre_wait, pre = min((self._prefill(req, p, behind_all)
+                             for p in state.prefill or (PrefillState(0, req.prompt_tokens),)), key=sum)
+        return max(0.0, enc_wait + pre_wait - age), enc, pre
+
     # ---- per stage: (wait, own service time) -------------------------------------------------
-    def _encode(self, req: RequestShape, e: EncodeState) -> tuple[float, float]:
+    def _encode(self, req: RequestShape, e: EncodeState, behind_all: bool = True) -> tuple[float, float]:
         key = (req.modality, req.media)
         pace = _pace(e.recent_batch_s, e.recent_batch_size,
                      lambda n: self.service.encode_batch_s({key: n}))
-        full, left = divmod(e.queued, e.max_batch)
+        queued = e.queued if behind_all else e.queued - e.overdue
+        full, left = divmod(queued, e.max_batch)
         batch_s = self.service.encode_batch_s({key: e.max_batch})
         running = 0.5 * self.service.encode_batch_s({key: min(e.queued, e.max_batch)}) if e.queued else 0.0
         return pace * (full * batch_s + running) + e.dispatch_wait_s, pace * self.service.encode_batch_s({key: left + 1})
 
-    def _prefill(self, req: RequestShape, p: PrefillState) -> tuple[float, float]:
+    def _prefill(self, req: RequestShape, p: PrefillState, behind_all: bool = True) -> tuple[float, float]:
         per = max(1, p.token_budget // req.prompt_tokens)  # requests a batch holds
         pace = _pace(p.recent_batch_s, p.recent_batch_size,
                      lambda n: self.service.prefill_s(n, max(1, round(n / req.prompt_tokens))))
-        full, left = divmod(p.queued, per)
+        full, left = divmod(p.queued if behind_all else p.queued - p.overdue, per)
         batch_s = self.service.prefill_s(per * req.prompt_tokens, per)
         running = 0.5 * self.service.prefill_s(min(p.queued, per) * req.prompt_tokens, min(p.queued, per)) \
             if p.queued else 0.0

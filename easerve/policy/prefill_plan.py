@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterable
 
-from easerve.policy.slo_order import Slo, slo_order
+from easerve.policy.slo_order import Slo, overdue, slo_order
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,11 @@ class PrefillBatcher:
     @property
     def pending_tokens(self) -> int:
         return sum(n for _, n, _ in self._queue)
+
+    def overdue(self, now: float) -> int:
+        """Queued requests the deadline order puts last at `now` (they yield or are past their
+        deadline): a request that can still meet its tier waits only behind the others."""
+        return overdue((self._slo.get(rid) for rid, _, _ in self._queue), now)
 
     def add(self, request_id: Hashable, num_tokens: int, now: float, deadline: float | None = None,
             yields: bool = False) -> None:

@@ -11,7 +11,7 @@ a request that yields is overtaken only by requests that can still meet theirs.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 Slo = tuple[float, bool]  # (deadline, yields); deadline math.inf: no tier
 
@@ -19,6 +19,11 @@ Slo = tuple[float, bool]  # (deadline, yields); deadline math.inf: no tier
 def can_meet(slo: Slo | None, now: float) -> bool:
     """True for a request that does not yield and whose deadline has not passed."""
     return slo is None or (not slo[1] and slo[0] >= now)
+
+
+def overdue(slos: Iterable[Slo | None], now: float) -> int:
+    """How many of `slos` the order puts last at `now` (they yield or are past their deadline)."""
+    return sum(not can_meet(s, now) for s in slos)
 
 
 def slo_order(slos: Sequence[Slo | None], now: float) -> list[int]:

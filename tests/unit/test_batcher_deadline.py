@@ -73,3 +73,15 @@ def test_no_yielding_or_missed_item_is_taken_while_one_that_can_meet_its_tier_wa
     dl = [items[k][0] if items[k][0] is not None else float("inf") for k in can]
     assert dl == sorted(dl)  # earliest deadline first among them
     assert b.pending == len(items) - len(got)
+
+
+def test_overdue_counts_the_queued_items_the_order_puts_last_as_their_deadlines_pass():
+    b = busy_batcher()
+    b.add("be", 0.1, yields=True)             # yields: last at once
+    b.add("due-1", 0.2, deadline=1.0)
+    b.add("due-3", 0.3, deadline=3.0)
+    b.add("no-tier", 0.4)                     # never overdue
+    assert [b.overdue(t) for t in (0.5, 1.0, 1.5, 3.5)] == [1, 1, 2, 3]
+    b.on_free(3.5)
+    assert b.poll(3.5).item_ids == ("no-tier", "be")   # the one that can meet, then arrival order
+    assert b.overdue(3.5) == 2                          # due-1, due-3 still queued

@@ -198,3 +198,59 @@ def test_n_choices_decode_together_and_need_the_kv_of_each():
     assert predictor().predict(dataclasses.replace(IMAGE, n=2), state(running=3, kv_free=room)).decode_wait_s == 0
     assert predictor().predict(dataclasses.replace(IMAGE, n=3), state(running=3, kv_free=room)).decode_wait_s > 0
     assert p4.ttft_s == pytest.approx(p1.ttft_s)                        # one prefill for every choice
+
+
+# ---- the queues' deadline order ------------------------------------------------------------------
+def test_a_request_that_can_meet_its_tier_waits_only_behind_the_queued_ones_not_overdue():
+    # 9 queued, 8 of them overdue (past their deadline or yielding), B = 4: one on-time item ahead
+    s = LiveState(0.0, (EncodeState(9, 4, overdue=8),), (PrefillState(0, 256),))
+    on_time = predictor().predict(IMAGE, s, due_s=10.0)
+    assert not on_time.demoted
+    assert on_time.queue_s == pytest.approx(0.5 * 0.4)            # half the running batch, no full one
+    assert on_time.encode_s == pytest.approx(0.2)                 # its own batch: the one ahead and itself
+    fifo = predictor().predict(IMAGE, s)                          # no deadline: no order assumed
+    assert fifo.queue_s == pytest.approx(2 * 0.4 + 0.5 * 0.4) and not fifo.demoted
+
+
+def test_a_request_that_yields_or_will_be_overdue_is_predicted_behind_the_whole_queue():
+    s = LiveState(0.0, (EncodeState(9, 4, overdue=8),), (PrefillState(10, 256, overdue=10),))
+    whole = predictor().predict(IMAGE, s).queue_s
+    yielding = predictor().predict(IMAGE, s, due_s=10.0, yields=True)
+    assert yielding.demoted and yielding.queue_s == pytest.approx(whole)
+    # on time it would leave its queues at 0.2 + 0.128 (half prefill's running batch) + 0.2 s of encode:
+    # a 0.5 s deadline passes first, a 0.55 s one does not
+    late = predictor().predict(IMAGE, s, due_s=0.5)
+    assert late.demoted and late.queue_s == pytest.approx(whole)
+    assert not predictor().predict(IMAGE, s, due_s=0.55).demoted
+
+
+def test_a_demoted_prediction_is_a_lower_bound_that_calibrates_only_when_the_request_came_in_under_it():
+    from easerve.policy.calibration import Calibration
+    clock = ManualClock(0.0)
+    pr = LatencyPredictor(SVC, clock, Calibration(clock))
+    s = LiveState(0.0, (EncodeState(9, 4, overdue=8),), (PrefillState(0, 256),))
+    demoted = pr.predict(IMAGE, s, due_s=10.0, yields=True)
+    pr.observe_ttft(demoted, 10 * demoted.ttft_s)      # overtaken by later arrivals: nothing learned
+    assert pr.calibration.ttft_factor() == 1.0
+    pr.observe_ttft(demoted, 0.5 * demoted.ttft_s)     # under a lower bound: the model over-predicts
+    assert pr.calibration.ttft_factor() == pytest.approx(0.5)
+    clock.advance(3600.0)                              # relaxed back to the lasting bias: none, as it
+    assert pr.calibration.ttft_factor() == pytest.approx(1.0)  # was predicted to queue
+    on_time = pr.predict(IMAGE, s, due_s=10.0)           # a prediction that is not a bound calibrates
+    pr.observe_ttft(on_time, 2 * on_time.ttft_s)          # both ways (the fast average's second sample)
+    assert pr.calibration.ttft_factor() == pytest.approx(2 ** 0.3)
+
+
+def test_overdue_is_part_of_queued():
+    with pytest.raises(ValueError, match="overdue <= queued"):
+        EncodeState(2, 4, overdue=3)
+    with pytest.raises(ValueError, match="overdue <= queued"):
+        PrefillState(0, 256, overdue=1)
+
+
+def test_admission_predicts_with_the_tier_deadline_and_a_batch_request_yields():
+    s = LiveState(0.0, (EncodeState(9, 4, overdue=8),), (PrefillState(0, 256),))
+    loose = TierLimits(ttft_s=5.0, tpot_s=0.05, name="loose")
+    assert admission("reject").decide(IMAGE, s, loose, "interactive", 0.0).prediction.queue_s == pytest.approx(0.2)
+    batch = admission("reject").decide(IMAGE, s, loose, "batch", 0.0).prediction
+    assert batch.demoted and batch.queue_s == pytest.approx(1.0)

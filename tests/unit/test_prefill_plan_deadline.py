@@ -137,3 +137,13 @@ def test_removing_a_request_forgets_its_deadline():
     b.add("x", 10, 0.3, yields=True)  # the same id again, now yielding: no stale deadline
     b.add("z", 10, 0.4)
     assert [plan_at(b, t).request_ids for t in (1.0, 1.1, 1.2)] == [("z",), ("y",), ("x",)]
+
+
+def test_overdue_counts_the_queued_requests_the_order_puts_last_as_their_deadlines_pass():
+    b = busy_planner(max_tokens=100, max_size=1)
+    b.add("be", 10, 0.1, yields=True)
+    b.add("due-1", 10, 0.2, deadline=1.0)
+    b.add("no-tier", 10, 0.3)
+    assert [b.overdue(t) for t in (0.5, 2.0)] == [1, 2]
+    assert plan_at(b, 2.0).request_ids == ("no-tier",)
+    assert b.overdue(2.0) == 2 and b.pending == 2

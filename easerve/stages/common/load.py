@@ -21,6 +21,7 @@ class Load:
     kv_total_tokens: int = 0
     pace: Pace | None = None  # easerve/stages/common/pace.py; None: the stage does not say
     busy_s: float = 0.0  # seconds computed so far (a counter)
+    overdue: int = 0  # of `queued`, those the deadline order puts last (yielding or past their deadline)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -32,7 +33,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         ld = await self._load()
         msg = stage_pb2.LoadResponse(stage=self.stage, inflight=ld.inflight, max_inflight=ld.max_inflight,
                                      queued=ld.queued, kv_free_tokens=ld.kv_free_tokens,
-                                     kv_total_tokens=ld.kv_total_tokens, busy_s=ld.busy_s)
+                                     kv_total_tokens=ld.kv_total_tokens, busy_s=ld.busy_s,
+                                     overdue=ld.overdue)
         if ld.pace is not None:
             msg.recent_batch_s, msg.recent_batch_size = ld.pace.now()
         self.node.to_proto(msg.node)

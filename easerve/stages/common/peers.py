@@ -53,6 +53,7 @@ class Peer:
     sent_since_poll: int = 0
     polled_at: float = 0.0
     queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
+    overdue: int = 0         # of those, the ones its deadline order put last (yielding or past their deadline)
     kv_free_tokens: int = 0  # decode only: KV room at the last poll
     recent_batch_s: float = 0.0     # its recent pace at the last poll (easerve/stages/common/pace.py)
     recent_batch_size: float = 0.0
@@ -190,6 +191,7 @@ class Peers:
         p.up, p.reported, p.capacity = serving, load.inflight, load.max_inflight
         p.node, p.sent_since_poll, p.polled_at = NodeIdentity.from_proto(load.node), 0, time.monotonic()
         p.queued, p.kv_free_tokens, p.busy_s = load.queued, load.kv_free_tokens, load.busy_s
+        p.overdue = min(load.overdue, load.queued)
         p.recent_batch_s, p.recent_batch_size = load.recent_batch_s, load.recent_batch_size
 
     async def node_of(self, addr: str, timeout: float = 5.0) -> NodeIdentity | None:

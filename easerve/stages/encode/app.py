@@ -115,7 +115,7 @@ class Encoder:
 
     async def load(self) -> stage_load.Load:
         return stage_load.Load(self.servicer.limit.inflight, self.cfg.max_inflight, self.loop.queued,
-                               pace=self.loop.pace)
+                               pace=self.loop.pace, overdue=self.loop.overdue)
 
     def partition_info(self, _req=None) -> dict:
         if self.controller is None:

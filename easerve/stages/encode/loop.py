@@ -63,6 +63,11 @@ class EncodeLoop:
         """Requests waiting for a batch or in the running one."""
         return len(self._pending)
 
+    @property
+    def overdue(self) -> int:
+        """Of the waiting ones, those the batcher's deadline order puts last now."""
+        return self.batcher.overdue(self.clock.now())
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker())]
 

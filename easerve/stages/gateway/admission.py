@@ -2,8 +2,17 @@
 
 With `--profile`, every preprocessed request (media or text only) is predicted
 (easerve/policy/latency.py over the simulator's `ServiceModel` of that profile) from what the
-gateway sees of the stages: each instance's last `Stage/Load` answer (queued requests, decode's
-KV room) plus the calls it started there since. `--admission reject` refuses a predicted miss
+gateway sees of the stages: each instance's last `Stage/Load` answer (queued requests and how
+many of them the deadline order puts last, decode's KV room) plus the calls it started there since,
+and what it knows itself of the requests it admitted that have no first token yet:
+- those not sent to their first stage yet count in that stage's queue (a burst is admitted while
+  its first requests still wait for decode's reservation: without them, each of the burst would
+  see empty queues);
+- those sent but not in encode's count are past encode: prefill's queue is at least that many,
+  and at least as many of them are overdue as the gateway counts (deadline passed, or yielding)
+  beyond encode's overdue. Prefill's own answer is up to a poll old, and the encode instances
+  send it work the gateway never sees sent.
+What is added to a stage is spread evenly over its instances. `--admission reject` refuses a predicted miss
 with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose Retry-After is the decision's;
 `best-effort` lets it in marked best-effort. The predictor is calibrated online by the actual
 TTFT and TPOT of the requests it admitted (easerve/policy/calibration.py). Each request's prediction and its actual TTFT /
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from easerve.errors import BadRequest, Overloaded
@@ -41,6 +51,24 @@ def checked_priority(value: str | None, where: str) -> str | None:
     return value
 
 
+@dataclass
+class _Unserved:
+    """An admitted request with no first token yet: its first stage, whether it was sent there,
+    and its place in the queues' deadline order (easerve/policy/slo_order.py)."""
+    stage: str
+    deadline: float
+    yields: bool
+    placed: bool = False
+
+    def overdue(self, now: float) -> bool:
+        return self.yields or self.deadline < now
+
+
+def _share(n: int, instances: int) -> int:
+    """Each instance's part of `n` requests spread evenly (rounded up)."""
+    return -(-n // instances) if instances and n > 0 else 0
+
+
 class GatewayAdmission:
     def __init__(self, cfg, profile, enc, pre, dec, metrics, clock: Clock | None = None) -> None:
         self.cfg, self.profile, self.m = cfg, profile, metrics
@@ -50,6 +78,7 @@ class GatewayAdmission:
         self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, calibration),
                                 self.clock)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
+        self._unserved: dict[str, _Unserved] = {}  # admitted, no first token yet
 
     @classmethod
     def of(cls, cfg, enc, pre, dec, metrics) -> GatewayAdmission | None:
@@ -67,13 +96,25 @@ class GatewayAdmission:
     def state(self) -> LiveState:
         enc, pre, dec = self._enc.up_peers(), self._pre.up_peers(), self._dec.up_peers()
         polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
+        now, waiting = self.clock.now(), self._unserved.values()
+        count = {(s, placed): sum(u.stage == s and u.placed == placed for u in waiting)
+                 for s in ("encode", "prefill") for placed in (False, True)}
+        enc_seen = [p.queued + p.sent_since_poll for p in enc]
+        enc_q = [q + _share(count["encode", False], len(enc)) for q in enc_seen]
+        pre_q = [p.queued + p.sent_since_poll for p in pre]
+        # sent with media and no longer in encode's count: past encode, so in prefill (or in its batch)
+        at_prefill = max(0, count["encode", True] - sum(enc_seen)) + count["prefill", True]
+        pre_more = _share(max(0, at_prefill - sum(pre_q)), len(pre)) + _share(count["prefill", False], len(pre))
+        overdue = sum(u.overdue(now) for u in waiting) - sum(p.overdue for p in enc)
+        pre_over = _share(max(0, overdue - sum(p.overdue for p in pre)), len(pre))
         return LiveState(
-            min(polled) if polled else self.clock.now(),
-            tuple(EncodeState(p.queued + p.sent_since_poll, self.cfg.admission_encode_batch, 0.0,
-                              p.recent_batch_s, p.recent_batch_size) for p in enc),
-            tuple(PrefillState(p.queued + p.sent_since_poll, self.cfg.admission_prefill_tokens,
-                               p.recent_batch_s, p.recent_batch_size) for p in pre),
-            tuple(DecodeState(max(0, p.reported - p.queued), p.queued + p.sent_since_poll, p.kv_free_tokens,
+            min(polled) if polled else now,
+            tuple(EncodeState(q, self.cfg.admission_encode_batch, 0.0, p.recent_batch_s, p.recent_batch_size,
+                              min(p.overdue, q)) for p, q in zip(enc, enc_q)),
+            tuple(PrefillState(q + pre_more, self.cfg.admission_prefill_tokens, p.recent_batch_s,
+                               p.recent_batch_size, min(q + pre_more, p.overdue + pre_over)) for p, q in zip(pre, pre_q)),
+            # decode: the reservations made since the poll will run (its own `queued` is what waits)
+            tuple(DecodeState(max(0, p.reported - p.queued) + p.sent_since_poll, p.queued, p.kv_free_tokens,
                               p.recent_batch_s, p.recent_batch_size)
                   for p in dec))
 
@@ -101,12 +142,17 @@ class GatewayAdmission:
                            "raw_queue_ms": p.queue_s * 1e3, "raw_service_ms": (p.gateway_s + p.encode_s + p.prefill_s) * 1e3,
                            "seen_queued": [sum(e.queued for e in state.encode), sum(q.queued for q in state.prefill),
                                            sum(q.waiting for q in state.decode)],
+                           "seen_overdue": [sum(e.overdue for e in state.encode), sum(q.overdue for q in state.prefill)],
+                           "demoted": p.demoted,
                            "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
                            "predicted_tpot_ms": p.tpot_s * 1e3,
                            "ttft_factor": p.ttft_factor, "tpot_factor": p.tpot_factor,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
+        if d.action != "reject":
+            self._unserved[job.request_id] = _Unserved("encode" if shape.has_media else "prefill", d.deadline,
+                                                       d.action == "best_effort" or priority == "batch")
         if d.action == "reject":
             raise Overloaded(f"request {job.request_id} is predicted to miss its SLO tier {tier.name!r} "
                              f"(TTFT {p.ttft_s * 1e3:.0f} ms predicted, limit {tier.ttft_s * 1e3:.0f} ms; "
@@ -115,7 +161,18 @@ class GatewayAdmission:
                              retry_after_s=d.retry_after_s)
         return d
 
+    def placed(self, job: Job) -> None:
+        """The admitted request is being sent to its first stage: from now on that stage's own
+        count has it."""
+        if (u := self._unserved.get(job.request_id)) is not None:
+            u.placed = True
+
+    def ended(self, job: Job) -> None:
+        """The request got its first token, or ended without one."""
+        self._unserved.pop(job.request_id, None)
+
     def first_token(self, job: Job, ttft_s: float) -> None:
+        self.ended(job)
         if job.trace is None:
             return
         job.trace["ttft_ms"] = ttft_s * 1e3

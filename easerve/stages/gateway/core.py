@@ -189,6 +189,8 @@ class GatewayCore:
 
     async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
         """(peers, peer, call, first message) of the stage that computes the first token."""
+        if self.admission is not None:
+            self.admission.placed(job)
         meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
         target = cpb.DecodeTarget(address=decode_addr)
         if prompt.items:
@@ -273,6 +275,8 @@ class GatewayCore:
                     self.m.requests_waiting.dec()
                 yield d
         finally:
+            if self.admission is not None:  # done, or ended without a first token (failed, gone)
+                self.admission.ended(job)
             self.m.requests_running.dec()
             if waiting:
                 self.m.requests_waiting.dec()

@@ -34,7 +34,8 @@ async def main(cfg: MonolithConfig) -> None:
     async def load() -> stage_load.Load:
         s = stats["s"] = await engine.stats()
         return stage_load.Load(enc.servicer.limit.inflight + engine.num_streams, cfg.max_inflight,
-                               enc.loop.queued + s.waiting, s.kv_free_tokens, s.kv_capacity_tokens)
+                               enc.loop.queued + s.waiting, s.kv_free_tokens, s.kv_capacity_tokens,
+                               overdue=enc.loop.overdue)
 
     async def warmup() -> None:
         engine.start()

@@ -33,7 +33,7 @@ async def main(cfg: PrefillConfig) -> None:
 
     async def load() -> stage_load.Load:
         return stage_load.Load(stage.limit.inflight, cfg.max_inflight, stage.loop.queued, pace=stage.loop.pace,
-                               busy_s=metrics.busy_s)
+                               busy_s=metrics.busy_s, overdue=stage.loop.overdue)
 
     async def warmup() -> None:  # one real prefill before SERVING
         await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)

@@ -113,6 +113,11 @@ class PrefillLoop:
         """Requests waiting for a prefill batch (not the running one)."""
         return self.batcher.pending
 
+    @property
+    def overdue(self) -> int:
+        """Of those, the ones the deadline order puts last now."""
+        return self.batcher.overdue(self.clock.now())
+
     def start(self) -> None:
         """Start the worker task (call from inside the running event loop)."""
         if self._task is not None and not self._task.done():

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from easerve.wire.v1 import common_pb2 as easerve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65\x61serve/v1/stage.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\"\r\n\x0bLoadRequest\"\xf1\x01\n\x0cLoadResponse\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08inflight\x18\x02 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12&\n\x04node\x18\x05 \x01(\x0b\x32\x18.easerve.v1.NodeIdentity\x12\x16\n\x0ekv_free_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x08 \x01(\x01\x12\x16\n\x0erecent_batch_s\x18\t \x01(\x01\x12\x19\n\x11recent_batch_size\x18\n \x01(\x01\".\n\x0fShmProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"$\n\x10ShmProbeResponse\x12\x10\n\x08readable\x18\x01 \x01(\x08\x32\x89\x01\n\x05Stage\x12\x39\n\x04Load\x12\x17.easerve.v1.LoadRequest\x1a\x18.easerve.v1.LoadResponse\x12\x45\n\x08ShmProbe\x12\x1b.easerve.v1.ShmProbeRequest\x1a\x1c.easerve.v1.ShmProbeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65\x61serve/v1/stage.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\"\r\n\x0bLoadRequest\"\x82\x02\n\x0cLoadResponse\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08inflight\x18\x02 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12&\n\x04node\x18\x05 \x01(\x0b\x32\x18.easerve.v1.NodeIdentity\x12\x16\n\x0ekv_free_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x08 \x01(\x01\x12\x16\n\x0erecent_batch_s\x18\t \x01(\x01\x12\x19\n\x11recent_batch_size\x18\n \x01(\x01\x12\x0f\n\x07overdue\x18\x0b \x01(\r\".\n\x0fShmProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"$\n\x10ShmProbeResponse\x12\x10\n\x08readable\x18\x01 \x01(\x08\x32\x89\x01\n\x05Stage\x12\x39\n\x04Load\x12\x17.easerve.v1.LoadRequest\x1a\x18.easerve.v1.LoadResponse\x12\x45\n\x08ShmProbe\x12\x1b.easerve.v1.ShmProbeRequest\x1a\x1c.easerve.v1.ShmProbeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREQUEST']._serialized_start=63
   _globals['_LOADREQUEST']._serialized_end=76
   _globals['_LOADRESPONSE']._serialized_start=79
-  _globals['_LOADRESPONSE']._serialized_end=320
-  _globals['_SHMPROBEREQUEST']._serialized_start=322
-  _globals['_SHMPROBEREQUEST']._serialized_end=368
-  _globals['_SHMPROBERESPONSE']._serialized_start=370
-  _globals['_SHMPROBERESPONSE']._serialized_end=406
-  _globals['_STAGE']._serialized_start=409
-  _globals['_STAGE']._serialized_end=546
+  _globals['_LOADRESPONSE']._serialized_end=337
+  _globals['_SHMPROBEREQUEST']._serialized_start=339
+  _globals['_SHMPROBEREQUEST']._serialized_end=385
+  _globals['_SHMPROBERESPONSE']._serialized_start=387
+  _globals['_SHMPROBERESPONSE']._serialized_end=423
+  _globals['_STAGE']._serialized_start=426
+  _globals['_STAGE']._serialized_end=563
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("stage", "inflight", "max_inflight", "queued", "node", "kv_free_tokens", "kv_total_tokens", "busy_s", "recent_batch_s", "recent_batch_size")
+    __slots__ = ("stage", "inflight", "max_inflight", "queued", "node", "kv_free_tokens", "kv_total_tokens", "busy_s", "recent_batch_s", "recent_batch_size", "overdue")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class LoadResponse(_message.Message):
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     RECENT_BATCH_S_FIELD_NUMBER: _ClassVar[int]
     RECENT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OVERDUE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     inflight: int
     max_inflight: int
@@ -32,7 +33,8 @@ class LoadResponse(_message.Message):
     busy_s: float
     recent_batch_s: float
     recent_batch_size: float
-    def __init__(self, stage: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., queued: _Optional[int] = ..., node: _Optional[_Union[_common_pb2.NodeIdentity, _Mapping]] = ..., kv_free_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., recent_batch_s: _Optional[float] = ..., recent_batch_size: _Optional[float] = ...) -> None: ...
+    overdue: int
+    def __init__(self, stage: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., queued: _Optional[int] = ..., node: _Optional[_Union[_common_pb2.NodeIdentity, _Mapping]] = ..., kv_free_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., recent_batch_s: _Optional[float] = ..., recent_batch_size: _Optional[float] = ..., overdue: _Optional[int] = ...) -> None: ...
 
 class ShmProbeRequest(_message.Message):
     __slots__ = ("name", "token")
