@@ -21,7 +21,8 @@ where least-loaded placement sends the request):
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
-got over what was predicted for them).
+got over what was predicted for them). The queue waits shrink by the age of the snapshot (they
+drain while the state ages), never below zero.
 
 Deadline order (easerve/policy/slo_order.py): the encode batcher and the prefill planner serve
 the requests that can still meet their tier first; a request that yields (best-effort, `batch`)
@@ -32,10 +33,9 @@ leave its last queue (spent + gateway + waits + encode) after `due_s`, it will i
 overdue by then, and it is predicted again behind the whole queue (`demoted`). A request that
 `yields` is predicted behind the whole queue at once. Either way that is a lower bound: the
 requests that arrive after it and can still meet their tier go ahead of it too, which nothing
-seen at its arrival tells, so a demoted prediction calibrates only when the request came in under it
-(the model over-predicted; above it, it says nothing). Without
-`due_s` the request waits behind the whole queue as before (no deadline order assumed). The queue waits shrink by the age of the snapshot (they drain while the state ages), never
-below zero.
+seen at its arrival tells, so a demoted prediction calibrates only when the request came in
+under it (the model over-predicted; above it, it says nothing). Without `due_s` the request
+waits behind the whole queue (no deadline order assumed).
 
 Elapsed time: a caller that predicts after the gateway's preprocessing (the gateway's admission
 does) passes `elapsed_s`, the time the request has already spent since it arrived (its wait for a

@@ -12,11 +12,13 @@ and what it knows itself of the requests it admitted that have no first token ye
   and at least as many of them are overdue as the gateway counts (deadline passed, or yielding)
   beyond encode's overdue. Prefill's own answer is up to a poll old, and the encode instances
   send it work the gateway never sees sent.
-What is added to a stage is spread evenly over its instances. `--admission reject` refuses a predicted miss
-with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose Retry-After is the decision's;
-`best-effort` lets it in marked best-effort. The predictor is calibrated online by the actual
-TTFT and TPOT of the requests it admitted (easerve/policy/calibration.py). Each request's prediction and its actual TTFT /
-TPOT go to the metrics and to a bounded list of records served at GET /trace.
+What is added to a stage is spread evenly over its instances.
+
+`--admission reject` refuses a predicted miss with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose
+Retry-After is the decision's; `best-effort` lets it in marked best-effort. The predictor is
+calibrated online by the actual TTFT and TPOT of the requests it admitted
+(easerve/policy/calibration.py). Each request's prediction and its actual TTFT / TPOT go to the
+metrics and to a bounded list of records served at GET /trace.
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ class GatewayAdmission:
             tuple(EncodeState(q, self.cfg.admission_encode_batch, 0.0, p.recent_batch_s, p.recent_batch_size,
                               min(p.overdue, q)) for p, q in zip(enc, enc_q)),
             tuple(PrefillState(q + pre_more, self.cfg.admission_prefill_tokens, p.recent_batch_s,
-                               p.recent_batch_size, min(q + pre_more, p.overdue + pre_over)) for p, q in zip(pre, pre_q)),
+                               p.recent_batch_size, min(q + pre_more, p.overdue + pre_over))
+                  for p, q in zip(pre, pre_q)),
             # decode: the reservations made since the poll will run (its own `queued` is what waits)
             tuple(DecodeState(max(0, p.reported - p.queued) + p.sent_since_poll, p.queued, p.kv_free_tokens,
                               p.recent_batch_s, p.recent_batch_size)
@@ -142,7 +145,8 @@ class GatewayAdmission:
                            "raw_queue_ms": p.queue_s * 1e3, "raw_service_ms": (p.gateway_s + p.encode_s + p.prefill_s) * 1e3,
                            "seen_queued": [sum(e.queued for e in state.encode), sum(q.queued for q in state.prefill),
                                            sum(q.waiting for q in state.decode)],
-                           "seen_overdue": [sum(e.overdue for e in state.encode), sum(q.overdue for q in state.prefill)],
+                           "seen_overdue": [sum(e.overdue for e in state.encode),
+                                            sum(q.overdue for q in state.prefill)],
                            "demoted": p.demoted,
                            "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
                            "predicted_tpot_ms": p.tpot_s * 1e3,
