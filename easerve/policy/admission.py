@@ -49,6 +49,12 @@ class Decision:
     def predicted_miss(self) -> bool:
         return self.retry_after_s is not None
 
+    @property
+    def yields(self) -> bool:
+        """Its request goes behind every one that can still meet its tier (the queues' deadline
+        order): admitted best-effort, or of the `batch` class."""
+        return self.action == "best_effort" or self.priority == "batch"
+
 
 class Admission:
     def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock) -> None:

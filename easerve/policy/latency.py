@@ -185,16 +185,16 @@ class LatencyPredictor:
         g = self.service.gateway_s(req.modality, req.media) if elapsed_s is None else 0.0
         spent = 0.0 if elapsed_s is None else max(0.0, elapsed_s)
         kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
-        demoted = yields or due_s is None  # behind the whole queue (without a deadline: no order assumed)
-        queue, enc, pre = self._waits(req, state, age, behind_all=demoted)
-        if not demoted and spent + kt * (g + queue + enc) > due_s:  # overdue before it leaves its queues
-            demoted = True
-            queue, enc, pre = self._waits(req, state, age, behind_all=True)
+        behind_all = yields or due_s is None  # without a deadline no order is assumed
+        queue, enc, pre = self._waits(req, state, age, behind_all)
+        if not behind_all and spent + kt * (g + queue + enc) > due_s:  # overdue before it leaves its queues
+            behind_all = True
+            queue, enc, pre = self._waits(req, state, age, behind_all)
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
         return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
-                          demoted and due_s is not None)
+                          demoted=behind_all and due_s is not None)
 
     def observe_ttft(self, pred: Prediction, actual_s: float) -> None:
         """A request's first token came `actual_s` after it arrived: the calibration learns from
@@ -218,7 +218,7 @@ class LatencyPredictor:
         return max(0.0, enc_wait + pre_wait - age), enc, pre
 
     # ---- per stage: (wait, own service time) -------------------------------------------------
-    def _encode(self, req: RequestShape, e: EncodeState, behind_all: bool = True) -> tuple[float, float]:
+    def _encode(self, req: RequestShape, e: EncodeState, behind_all: bool) -> tuple[float, float]:
         key = (req.modality, req.media)
         pace = _pace(e.recent_batch_s, e.recent_batch_size,
                      lambda n: self.service.encode_batch_s({key: n}))
@@ -228,7 +228,7 @@ class LatencyPredictor:
         running = 0.5 * self.service.encode_batch_s({key: min(e.queued, e.max_batch)}) if e.queued else 0.0
         return pace * (full * batch_s + running) + e.dispatch_wait_s, pace * self.service.encode_batch_s({key: left + 1})
 
-    def _prefill(self, req: RequestShape, p: PrefillState, behind_all: bool = True) -> tuple[float, float]:
+    def _prefill(self, req: RequestShape, p: PrefillState, behind_all: bool) -> tuple[float, float]:
         per = max(1, p.token_budget // req.prompt_tokens)  # requests a batch holds
         pace = _pace(p.recent_batch_s, p.recent_batch_size,
                      lambda n: self.service.prefill_s(n, max(1, round(n / req.prompt_tokens))))

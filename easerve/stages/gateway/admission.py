@@ -23,7 +23,7 @@ metrics and to a bounded list of records served at GET /trace.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ from easerve.policy.admission import PRIORITIES, TIER_NAMES, Admission, Decision
 from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
+from easerve.policy.slo_order import can_meet
 from easerve.sim.model import ServiceModel
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class _Unserved:
     placed: bool = False
 
     def overdue(self, now: float) -> bool:
-        return self.yields or self.deadline < now
+        return not can_meet((self.deadline, self.yields), now)
 
 
 def _share(n: int, instances: int) -> int:
@@ -99,8 +100,7 @@ class GatewayAdmission:
         enc, pre, dec = self._enc.up_peers(), self._pre.up_peers(), self._dec.up_peers()
         polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
         now, waiting = self.clock.now(), self._unserved.values()
-        count = {(s, placed): sum(u.stage == s and u.placed == placed for u in waiting)
-                 for s in ("encode", "prefill") for placed in (False, True)}
+        count = Counter((u.stage, u.placed) for u in waiting)
         enc_seen = [p.queued + p.sent_since_poll for p in enc]
         enc_q = [q + _share(count["encode", False], len(enc)) for q in enc_seen]
         pre_q = [p.queued + p.sent_since_poll for p in pre]
@@ -156,7 +156,7 @@ class GatewayAdmission:
         self.records.append(rec)
         if d.action != "reject":
             self._unserved[job.request_id] = _Unserved("encode" if shape.has_media else "prefill", d.deadline,
-                                                       d.action == "best_effort" or priority == "batch")
+                                                       d.yields)
         if d.action == "reject":
             raise Overloaded(f"request {job.request_id} is predicted to miss its SLO tier {tier.name!r} "
                              f"(TTFT {p.ttft_s * 1e3:.0f} ms predicted, limit {tier.ttft_s * 1e3:.0f} ms; "

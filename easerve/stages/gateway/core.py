@@ -184,7 +184,7 @@ class GatewayCore:
         d = job.admission
         if d is not None:  # its SLO deadline and class, for the batcher's deadline order
             meta.slo_ttft_ms = max(1, round((d.deadline - time.monotonic()) * 1000))
-            meta.yields = d.action == "best_effort" or d.priority == "batch"
+            meta.yields = d.yields
         return meta
 
     async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
