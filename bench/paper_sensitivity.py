@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         for name, over in variants(m, args.quick):
             spec = WorkloadSpec(modality=m, **{**WORKLOAD, **over})
             tiers = slos(rm, spec)
-            g = {"vllm": best([vllm_like(model, devices, args.tp)], prof, spec, tiers, args),
+            g = {"vllm": best([vllm_like(model, devices, prof, spec, args.tp)], prof, spec, tiers, args),
                  "dynamo": best(dynamo, prof, spec, tiers, args)}
             if args.quick:
                 ours = [deployment_for(space, p, model, "easerve") for p in warm_starts(space)]

@@ -110,7 +110,7 @@ def one_node(model: str, prof, spec, gpus: int, tp: int, args, scale: float = 1.
     allocs = [a for a in enumerate_allocations(len(slots)) if not a.colocated]
     found = [(goodput(on(slots, tp, a, model), prof, spec, rates, args.requests, gpus), a) for a in allocs]
     g, a = max(found, key=lambda x: x[0])
-    v = goodput(vllm_like(model, [f"cuda:{s}" for s in slots], tp), prof, spec, rates, args.requests, gpus)
+    v = goodput(vllm_like(model, [f"cuda:{s}" for s in slots], prof, spec, tp), prof, spec, rates, args.requests, gpus)
     return a, g, v
 
 

@@ -230,6 +230,7 @@ class Roofline:
     layer_overhead_s: Annotated[float, Field(ge=0)]
     call_overhead_s: Annotated[float, Field(ge=0)]
     kv_gib_per_device: Annotated[float, Field(gt=0)] | None = None  # a decode / monolith GPU's KV budget (None: unstated)
+    encode_call_overhead_s: Annotated[float, Field(ge=0)] = 0.0  # added to every encode call (easerve/roofline/spec.py)
 
 
 @dataclass(frozen=True, config=_CONFIG)

@@ -18,7 +18,11 @@ let one GPU run three stages at full speed at once:
   prefill runs a chunk of CHUNK_TOKENS in the same step as the decode tokens, so a decode step
   takes the chunk's time too: slowdown 1 + chunk / step, and prefill 1 + step / chunk, the step
   at DECODE_REF_BATCH requests of the reference request's context;
-- every other pair (encode with either, a stage with itself: two processes or streams on one
+- decode with encode: the same engine runs the tower inside its step, before the LM's forward
+  (as vLLM v1's model runner does), so a decode step takes the encode call's time too:
+  1 + encode / step, and encode 1 + step / encode, the encode call the reference request's alone
+  (with the spec's `encode_call_overhead_s`);
+- every other pair (encode with prefill, a stage with itself: two processes or streams on one
   GPU) time-slices it: TIMESLICE_SLOWDOWN, each at about half speed.
 """
 from __future__ import annotations
@@ -54,7 +58,10 @@ class RooflineModel:
         self.arch, self.spec, self.tp, self.b = arch, spec, tp, spec.dtype_bytes
 
     def encode_s(self, modality: str, media: str, batch: int, share: float = 1.0) -> float:
-        return self.spec.seconds(self.arch.encode_cost(modality, [media] * batch, self.b), share, self.tp)
+        """One encode call of `batch` items: the tower's roofline and, once per call, the stack's
+        fixed cost (`efficiency.encode_call_overhead_s`)."""
+        tower = self.spec.seconds(self.arch.encode_cost(modality, [media] * batch, self.b), share, self.tp)
+        return tower + self.spec.efficiency.encode_call_overhead_s
 
     def prefill_s(self, prompt_len: int, batch: int) -> float:
         return self.spec.seconds(self.arch.lm.prefill_cost([prompt_len] * batch, self.b), 1.0, self.tp)
@@ -99,7 +106,7 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
                               if network_gbps else [])))
     info = pf.Roofline(spec.name, spec.source, spec.dtype, spec.tflops, spec.mem_gb_per_s, spec.interconnect_gb_per_s,
                        e.compute, e.memory, e.layer_overhead_s, e.call_overhead_s,
-                       round(kv_budget_gib(arch, spec.mem_gib, tp, spec.dtype_bytes), 3))
+                       round(kv_budget_gib(arch, spec.mem_gib, tp, spec.dtype_bytes), 3), e.encode_call_overhead_s)
     hw = pf.Hardware(f"roofline {spec.name} (not measured)", 1, (spec.name,) * tp, f"{spec.name}:0",
                      tuple(f"{spec.name}:{i}" for i in range(tp)))
     digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
@@ -108,14 +115,17 @@ def build(model_dir: str, spec: DeviceSpec, tp: int = 1, plan: Plan = ROOFLINE_P
     return pf.Profile(hw, versions, model, encode, prefill, decode, tuple(unloaded),
                       pf.tiers_from(unloaded, multipliers), utc_now(), False, revision=pf.ROOFLINE_REVISION,
                       transfer=transfer, measured=False, tp=tp, roofline=info,
-                      interference=interference(rm.prefill_s(CHUNK_TOKENS, 1), rm.decode_s(DECODE_REF_BATCH, ref_n)))
+                      interference=interference(rm.prefill_s(CHUNK_TOKENS, 1), rm.decode_s(DECODE_REF_BATCH, ref_n),
+                                                rm.encode_s(ref, ref_media, 1)))
 
 
-def interference(chunk_s: float, step_s: float) -> tuple[pf.Interference, ...]:
+def interference(chunk_s: float, step_s: float, encode_s: float) -> tuple[pf.Interference, ...]:
     """Every ordered pair of GPU stages (see the module docstring): a prefill chunk of `chunk_s`
-    serialized with a decode step of `step_s`, the other pairs time-sliced."""
+    and an encode call of `encode_s` each serialized with a decode step of `step_s`, the other
+    pairs time-sliced."""
     stages = ("encode", "prefill", "decode")
-    engine = {("decode", "prefill"): 1 + chunk_s / step_s, ("prefill", "decode"): 1 + step_s / chunk_s}
+    engine = {("decode", "prefill"): 1 + chunk_s / step_s, ("prefill", "decode"): 1 + step_s / chunk_s,
+              ("decode", "encode"): 1 + encode_s / step_s, ("encode", "decode"): 1 + step_s / encode_s}
     return tuple(pf.Interference(a, b, round(engine.get((a, b), TIMESLICE_SLOWDOWN), 4)) for a in stages for b in stages)
 
 

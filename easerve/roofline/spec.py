@@ -6,6 +6,7 @@
                     bytes / (mem_gb_per_s * 1e9 * memory_eff * min(1, 2 * share)))
               + allreduces * allreduce_latency_s + 2 (tp-1)/tp * allreduce_bytes / (interconnect_gb_per_s * 1e9)
 
+(an encode call adds `encode_call_overhead_s`: hasctl/roofline_profile.py, `RooflineModel.encode_s`),
 with flops and bytes divided by `tp` (an instance spanning tp devices splits each layer's weights
 and heads evenly). `share` is the SM (or core) share of a partitioned device: compute scales with
 it, memory bandwidth saturates at half the SMs (stated assumption). The factors are each
@@ -29,12 +30,16 @@ class Efficiency:
     layer_overhead_s: float = 2e-5  # per layer per call: kernel launches (GPU) or dispatch (CPU)
     call_overhead_s: float = 1e-4   # per call: the framework's fixed cost
     allreduce_latency_s: float = 1e-5
+    # per encode call, on top: a serving stack's fixed cost outside the tower's kernels (the call's
+    # inputs to the device, the tower's Python, the embeddings' way out); a batch pays it once.
+    # 0 in the shipped specs (a roofline); bench/paper_setting.py fits it to the paper's table
+    encode_call_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for k in ("compute", "memory"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"efficiency.{k} must be in (0, 1], got {getattr(self, k)}")
-        for k in ("layer_overhead_s", "call_overhead_s", "allreduce_latency_s"):
+        for k in ("layer_overhead_s", "call_overhead_s", "allreduce_latency_s", "encode_call_overhead_s"):
             if getattr(self, k) < 0:
                 raise ValueError(f"efficiency.{k} must be >= 0 seconds, got {getattr(self, k)}")
 

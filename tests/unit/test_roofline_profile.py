@@ -126,5 +126,34 @@ def test_roofline_profile_states_how_busy_stages_of_one_gpu_slow_each_other():
     assert 6 < prof.slowdown("decode", "prefill") < 12
     assert prof.slowdown("prefill", "decode") == pytest.approx(1 + step / chunk, rel=1e-3)
     assert prof.slowdown("prefill", "decode") < 1.2
-    others = [(a, b) for a in stages for b in stages if {a, b} != {"decode", "prefill"}]
+    enc = rm.encode_s("image", prof.encode.reference_media, 1)
+    assert 0.01 < enc < 0.02  # CLIP ViT-L on LLaVA-NeXT's 5 tiles: a fraction of a decode step
+    assert prof.slowdown("decode", "encode") == pytest.approx(1 + enc / step, rel=1e-3)
+    assert prof.slowdown("encode", "decode") == pytest.approx(1 + step / enc, rel=1e-3)
+    others = [(a, b) for a in stages for b in stages if {a, b} not in ({"decode", "prefill"}, {"decode", "encode"})]
     assert all(prof.slowdown(a, b) == TIMESLICE_SLOWDOWN == 2.0 for a, b in others)
+
+
+def test_encode_call_overhead_is_paid_once_per_call_and_stalls_the_engines_decode():
+    """A stated `encode_call_overhead_s` adds to every encode call once, whatever its batch, is
+    written in the profile's `roofline` block, and lengthens the decode step of an engine that
+    runs the call inside its step; a negative value is refused with what to change."""
+    from dataclasses import replace
+    from easerve.roofline import load_arch
+    from easerve.roofline.spec import Efficiency
+    from hasctl.roofline_profile import RooflineModel, build
+    model, base = str(PAPER / "llava-v1.6-34b"), load_spec("rtx6000-ada")
+    assert base.efficiency.encode_call_overhead_s == 0.0
+    slow = replace(base, efficiency=replace(base.efficiency, encode_call_overhead_s=0.25))
+    arch = load_arch(model)
+    a, b = RooflineModel(arch, base, 2), RooflineModel(arch, slow, 2)
+    for n in (1, 8):
+        assert b.encode_s("image", "672x672", n) - a.encode_s("image", "672x672", n) == pytest.approx(0.25)
+    assert b.prefill_s(1024, 1) == a.prefill_s(1024, 1) and b.decode_s(8, 1024) == a.decode_s(8, 1024)
+    p0, p1 = build(model, base, tp=2), build(model, slow, tp=2)
+    assert p1.roofline.encode_call_overhead_s == 0.25 and p0.roofline.encode_call_overhead_s == 0.0
+    assert pf.Profile.from_dict(p1.to_dict()).roofline.encode_call_overhead_s == 0.25
+    assert p1.unloaded[0].ttft_s - p0.unloaded[0].ttft_s == pytest.approx(0.25)
+    assert p1.slowdown("decode", "encode") > 5 > 1.5 > p0.slowdown("decode", "encode")
+    with pytest.raises(ValueError, match="encode_call_overhead_s must be >= 0"):
+        Efficiency(encode_call_overhead_s=-0.1)
