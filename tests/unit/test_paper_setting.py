@@ -42,6 +42,7 @@ def test_the_table_runs_at_each_overhead_and_reports_the_closest_to_the_paper(tm
     assert last["paper_ratio_rel_err_max"] == min(worst.values())
     assert worst[f"{last['fitted_encode_call_overhead_s']:g}"] == min(worst.values())
     assert last["roofline_only"]["paper_ratio_rel_err_max"] == worst["0"]
+    assert all(c.startswith("audio/") for c in last["at_ladder_top"])
     share = last["encode_kernel_share"]["audio"]  # the tower's part of an encode call at the fitted overhead
     assert (share == 1.0) == (last["fitted_encode_call_overhead_s"] == 0) and 0 < share <= 1
     profiles = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("roofline-audio-*.json")}
