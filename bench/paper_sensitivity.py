@@ -5,7 +5,8 @@ paper_setting's choices (WORKLOAD: image 672x672, video 16 x 448x448, audio 10 s
 128 output tokens; the moderate tier), on the same machine (8 x RTX 6000 Ada, tp 2 groups,
 roofline profiles) and the same three systems in the simulator:
 
-- vLLM-like: one monolith per tensor-parallel group;
+- vLLM-like: one monolith per tensor-parallel group, encoding as vLLM's engine does
+  (bench/paper_setting.py, `vllm_like`);
 - dynamo-like: request-at-a-time encode, every prefill remote, its best E/P/D allocation;
 - EAServe: `hasctl tune --evaluator sim` (moderate tier of the variant) at the first ladder rate
   at or above the best baseline goodput (full mode), or, with
@@ -19,6 +20,9 @@ The SLO of a variant is its tier's multiple (2x / 4x / 8x) of that variant's own
 TPOT (roofline encode of one item + prefill of its prompt; one decode step at that context), so a
 larger image is allowed a longer TTFT, as a profile of that workload would set it. The SLO-tier
 knob re-scores the same simulated runs.
+
+`--encode-overhead-s X` builds the profiles with the stacks' fixed cost per encode call
+(bench/paper_setting.py fits it; default 0: the roofline alone).
 
   python bench/paper_sensitivity.py --quick     # 3 modalities x 4 workloads x 3 tiers, warm starts only
 Last stdout line: JSON with "ratios" (per modality, per variant: easerve_over_vllm and
@@ -37,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_setting import MODELS, WORKLOAD, machine_args, tune, vllm_like  # noqa: E402
+from paper_setting import MODELS, WORKLOAD, cell_requests, machine_args, tune, vllm_like, with_encode_overhead  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
 from hasctl import profile_format as pf  # noqa: E402
@@ -60,14 +64,20 @@ TIERS = pf.DEFAULT_MULTIPLIERS
 def args_of(argv=None):
     ap = machine_args(__doc__)
     ap.add_argument("--trials", type=int, default=30, help="TPE trials per variant (full mode)")
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="requests per simulated cell, at least")
+    ap.add_argument("--min-duration-s", type=float, default=60.0,
+                    help="each cell's arrivals last at least this long (as bench/paper_setting.py)")
     ap.add_argument("--rates", default="0.25,0.5,1,1.5,2,3,4,6,8,12,16,24,32,48")
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--encode-overhead-s", type=float, default=0.0,
+                    help="the stacks' fixed cost per encode call, seconds (bench/paper_setting.py fits it)")
     ap.add_argument("--quick", action="store_true",
                     help="one alternative per knob, 30 requests, 5 rates, EAServe from the warm starts only")
     args = ap.parse_args(argv)
+    if args.encode_overhead_s < 0:
+        ap.error("--encode-overhead-s takes seconds >= 0")
     if args.quick:
-        args.requests, args.rates = 30, "2,4,8,16,32"
+        args.requests, args.rates, args.min_duration_s = 30, "2,4,8,16,32", 20.0
     args.modalities = [m for m in args.modalities.split(",") if m]
     args.rates = [float(x) for x in args.rates.split(",")]
     args.out_dir = Path(args.out_dir or ROOT / "runs" / time.strftime("paper-sensitivity-%Y%m%d-%H%M%S"))
@@ -99,7 +109,7 @@ def best(deployments, prof, spec: WorkloadSpec, tiers: dict[str, SLO], args) -> 
     out = dict.fromkeys(tiers, 0.0)
     for d in deployments:
         for rate in args.rates:
-            cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=args.requests, seed=0,
+            cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=cell_requests(args, rate), seed=0,
                               workload=spec, ignore_eos=True, slo=None, progress=False)
             bench, _ = run_simulation(d, prof, cfg)
             for t, slo in tiers.items():
@@ -111,7 +121,7 @@ def best(deployments, prof, spec: WorkloadSpec, tiers: dict[str, SLO], args) -> 
 def main(argv=None) -> int:
     args = args_of(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    dev = load_spec(args.gpu)
+    dev = with_encode_overhead(load_spec(args.gpu), args.encode_overhead_s)
     devices = [f"cuda:{i * args.tp}" for i in range(args.gpus // args.tp)]
     ratios: dict = {}
     lines = ["| modality | variant | tier | vLLM-like | dynamo-like | EAServe | / vLLM | / dynamo |",
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
     spread = {m: {k: [min(vals), max(vals)] if (vals := [v[k] for v in per.values() if v[k] is not None]) else None
                   for k in ("easerve_over_vllm", "easerve_over_dynamo")} for m, per in ratios.items()}
     result = {"spread": spread, "base": {m: per.get("base/moderate") for m, per in ratios.items()},
-              "ratios": ratios, "quick": args.quick}
+              "ratios": ratios, "encode_call_overhead_s": args.encode_overhead_s, "quick": args.quick}
     title = (f"# Sensitivity of the simulated paper ratios ({args.gpus} x {dev.name}, tp {args.tp}"
              f"{', quick: EAServe = warm starts only' if args.quick else ''})")
     text = "\n".join([title, "", *lines])

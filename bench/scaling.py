@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -64,10 +65,13 @@ def args_of(argv=None):
     ap.add_argument("--big-nodes", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200, help="requests per node per cell")
     ap.add_argument("--rates", default="0.5,1,2,3,4,6,8,12,16,24", help="one node's ladder, req/s")
-    ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates")
+    ap.add_argument("--min-duration-s", type=float, default=60.0,
+                    help="each cell's arrivals last at least this long, so it reaches steady state "
+                         "(bench/paper_setting.py, cell_requests)")
+    ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates, 20 s cells")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.rates = 40, "2,4,8,16,32"
+        args.requests, args.rates, args.min_duration_s = 40, "2,4,8,16,32", 20.0
     args.rates = [float(x) for x in args.rates.split(",")]
     args.network_gbps = [float(x) for x in args.network_gbps.split(",")]
     return args
@@ -93,10 +97,13 @@ def per_node(a: Allocation, nodes: int, per: int, tp: int, model: str) -> Deploy
                       **{s: tuple(w for c in copies for w in getattr(c, s)) for s in ("encode", "prefill", "decode")})
 
 
-def goodput(d: Deployment, prof, spec: WorkloadSpec, rates: list[float], n: int, per_host: int) -> tuple[float, float]:
+def goodput(d: Deployment, prof, spec: WorkloadSpec, rates: list[float], n: int, per_host: int,
+            min_s: float) -> tuple[float, float]:
+    """Best rate x SLO attainment over `rates`, each cell `n` requests or `min_s` of arrivals if more."""
     best = (0.0, 0.0)
     for rate in rates:
-        cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=n, seed=0, workload=spec,
+        cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=max(n, math.ceil(rate * min_s)),
+                          seed=0, workload=spec,
                           ignore_eos=True, slo=prof.slo("moderate"), progress=False)
         m = run_simulation(d, prof, cfg, ModelConfig(per_host))[0].metrics
         best = max(best, (round(rate * float(m.get("slo_attainment") or 0.0), 3), rate))
@@ -108,9 +115,11 @@ def one_node(model: str, prof, spec, gpus: int, tp: int, args, scale: float = 1.
     rates = [round(r * scale, 2) for r in args.rates]
     slots = [i * tp for i in range(gpus // tp)]
     allocs = [a for a in enumerate_allocations(len(slots)) if not a.colocated]
-    found = [(goodput(on(slots, tp, a, model), prof, spec, rates, args.requests, gpus), a) for a in allocs]
+    found = [(goodput(on(slots, tp, a, model), prof, spec, rates, args.requests, gpus, args.min_duration_s), a)
+             for a in allocs]
     g, a = max(found, key=lambda x: x[0])
-    v = goodput(vllm_like(model, [f"cuda:{s}" for s in slots], prof, spec, tp), prof, spec, rates, args.requests, gpus)
+    v = goodput(vllm_like(model, [f"cuda:{s}" for s in slots], prof, spec, tp), prof, spec, rates, args.requests, gpus,
+                args.min_duration_s)
     return a, g, v
 
 
@@ -142,7 +151,7 @@ def main(argv=None) -> int:
         big = times(best, k)
         for place, d in (("per node", per_node(best, k, per, tp, model)),
                          ("by stage", on([i * tp for i in range(k * per // tp)], tp, big, model))):
-            g = goodput(d, p, spec, rates, args.requests * k, per)[0]
+            g = goodput(d, p, spec, rates, args.requests * k, per, args.min_duration_s)[0]
             record(f"{k}-node/{gbps:g}/{place}", f"{k} x {per} {dev.name}", f"{gbps:g} Gb/s", place, big.name, g,
                    k * per, base)
     bdev = load_spec(args.big_gpu)
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
     bp = build(model, bdev, args.big_tp, network_gbps=gbps)
     n = args.big_nodes
     g = goodput(per_node(bbest, n, per, args.big_tp, model), bp, spec, [round(r * n * fast, 2) for r in args.rates],
-                args.requests * n, per)[0]
+                args.requests * n, per, args.min_duration_s)[0]
     record(f"{n}-node-{bdev.name}/{gbps:g}/per node", f"{n} x {per} {bdev.name}", f"{gbps:g} Gb/s", "per node",
            times(bbest, n).name, g, n * per, bbase)
     print("\n".join([f"# Scaling, {args.modality} ({MODELS[args.modality]}){' (quick)' if args.quick else ''}", "",

@@ -34,7 +34,7 @@ def test_vllm_like_takes_what_waits_up_to_the_encoder_budget(modality, batch):
 
 def test_the_table_runs_at_each_overhead_and_reports_the_closest_to_the_paper(tmp_path, capsys):
     argv = ["--modalities", "audio", "--encode-overhead-s", "0,0.3", "--trials", "2", "--requests", "20",
-            "--rates", "2,8", "--out-dir", str(tmp_path)]
+            "--rates", "2,8", "--min-duration-s", "0", "--out-dir", str(tmp_path)]
     assert ps.main(argv) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     worst = {x: v["paper_ratio_rel_err_max"] for x, v in last["by_overhead"].items()}
@@ -50,3 +50,12 @@ def test_the_table_runs_at_each_overhead_and_reports_the_closest_to_the_paper(tm
         {"roofline-audio-0s.json": 0.0, "roofline-audio-0.3s.json": 0.3}
     with pytest.raises(SystemExit):
         ps.main(["--encode-overhead-s", "-1", "--out-dir", str(tmp_path)])
+
+
+def test_a_cell_lasts_long_enough_to_reach_steady_state():
+    """At a high rate a fixed count of requests is a burst over before the decodes pile up: a
+    cell runs `--requests`, or `--min-duration-s` of arrivals if that is more."""
+    args = ps.args_of([])
+    assert (args.requests, args.min_duration_s) == (200, 60.0)
+    assert ps.cell_requests(args, 1.0) == 200 and ps.cell_requests(args, 32.0) == 1920
+    assert ps.cell_requests(ps.args_of(["--quick"]), 16.0) == 320
