@@ -94,19 +94,19 @@ def main(argv=None) -> int:
     args = args_of(argv)
     dev = load_spec(args.gpu)
     per, tp = args.gpus_per_node, args.tp
+    models = {m: str(ROOT / "bench" / "paper_models" / MODELS[m]) for m in args.mix}
     g1, alloc, profs, specs = {}, {}, {}, {}
-    for m in args.mix:
-        model = str(ROOT / "bench" / "paper_models" / MODELS[m])
+    for m, model in models.items():
         profs[m], specs[m] = build(model, dev, tp), WorkloadSpec(modality=m, **WORKLOAD)
         a, g, _ = one_node(model, profs[m], specs[m], per, tp, args)
         alloc[m], g1[m] = a, g[0]
     split, rate = best_split(args.nodes, g1, args.mix)
     even = even_split(args.nodes, list(args.mix))
+    even_rate = mixed_rate(even, g1, args.mix)
     check = {}
     for m, n in split.items():
-        model = str(ROOT / "bench" / "paper_models" / MODELS[m])
         r = round(args.mix[m] * rate, 3)
-        g, _ = goodput(per_node(alloc[m], n, per, tp, model), profs[m], specs[m], [r], args.requests * n, per,
+        g, _ = goodput(per_node(alloc[m], n, per, tp, models[m]), profs[m], specs[m], [r], args.requests * n, per,
                        args.min_duration_s)
         check[m] = {"rate": r, "goodput": g, "slo_attainment": round(g / r, 3) if r > 0 else None}
     rows = ["| modality | model | share | nodes | allocation per node | one node req/s | rate at R | goodput there |",
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
              f"{check[m]['rate']:.2f} | {check[m]['goodput']:.2f} |" for m in args.mix]
     print("\n".join([f"# Mixed workload on {args.nodes} x {per} {dev.name} (tp {tp}){' (quick)' if args.quick else ''}",
                      "", *rows, "", f"mixed rate R = {rate:.2f} req/s (even split {even}: "
-                     f"{mixed_rate(even, g1, args.mix):.2f} req/s)"]))
+                     f"{even_rate:.2f} req/s)"]))
     print(json.dumps({"mixed_req_s": round(rate, 3), "split": split, "even_split": even,
-                      "even_split_req_s": round(mixed_rate(even, g1, args.mix), 3),
+                      "even_split_req_s": round(even_rate, 3),
                       "per_node_req_s": {m: round(v, 3) for m, v in g1.items()},
                       "allocation": {m: a.name for m, a in alloc.items()}, "mix": args.mix, "check": check,
                       "quick": args.quick}))

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_setting import MODELS, WORKLOAD, with_encode_overhead  # noqa: E402
+from paper_setting import MODELS, WORKLOAD, overhead_seconds, with_encode_overhead  # noqa: E402
 
 from easerve.roofline import load_spec  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
@@ -57,12 +57,10 @@ def args_of(argv=None):
     ap.add_argument("--overload", type=float, default=1.5, help="check 1's rate / saturated throughput")
     ap.add_argument("--burstiness", type=float, default=0.1, help="check 2's gamma shape (1 = Poisson)")
     ap.add_argument("--partition-rate", type=float, default=10.0, help="check 3's rate, req/s")
-    ap.add_argument("--encode-overhead-s", type=float, default=0.0,
+    ap.add_argument("--encode-overhead-s", type=overhead_seconds, default=0.0,
                     help="the stacks' fixed cost per encode call, seconds (bench/paper_setting.py fits it)")
     ap.add_argument("--quick", action="store_true", help="60 requests per run")
     args = ap.parse_args(argv)
-    if args.encode_overhead_s < 0:
-        ap.error("--encode-overhead-s takes seconds >= 0")
     if args.quick:
         args.requests = 60
     return args

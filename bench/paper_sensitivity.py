@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_setting import MODELS, WORKLOAD, cell_requests, machine_args, tune, vllm_like, with_encode_overhead  # noqa: E402
+from paper_setting import MODELS, WORKLOAD, cell_requests, machine_args, tune, vllm_like, overhead_seconds, with_encode_overhead  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
 from hasctl import profile_format as pf  # noqa: E402
@@ -69,13 +69,11 @@ def args_of(argv=None):
                     help="each cell's arrivals last at least this long (as bench/paper_setting.py)")
     ap.add_argument("--rates", default="0.25,0.5,1,1.5,2,3,4,6,8,12,16,24,32,48")
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--encode-overhead-s", type=float, default=0.0,
+    ap.add_argument("--encode-overhead-s", type=overhead_seconds, default=0.0,
                     help="the stacks' fixed cost per encode call, seconds (bench/paper_setting.py fits it)")
     ap.add_argument("--quick", action="store_true",
                     help="one alternative per knob, 30 requests, 5 rates, EAServe from the warm starts only")
     args = ap.parse_args(argv)
-    if args.encode_overhead_s < 0:
-        ap.error("--encode-overhead-s takes seconds >= 0")
     if args.quick:
         args.requests, args.rates, args.min_duration_s = 30, "2,4,8,16,32", 20.0
     args.modalities = [m for m in args.modalities.split(",") if m]

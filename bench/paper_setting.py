@@ -127,9 +127,26 @@ def args_of(argv=None):
     return args
 
 
+def requests_for(rate: float, at_least: int, min_duration_s: float) -> int:
+    """Requests of one simulated cell at `rate`: `at_least`, or `min_duration_s` of arrivals if more
+    (also bench/scaling.py's and bench/mixed_cluster.py's cells)."""
+    return max(at_least, math.ceil(rate * min_duration_s))
+
+
 def cell_requests(args, rate: float) -> int:
     """Requests of one simulated cell at `rate`: `--requests`, or `--min-duration-s` of arrivals if more."""
-    return max(args.requests, math.ceil(rate * args.min_duration_s))
+    return requests_for(rate, args.requests, args.min_duration_s)
+
+
+def overhead_seconds(text: str) -> float:
+    """An --encode-overhead-s value (argparse type): seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"--encode-overhead-s takes seconds >= 0, got {text!r}")
+    return v
 
 
 def goodput(d: Deployment, prof: pf.Profile, spec: WorkloadSpec, args) -> tuple[float, float]:
