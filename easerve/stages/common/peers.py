@@ -4,8 +4,10 @@
 (grpc.health.v1) and load (`easerve.v1.Stage/Load`: requests held, node identity).
 `pick()` places a request by least outstanding work (`control.placement.LeastLoaded`),
 skipping instances that are down or NOT_SERVING; `start_call()` opens a streaming call
-and retries once on another instance when it fails before its first message (nothing was
-committed there yet; never for a message over the size limit, which fits nowhere).
+and retries once on another instance when it fails before its first message (never for a
+message over the size limit, which fits nowhere); a caller whose failed call may have done
+work elsewhere first retries itself (the gateway: the call may have filled its decode
+reservation, so it retries under a new one).
 `relay()` turns a streaming call's failure into the domain error.
 
 The set of instances may change while running (`easerve.stages.common.peer_sources`: DNS names
@@ -264,16 +266,20 @@ class Peers:
                     raise
                 await asyncio.sleep(self.poll_s)
 
-    async def start_call(self, open_call: Callable[[Peer], object],
-                         prefer: str | None = None) -> tuple[Peer, object, object]:
+    async def start_call(self, open_call: Callable[[Peer], object], prefer: str | None = None,
+                         failed: set[str] | None = None, retries: int = 1) -> tuple[Peer, object, object]:
         """Open a server-streaming call on the least-loaded instance and read its first
         message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
-        once more on another instance (not for MessageTooLarge: a message over the size
-        limit is refused everywhere). Returns (peer, call, first message); the caller
-        must `finish(peer)` when done with the call."""
-        tried: set[str] = set()
+        up to `retries` more times on other instances (not for MessageTooLarge: a message
+        over the size limit is refused everywhere). `failed`: instances not to use (a
+        caller's earlier attempts), given to be filled with each instance that failed so;
+        a caller whose retry needs more than a new instance passes `retries=0` and retries
+        itself. Returns (peer, call, first message); the caller must `finish(peer)` when
+        done with the call."""
+        failed = set() if failed is None else failed
+        tries = 0
         while True:
-            peer = await self._pick_soon(frozenset(tried), prefer)
+            peer = await self._pick_soon(frozenset(failed), prefer)
             peer.outstanding += 1
             peer.sent_since_poll += 1
             call = open_call(peer)
@@ -283,10 +289,13 @@ class Peers:
                 peer.outstanding -= 1
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     peer.up = False
-                tried.add(peer.addr)
                 err = from_rpc_error(e)
-                others = [a for a in self._peers if a not in tried]  # now: it may have left the list meanwhile
-                if e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge) and len(tried) < 2 and others:
+                retryable = e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge)
+                if retryable:
+                    failed.add(peer.addr)
+                tries += 1
+                others = [a for a in self._peers if a not in failed]  # now: it may have left the list meanwhile
+                if retryable and tries <= retries and others:
                     log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
                     continue
                 raise err.where(f"{self.service or 'peer'} at {peer.addr}") from None

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from easerve.errors import BadRequest, CacheMiss, Internal
+from easerve.errors import BadRequest, CacheMiss, Internal, Overloaded, Unavailable
 from easerve.media import MediaResolver, config_for
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
@@ -50,6 +50,14 @@ __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
 
 
+UPSTREAM_ATTEMPTS = 2  # an upstream call failing before its first token is tried on one more instance
+
+
+def new_internal_id() -> str:
+    """A request id of the gateway's own, unique: what the stages see."""
+    return f"gw-{uuid.uuid4().hex}"
+
+
 @dataclass
 class Job:
     """One request as the gateway sees it: chat messages or a raw prompt + media, as parsed at
@@ -64,7 +72,7 @@ class Job:
     prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
-    internal_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    internal_id: str = field(default_factory=lambda: new_internal_id())
     media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
     preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
     slo_tier: str | None = None          # None: the gateway's --slo-tier
@@ -187,8 +195,11 @@ class GatewayCore:
             meta.yields = d.yields
         return meta
 
-    async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str):
-        """(peers, peer, call, first message) of the stage that computes the first token."""
+    async def _upstream(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str,
+                        failed: set[str]):
+        """(peers, peer, call, first message) of the stage that computes the first token; an
+        instance whose call fails before its first message is added to `failed`, not retried
+        here (`_reserved_call` retries with a new reservation)."""
         if self.admission is not None:
             self.admission.placed(job)
         meta, sp = self._meta(job, deadline), sampling_to_proto(job.sampling)
@@ -196,19 +207,20 @@ class GatewayCore:
         if prompt.items:
             if not self._enc:
                 raise BadRequest("this deployment has no encode stage; send text only")
-            return (self._enc, *await self._encode_call(job, prompt, deadline, decode_addr,
+            return (self._enc, *await self._encode_call(job, prompt, deadline, decode_addr, failed,
                                                         dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
                                                              decode=target)))
         req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
         hashes = self.prefix_route.hashes(prompt.input_ids)
         prefer = decode_addr if decode_addr in self._pre.addrs else self.prefix_route.prefer(hashes, up_loads(self._pre))
-        started = await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()), prefer=prefer)
+        started = await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()), prefer=prefer,
+                                             failed=failed, retries=0)
         self.prefix_route.sent(hashes, started[0].addr)
         return (self._pre, *started)
 
     # ---- encoder cache: pixel-free items, late misses ---------------------------------------------
     async def _encode_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline, decode_addr: str,
-                           fields: dict):
+                           failed: set[str], fields: dict):
         """Open the encode call on the instance the media plan chose (in a monolith: the one
         holding the reservation). Items it said it holds go without their pixels (all items,
         when preprocessing was skipped); if it no longer holds one when the request comes
@@ -220,7 +232,7 @@ class GatewayCore:
         if any(held):
             req = await self._encode_request(prompt, fields, held)
             try:
-                return await self._started(plan, req, deadline, target)
+                return await self._started(plan, req, deadline, target, failed)
             except CacheMiss as e:  # its reason code, not its words (the peer's name is in front)
                 log.info("request %s: late encoder cache miss at %s (%s); resending with pixels",
                          job.request_id, target, e)
@@ -229,7 +241,7 @@ class GatewayCore:
             if plan.skipped:
                 prompt = await self._reprocess(job, prompt)
         req = await self._encode_request(prompt, fields, [False] * len(prompt.items))
-        return await self._started(plan, req, deadline, target or decode_addr)
+        return await self._started(plan, req, deadline, target or decode_addr, failed)
 
     async def _reprocess(self, job: Job, skipped: ProcessedPrompt) -> ProcessedPrompt:
         """The full preprocessing a late miss needs after a skipped one; the same token ids."""
@@ -248,9 +260,10 @@ class GatewayCore:
             self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
         return encode_pb2.EncodeRequest(items=items, **fields)
 
-    async def _started(self, plan: MediaPlan | None, req, deadline: Deadline, prefer: str | None):
+    async def _started(self, plan: MediaPlan | None, req, deadline: Deadline, prefer: str | None,
+                       failed: set[str]):
         peer, call, first = await self._enc.start_call(lambda p: p.stub.Encode(req, timeout=deadline.timeout()),
-                                                       prefer=prefer)
+                                                       prefer=prefer, failed=failed, retries=0)
         if plan is not None and peer.addr != plan.target:
             self.cache.sent(plan, peer.addr)
         return peer, call, first
@@ -281,17 +294,43 @@ class GatewayCore:
             if waiting:
                 self.m.requests_waiting.dec()
 
-    async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
-        deadline = self._deadline(job)
-        reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
-                                            max_new_tokens=job.sampling.max_tokens, n=job.sampling.n)
+    async def _reserved_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline):
+        """(decode peer, decode call, upstream peers, upstream peer, upstream call, its first
+        message): a place held at decode and the upstream call that fills it. An upstream call
+        that fails before its first message (its instance refused it, died or lost its own
+        downstream) is tried once more on another instance, under a new internal id and a new
+        reservation: the failed call may have handed its KV to the first place already, which
+        then decodes (or has finished) a request whose first token never came back."""
+        failed: set[str] = set()  # upstream instances whose call failed before its first message
         plan = job.media_plan  # a monolith holding the media also takes the reservation, when it can
         pinned = plan.target if plan is not None and plan.target in self._dec.addrs else None
-        dpeer, dcall, _ack = await self._dec.start_call(lambda p: p.stub.Open(reserve, timeout=deadline.timeout()),
-                                                        prefer=pinned)
-        upeers = upeer = ucall = tail = None
+        for attempt in range(UPSTREAM_ATTEMPTS):
+            if attempt:
+                job.internal_id = new_internal_id()
+            reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
+                                                max_new_tokens=job.sampling.max_tokens, n=job.sampling.n)
+            dpeer, dcall, _ack = await self._dec.start_call(
+                lambda p: p.stub.Open(reserve, timeout=deadline.timeout()), prefer=pinned)
+            before = len(failed)
+            try:
+                return (dpeer, dcall, *await self._upstream(job, prompt, deadline, dpeer.addr, failed))
+            except (Unavailable, Overloaded) as e:
+                dcall.cancel()  # the place and any KV the failed call sent there are freed
+                self._dec.finish(dpeer)
+                if len(failed) == before or attempt + 1 == UPSTREAM_ATTEMPTS:
+                    raise  # no instance failed mid-call (none left, none up), or the last attempt
+                log.info("request %s: %s; retrying with a new reservation", job.request_id, e)
+            except BaseException:
+                dcall.cancel()
+                self._dec.finish(dpeer)
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
+        deadline = self._deadline(job)
+        dpeer, dcall, upeers, upeer, ucall, first = await self._reserved_call(job, prompt, deadline)
+        tail = None
         try:
-            upeers, upeer, ucall, first = await self._upstream(job, prompt, deadline, dpeer.addr)
             if job.sampling.n > 1:
                 async for d in fan_in(self, job, prompt, first, ucall, dcall, dpeer.addr):
                     yield d
@@ -305,12 +344,10 @@ class GatewayCore:
                 yield d
         finally:
             dcall.cancel()
-            if ucall is not None:
-                ucall.cancel()
+            ucall.cancel()
             if tail is not None and not tail.done():
                 tail.cancel()
-            if upeer is not None:
-                upeers.finish(upeer)
+            upeers.finish(upeer)
             self._dec.finish(dpeer)
 
     def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
