@@ -77,7 +77,7 @@ from hasctl.deployment import Deployment  # noqa: E402
 from hasctl.roofline_profile import CHUNK_TOKENS, build  # noqa: E402
 from hasctl.simulate import media_of, run_simulation  # noqa: E402
 from hasctl.tune_space import MONOLITH, MONOLITH_DP, Space, deployment_for, runnable_allocations  # noqa: E402
-from hasctl.workload import WorkloadSpec  # noqa: E402
+from hasctl.workload import WorkloadSpec, steady_requests  # noqa: E402
 
 MODELS = {"image": "llava-v1.6-34b", "video": "qwen2.5-vl-32b", "audio": "ultravox-27b"}
 PAPER = {"image": {"dynamo": 0.95, "vllm": 1.11, "easerve": 1.93},
@@ -127,15 +127,9 @@ def args_of(argv=None):
     return args
 
 
-def requests_for(rate: float, at_least: int, min_duration_s: float) -> int:
-    """Requests of one simulated cell at `rate`: `at_least`, or `min_duration_s` of arrivals if more
-    (also bench/scaling.py's and bench/mixed_cluster.py's cells)."""
-    return max(at_least, math.ceil(rate * min_duration_s))
-
-
 def cell_requests(args, rate: float) -> int:
     """Requests of one simulated cell at `rate`: `--requests`, or `--min-duration-s` of arrivals if more."""
-    return requests_for(rate, args.requests, args.min_duration_s)
+    return steady_requests(rate, args.requests, args.min_duration_s)
 
 
 def overhead_seconds(text: str) -> float:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from paper_setting import MODELS, WORKLOAD, requests_for, vllm_like  # noqa: E402
+from paper_setting import MODELS, WORKLOAD, vllm_like  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
 from easerve.sim.model import ModelConfig  # noqa: E402
@@ -46,7 +46,7 @@ from hasctl.roofline_profile import (
 )
 from hasctl.screen import Allocation, enumerate_allocations  # noqa: E402
 from hasctl.simulate import PROFILE_TEXT_TOKENS, media_of, run_simulation  # noqa: E402
-from hasctl.workload import WorkloadSpec  # noqa: E402
+from hasctl.workload import WorkloadSpec, steady_requests  # noqa: E402
 
 ENCODE = {"max-batch": 8, "batch-mode": "adaptive", "remote-fraction": 1.0}
 
@@ -101,7 +101,7 @@ def goodput(d: Deployment, prof, spec: WorkloadSpec, rates: list[float], n: int,
     """Best rate x SLO attainment over `rates`, each cell `n` requests or `min_s` of arrivals if more."""
     best = (0.0, 0.0)
     for rate in rates:
-        cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=requests_for(rate, n, min_s),
+        cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=steady_requests(rate, n, min_s),
                           seed=0, workload=spec,
                           ignore_eos=True, slo=prof.slo("moderate"), progress=False)
         m = run_simulation(d, prof, cfg, ModelConfig(per_host))[0].metrics

@@ -34,9 +34,10 @@ from hasctl.bench_metrics import SLO
 from hasctl.deployment import Deployment, GatewaySpec
 from hasctl.tune_space import (BATCH_SIZES, PLACEMENTS, Space, core_devices, deployment_for, runnable_allocations,
                                suggest, warm_starts)
-from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
+from hasctl.workload import MODALITIES, WorkloadSpec, parse_size, steady_requests
 
 EVALUATORS = ("live", "sim")
+SIM_MIN_DURATION_S = 60.0  # --sim-min-duration-s default
 INTERRUPTED = "interrupted (SIGINT/SIGTERM) while running; its parameters are queued for the next run"
 
 
@@ -59,6 +60,7 @@ class TuneConfig:
     run_dir: str = ""
     ignore_eos: bool = False  # every request decodes its full output_tokens (as vllm bench serve --ignore-eos)
     evaluator: str = "live"   # live: real launches; sim: the discrete-event simulator on a profile
+    sim_min_duration_s: float = SIM_MIN_DURATION_S  # a simulated trial's arrivals last at least this long
 
     def __post_init__(self) -> None:
         if self.evaluator not in EVALUATORS:
@@ -69,8 +71,15 @@ class TuneConfig:
             raise ValueError(f"rate must be > 0 requests/s (--rate), got {self.rate}")
         if self.num_requests < 1 or self.warmup < 0:
             raise ValueError(f"--requests must be >= 1 and --warmup >= 0, got {self.num_requests}, {self.warmup}")
+        if not (math.isfinite(self.sim_min_duration_s) and self.sim_min_duration_s >= 0):
+            raise ValueError(f"--sim-min-duration-s must be >= 0 seconds, got {self.sim_min_duration_s}")
         if self.startup_timeout_s <= 0 or self.bench_timeout_s <= 0:
             raise ValueError("--startup-timeout and --bench-timeout must be > 0 seconds")
+
+    @property
+    def sim_requests(self) -> int:
+        """Requests of a simulated trial: --requests, or --sim-min-duration-s of arrivals if more."""
+        return steady_requests(self.rate, self.num_requests, self.sim_min_duration_s)
 
     def fingerprint(self, space: Space) -> dict:
         """What must not change between runs of one study (else goodputs are not comparable)."""
@@ -80,6 +89,7 @@ class TuneConfig:
                 "batch_modes": list(space.batch_modes),
                 "devices": list(space.devices), "placements": list(space.placements), "ignore_eos": self.ignore_eos,
                 **({"evaluator": self.evaluator} if self.evaluator != "live" else {}),  # old live studies resume
+                **({"sim_requests": self.sim_requests} if self.evaluator == "sim" else {}),
                 **({"tp": space.tp} if space.tp != 1 else {})}
 
 
@@ -205,7 +215,7 @@ def evaluate_sim(d: Deployment, cfg: TuneConfig, profile) -> dict:
     """Score `d` in the simulator on the trial's workload (what `evaluate` measures live)."""
     from hasctl.bench import BenchConfig
     from hasctl.simulate import run_simulation
-    bench = BenchConfig(url="http://simulated.invalid", rate=cfg.rate, num_requests=cfg.num_requests, seed=cfg.seed,
+    bench = BenchConfig(url="http://simulated.invalid", rate=cfg.rate, num_requests=cfg.sim_requests, seed=cfg.seed,
                         workload=cfg.workload, slo=cfg.slo, ignore_eos=cfg.ignore_eos, label=d.name, progress=False)
     try:
         result, sim = run_simulation(d, profile, bench)
@@ -311,6 +321,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampler and workload seed (default 0; a resumed study's)")
     p.add_argument("--modality", default="image", choices=list(MODALITIES))
     p.add_argument("--requests", type=int, default=20, help="requests per trial's measured run")
+    p.add_argument("--sim-min-duration-s", type=float, default=SIM_MIN_DURATION_S,
+                   help="a simulated trial (--evaluator sim, --prescreen) replays at least this many seconds of "
+                        "arrivals (rate x this many requests, when more than --requests): a short run at a high rate "
+                        "is a burst that ends before the queues build, and scores a rate no deployment sustains")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before it (not scored)")
     p.add_argument("--image-size", default="224x224")
     p.add_argument("--video-frames", type=int, default=8)
@@ -409,7 +423,8 @@ def config_from_args(args, run_dir: str) -> TuneConfig:
     return TuneConfig(model=str(Path(args.model).resolve()), rate=args.rate, slo=slo, num_requests=args.requests,
                       warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
                       startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir,
-                      ignore_eos=args.ignore_eos, evaluator=args.evaluator)
+                      ignore_eos=args.ignore_eos, evaluator=args.evaluator,
+                      sim_min_duration_s=args.sim_min_duration_s)
 
 
 def _prescreen_k(text: str | None) -> int | None:

@@ -85,6 +85,13 @@ def arrival_times(rate: float, burstiness: float = 1.0, seed: int = 0, *, n: int
     return out
 
 
+def steady_requests(rate: float, at_least: int, min_duration_s: float) -> int:
+    """Requests of a run that reaches steady state: `at_least`, or `min_duration_s` of arrivals
+    at `rate` if more (a fixed count at a high rate is a burst that ends before the queues
+    build, and scores a rate no deployment sustains)."""
+    return max(at_least, math.ceil(rate * min_duration_s))
+
+
 # ---- requests ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkloadSpec:

@@ -21,7 +21,6 @@ import pytest
 
 from tests.integration.conftest import png_bytes
 
-pytestmark = pytest.mark.slow
 SERVED = "tiny"
 
 

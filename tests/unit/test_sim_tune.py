@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import optuna
+import pytest
 
 from hasctl.bench_metrics import RequestRecord, compute_metrics
 from hasctl.cli import main
@@ -47,7 +48,33 @@ def test_tune_with_the_simulator_writes_a_deployment(tmp_path):
     study = optuna.load_study(study_name="s", storage=storage)
     done = [t for t in study.trials if t.value is not None]
     assert len(study.trials) == 6 and done and all(t.user_attrs["evaluator"] == "sim" for t in study.trials)
-    assert all(t.user_attrs["metrics"]["completed"] + t.user_attrs["metrics"]["failed"] == 60 for t in done)
+    # each trial ran 60 s of arrivals (--sim-min-duration-s' default): 180 requests at 3 req/s, not --requests' 60
+    assert all(t.user_attrs["metrics"]["completed"] + t.user_attrs["metrics"]["failed"] == 180 for t in done)
+
+
+def test_a_simulated_trial_runs_at_least_its_min_duration_of_arrivals(tmp_path):
+    """--requests is a floor, and so is --sim-min-duration-s x rate: at a high rate a fixed
+    count is a burst that ends before the queues build (the profile's deployment then scores
+    a rate it cannot sustain)."""
+    from hasctl.cli import build_parser
+    from hasctl.deployment import preset
+    from hasctl.tune import config_from_args, evaluate_sim
+
+    prof = make_profile()
+    path = dump(prof, tmp_path / "p.json")
+    base = ["tune", "--model", str(tmp_path), "--rate", "8", "--storage", "sqlite://", "--study", "s",
+            "--evaluator", "sim", "--profile", str(path), "--slo", "moderate", "--devices", DEVICES, "--requests", "20"]
+    cfg = lambda *extra: config_from_args(build_parser(["tune"]).parse_args([*base, *extra]), str(tmp_path))  # noqa: E731
+    assert cfg().sim_requests == 480 and cfg("--sim-min-duration-s", "0").sim_requests == 20
+    assert cfg("--sim-min-duration-s", "1").sim_requests == 20  # 8 arrivals: --requests is the floor
+    burst, steady = (evaluate_sim(preset("colocated").with_model(str(tmp_path)), cfg(*x), prof)
+                     for x in (("--sim-min-duration-s", "0"), ("--sim-min-duration-s", "20")))
+    assert burst["completed"] + burst["failed"] == 20 and steady["completed"] + steady["failed"] == 160
+    # past this deployment's capacity (about 6 req/s here): the 2.5 s burst still meets the SLO
+    # for a quarter of its requests, 20 s of arrivals for a few percent
+    assert steady["request_goodput"] < 0.5 * burst["request_goodput"], (burst, steady)
+    with pytest.raises(ValueError, match="--sim-min-duration-s must be >= 0"):
+        cfg("--sim-min-duration-s", "-1")
 
 
 def test_prescreen_measures_only_the_top_k_simulated_candidates_live(tmp_path):
@@ -111,7 +138,7 @@ def test_a_sim_search_ends_at_least_as_good_as_the_baselines_it_can_express(tmp_
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     argv = ["tune", "--model", str(tmp_path), "--rate", "12", "--storage", storage, "--study", "s",
             "--evaluator", "sim", "--profile", str(path), "--slo", "moderate", "--devices", DEVICES,
-            "--requests", "60", "--out", str(tmp_path / "best.yaml")]
+            "--requests", "60", "--sim-min-duration-s", "0", "--out", str(tmp_path / "best.yaml")]
     args = build_parser(["tune"]).parse_args(argv)
     from hasctl.tune import space_from_args
     n_warm = len(warm_starts(space_from_args(args, say=lambda m: None)))
