@@ -2,8 +2,8 @@
 on 8 x RTX 6000 Ada, roofline profiles (`hasctl profile --roofline`, tensor parallel 2: a 27-34B
 model in bf16 does not fit one 48 GB card), and three systems in the simulator (easerve.sim):
 
-- EAServe: `hasctl tune --evaluator sim` (Optuna TPE over allocation x B x s, screened) at the
-  tuning rate, its best deployment; its first trials are layouts it could deploy instead
+- EAServe: `hasctl tune --evaluator sim` (Optuna TPE over allocation x B x s, screened) at each
+  tuning rate, the best of its deployments; its first trials are layouts it could deploy instead
   (our own monolith on every tp group, `monolith-dp` at adaptive B = 8, and the Dynamo-like point
   on the screen's best E/P/D split: hasctl.tune_space.warm_starts), so at the tuning rate it is
   never below those;
@@ -45,8 +45,12 @@ tower time at the fitted value (`encode_kernel_share`, to set beside the paper's
 
 Workload choices the summary leaves open (stated, not the paper's): image 672x672 (LLaVA-NeXT's
 largest anyres grid, 2,928 rows), video 16 frames of 448x448 (2,048 rows), audio 10 s (63 rows),
-32 text tokens, 128 output tokens decoded to the end; HAS tunes for the highest rate a baseline
-peaks at (a target where the baselines are stressed; at a rate every deployment carries, trials tie).
+32 text tokens, 128 output tokens decoded to the end.
+HAS tunes at 1, 1.5, 2 and 3 x the highest rate a baseline peaks at (`--tune-rate-multiples`), and
+EAServe's goodput is that of the best of those deployments on the same ladder: at one rate every
+deployment carries, trials tie and which one TPE keeps is arbitrary (tuned at the baselines' peak
+alone, EAServe's goodput jumped between neighbouring overheads: video 2.19 / 4.00 / 3.00 req/s at
+0.8 / 1.0 / 1.2 s).
 Every instance is a tensor-parallel group of --tp GPUs (deployment `tp`), encode instances included
 (an encode-only worker could run on a single card: understated here for EAServe and Dynamo alike).
 
@@ -85,6 +89,7 @@ PAPER = {"image": {"dynamo": 0.95, "vllm": 1.11, "easerve": 1.93},
          "audio": {"dynamo": 0.98, "vllm": 2.77, "easerve": 4.17}}
 ENCODER_BUDGET_TOKENS = CHUNK_TOKENS  # vLLM's max_num_encoder_input_tokens default: max_num_batched_tokens
 OVERHEADS_S = "0,0.2,0.4"            # --encode-overhead-s default: the grid the fit runs over
+TUNE_MULTIPLES = "1,1.5,2,3"          # --tune-rate-multiples default
 WORKLOAD = dict(image_size=(672, 672), video_frames=16, video_size=(448, 448), audio_s=10.0, input_tokens=32,
                 output_tokens=128)
 
@@ -107,7 +112,11 @@ def args_of(argv=None):
                     help="each cell's arrivals last at least this long (rate x this many requests), so a "
                          "cell reaches steady state: a short burst at a high rate ends before its decodes pile up")
     ap.add_argument("--tune-rate", type=float, default=None,
-                    help="rate HAS tunes for (default: the highest rate a baseline peaks at on the ladder)")
+                    help="one rate HAS tunes for (default: each of --tune-rate-multiples x the highest rate a "
+                         "baseline peaks at on the ladder)")
+    ap.add_argument("--tune-rate-multiples", default=TUNE_MULTIPLES,
+                    help="HAS tunes at each multiple of the baselines' peak rate; EAServe's goodput is the best "
+                         "tuned deployment's (at one rate every deployment carries, trials tie and the pick is arbitrary)")
     ap.add_argument("--rates", default="0.25,0.5,0.75,1,1.5,2,2.5,3,4,5,6,8,10,12,16,20,24,32,40")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--encode-overhead-s", default=OVERHEADS_S,
@@ -121,6 +130,9 @@ def args_of(argv=None):
         ap.error("--encode-overhead-s takes seconds >= 0, comma separated (e.g. 0,0.2)")
     if args.quick:
         args.trials, args.requests, args.rates, args.min_duration_s = 8, 60, "0.5,1,2,4,6,8,12,16", 20.0
+    args.tune_rate_multiples = [float(x) for x in args.tune_rate_multiples.split(",") if x.strip()]
+    if not args.tune_rate_multiples or min(args.tune_rate_multiples) <= 0:
+        ap.error("--tune-rate-multiples takes multiples > 0, comma separated (e.g. 1,2)")
     args.modalities = [m for m in args.modalities.split(",") if m]
     args.rates = [float(x) for x in args.rates.split(",")]
     args.out_dir = Path(args.out_dir or ROOT / "runs" / time.strftime("paper-setting-%Y%m%d-%H%M%S"))
@@ -173,6 +185,23 @@ def tune(args, modality: str, model: str, prof_path: Path, devices: list[str], r
     return Deployment.load(out)
 
 
+def tuned_goodput(args, modality: str, model: str, prof: pf.Profile, prof_path: Path, spec: WorkloadSpec,
+                  devices: list[str], peak: float, study: str) -> tuple[float, tuple[float, float]]:
+    """HAS at each tuning rate (--tune-rate, or each --tune-rate-multiples x `peak`, the baselines'
+    best rate); (the rate whose deployment did best, (its goodput, the rate it came at)). A
+    deployment tuned at more than one rate is simulated once."""
+    rates = [args.tune_rate] if args.tune_rate else sorted({round(peak * k, 3) for k in args.tune_rate_multiples})
+    seen, best = {}, None
+    for r in rates:
+        d = tune(args, modality, model, prof_path, devices, r, study=f"{study}-r{r:g}")
+        key = json.dumps({k: v for k, v in d.to_dict().items() if k != "name"}, sort_keys=True)
+        if key not in seen:
+            seen[key] = goodput(d, prof, spec, args)
+        if best is None or seen[key] > best[1]:
+            best = (r, seen[key])
+    return best
+
+
 def dynamo_like(model: str, prof: pf.Profile, spec: WorkloadSpec, devices: list[str], args) -> tuple[Deployment, tuple]:
     space = Space(tuple(a for a in runnable_allocations(len(devices)) if not a.colocated), tuple(devices), (1,),
                   monolith=False, batch_modes=("request_at_a_time",), tp=prof.tp)
@@ -215,9 +244,8 @@ def table(args, dev: DeviceSpec, overhead_s: float) -> tuple[dict, list[str], di
         out["encode_kernel_share"][m] = round((enc - overhead_s) / enc, 3)
         ours = {"vllm": goodput(vllm_like(model, devices, prof, spec, args.tp), prof, spec, args)}
         _, ours["dynamo"] = dynamo_like(model, prof, spec, devices, args)
-        rate = args.tune_rate or max(ours["vllm"][1], ours["dynamo"][1])
-        ours["easerve"] = goodput(tune(args, m, model, prof_path, devices, rate, study=f"{m}-{overhead_s:g}s"),
-                                  prof, spec, args)
+        rate, ours["easerve"] = tuned_goodput(args, m, model, prof, prof_path, spec, devices,
+                                              max(ours["vllm"][1], ours["dynamo"][1]), f"{m}-{overhead_s:g}s")
         out["tune_rate"][m] = rate
         # a best rate at the ladder's top is a lower bound of that system's goodput: say so
         out["at_ladder_top"].extend(f"{m}/{k}" for k, v in ours.items() if v[1] >= max(args.rates))
