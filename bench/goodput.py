@@ -8,7 +8,7 @@ LLaVA-NeXT, video on Qwen2.5-VL, audio on Ultravox:
    tier); a burst of requests sent at once gives dynamo-like's saturated throughput C; the rate
    is `--load-factor` x C, so dynamo-like is saturated there by construction (both stated in
    the output);
-2. tune: `hasctl tune`'s own search (`hasctl.tune.run_trials`, Optuna TPE, seeded; every trial a
+2. tune: `hasctl tune`'s own search (`hasctl.trials.run_trials`, Optuna TPE, seeded; every trial a
    real launch) over allocations of up to 3 instances on this process's CPU cores, split and
    shared placements, B and s, and the monolith, at that rate and SLO, starting from the
    `default` / `colocated` / `monolith` points (`tune_space.warm_starts`); its wall time is
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from hasctl.bench import BenchConfig, run_bench  # noqa: E402
 from hasctl.bench_metrics import SLO  # noqa: E402
 from hasctl.deployment import Deployment, preset  # noqa: E402
-from hasctl.tune import TrialFailed, TuneConfig, best_deployment, best_trial, evaluate, open_study, run_trials  # noqa: E402
+from hasctl.trials import TrialFailed, TuneConfig, best_deployment, best_trial, evaluate, open_study, run_trials  # noqa: E402
 from hasctl.tune_space import PLACEMENTS, Space, core_devices, runnable_allocations, warm_starts  # noqa: E402
 from hasctl.workload import WorkloadSpec  # noqa: E402
 
@@ -100,7 +100,7 @@ def checkpoint(args, modality: str) -> str:
 def probe(args, model: str, spec: WorkloadSpec, run_dir: Path) -> dict:
     """dynamo-like alone: unloaded TTFT/TPOT (one request at a time) and saturated throughput."""
     from hasctl.launch import Stack
-    from hasctl.tune import stop_uninterrupted
+    from hasctl.trials import stop_uninterrupted
     stack = Stack(preset("dynamo-like").with_model(model).with_gateway_ports(0, 0), run_dir=run_dir,
                   env={"EASERVE_LOG_LEVEL": "WARNING"})
     try:

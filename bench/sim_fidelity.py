@@ -181,7 +181,7 @@ def live_cells(args, d: Deployment, model: str, profile, spec: WorkloadSpec, slo
     """One stack for every rate of `d`: warm-up, then `hasctl bench` at each rate, the rates
     --live-repeats times over; {rate: [metrics of each repeat]}."""
     from hasctl.launch import Stack
-    from hasctl.tune import stop_uninterrupted
+    from hasctl.trials import stop_uninterrupted
     stack = Stack(d.with_model(model).with_gateway_ports(0, 0), run_dir=run_dir, env={"EASERVE_LOG_LEVEL": "WARNING"})
     out = {}
     try:

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment
-from hasctl.tune import INTERRUPTED
+from hasctl.trials import INTERRUPTED
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

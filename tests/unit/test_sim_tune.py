@@ -58,7 +58,8 @@ def test_a_simulated_trial_runs_at_least_its_min_duration_of_arrivals(tmp_path):
     a rate it cannot sustain)."""
     from hasctl.cli import build_parser
     from hasctl.deployment import preset
-    from hasctl.tune import config_from_args, evaluate_sim
+    from hasctl.trials import evaluate_sim
+    from hasctl.tune import config_from_args
 
     prof = make_profile()
     path = dump(prof, tmp_path / "p.json")
@@ -130,7 +131,8 @@ def test_a_sim_search_ends_at_least_as_good_as_the_baselines_it_can_express(tmp_
     monolith (the test profile lists no interference, so four monoliths run four GPUs' worth)."""
     from hasctl.cli import build_parser
     from hasctl.deployment import PRESETS, Worker
-    from hasctl.tune import TrialFailed, config_from_args, evaluate_sim
+    from hasctl.trials import TrialFailed, evaluate_sim
+    from hasctl.tune import config_from_args
     from hasctl.tune_space import Space, deployment_for, runnable_allocations, warm_starts
 
     prof = make_profile()

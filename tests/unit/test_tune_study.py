@@ -10,7 +10,7 @@ from optuna.trial import TrialState
 from hasctl.bench_metrics import SLO
 from hasctl.cli import main
 from hasctl.deployment import Deployment
-from hasctl.tune import INTERRUPTED, TrialFailed, TuneConfig, best_deployment, open_study, run_trials
+from hasctl.trials import INTERRUPTED, TrialFailed, TuneConfig, best_deployment, open_study, run_trials
 from hasctl.tune_space import Space, runnable_allocations
 
 SPACE = Space(tuple(runnable_allocations(3)), ("cpu:0", "cpu:1"))
@@ -138,7 +138,7 @@ def test_profile_screens_out_allocations_encode_cannot_carry(tmp_path):
 
 
 def test_trials_share_one_partition_profile_per_device_and_backend(tmp_path):
-    from hasctl.tune import shared_partition_profiles
+    from hasctl.trials import shared_partition_profiles
     from hasctl.tune_space import MONOLITH, deployment_for
     a = deployment_for(SPACE, {"alloc": "E1-P1-D1+coloc", "B": 4, "s": 0.5}, "/m")
     b = deployment_for(SPACE, {"alloc": "E1-P1-D1+coloc", "B": 16, "s": 0.1}, "/m")
