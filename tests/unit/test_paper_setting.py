@@ -34,7 +34,8 @@ def test_vllm_like_takes_what_waits_up_to_the_encoder_budget(modality, batch):
 
 def test_the_table_runs_at_each_overhead_and_reports_the_closest_to_the_paper(tmp_path, capsys):
     argv = ["--modalities", "audio", "--encode-overhead-s", "0,0.3", "--trials", "2", "--requests", "20",
-            "--rates", "2,8", "--min-duration-s", "0", "--out-dir", str(tmp_path)]
+            "--rates", "2,8", "--min-duration-s", "0", "--tune-rate-multiples", "1", "--refine", "1",
+            "--out-dir", str(tmp_path)]
     assert ps.main(argv) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     worst = {x: v["paper_ratio_rel_err_max"] for x, v in last["by_overhead"].items()}
@@ -59,3 +60,25 @@ def test_a_cell_lasts_long_enough_to_reach_steady_state():
     assert (args.requests, args.min_duration_s) == (200, 60.0)
     assert ps.cell_requests(args, 1.0) == 200 and ps.cell_requests(args, 32.0) == 1920
     assert ps.cell_requests(ps.args_of(["--quick"]), 16.0) == 320
+
+
+def test_refinement_probes_both_gaps_next_to_the_best_rung():
+    assert ps.refine_rates([1, 2, 4, 8], 2, 3) == [1.25, 1.5, 1.75, 2.5, 3.0, 3.5]
+    assert ps.refine_rates([1, 2, 4], 1, 1) == [1.5]  # the bottom rung has one neighbour
+    assert ps.refine_rates([1, 2, 4], 4, 0) == []
+
+
+def test_easerve_is_the_best_deployment_tuned_at_each_rate_each_simulated_once(monkeypatch, tmp_path):
+    """HAS tunes at each multiple of the baselines' peak; a deployment found at two rates is
+    simulated once, and the best one's goodput is EAServe's."""
+    model = str(ROOT / "bench" / "paper_models" / ps.MODELS["audio"])
+    prof = build(model, load_spec("rtx6000-ada"), tp=2)
+    w = WorkloadSpec(modality="audio", **ps.WORKLOAD)
+    a, b = (ps.vllm_like(model, g, prof, w, tp=2) for g in (GPUS, GPUS[:2]))
+    by_rate = {2.0: a, 3.0: b, 4.0: a, 6.0: b}
+    monkeypatch.setattr(ps, "tune", lambda args, m, model, path, devices, rate, study: by_rate[rate])
+    simulated = []
+    monkeypatch.setattr(ps, "goodput", lambda d, *_: simulated.append(d) or ((5.0, 5.0) if d is b else (4.0, 4.0)))
+    args = ps.args_of(["--out-dir", str(tmp_path)])
+    assert ps.tuned_goodput(args, "audio", model, prof, tmp_path, w, GPUS, 2.0, "s") == (3.0, (5.0, 5.0))
+    assert simulated == [a, b]
