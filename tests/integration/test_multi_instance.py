@@ -137,7 +137,16 @@ def test_encode_and_prefill_hold_nothing_once_decoding(vl_multi):
         seen += len(chunk.token_ids)
         if seen >= 3:
             break
-    loads = {n: _load(vl_multi, n) for n in ("encode-0", "prefill-0", "prefill-1", "decode-0", "decode-1")}
+    # the encode call ends once prefill's KV handoff has returned, which may come a few decode
+    # steps after the first tokens on a loaded host: poll while the request is still decoding
+    end = time.monotonic() + 20
+    while True:
+        loads = {n: _load(vl_multi, n) for n in ("encode-0", "prefill-0", "prefill-1", "decode-0", "decode-1")}
+        upstream = loads["encode-0"].inflight + loads["encode-0"].queued + loads["prefill-0"].inflight + \
+            loads["prefill-1"].inflight
+        if upstream == 0 or time.monotonic() > end:
+            break
+        time.sleep(0.1)
     stream.close()
     assert loads["encode-0"].inflight == 0 and loads["encode-0"].queued == 0
     assert loads["prefill-0"].inflight == 0 and loads["prefill-1"].inflight == 0
