@@ -72,7 +72,7 @@ class Job:
     prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
     timeout_s: float | None = None
     received: float = field(default_factory=time.monotonic)
-    internal_id: str = field(default_factory=lambda: new_internal_id())
+    internal_id: str = field(default_factory=new_internal_id)
     media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
     preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
     slo_tier: str | None = None          # None: the gateway's --slo-tier
