@@ -16,7 +16,6 @@ the study is opened again: run one tuner per study at a time. A new study first 
 baselines', the screen's and the presets' points (`tune_space.warm_starts`; `--no-warm-start`
 leaves them out), then TPE's draws.
 """
-
 from __future__ import annotations
 
 import dataclasses

@@ -107,6 +107,10 @@ class Peers:
         """The instances in the current list (not those removed and finishing calls)."""
         return list(self._peers)
 
+    def untried(self, tried) -> list[str]:
+        """The instances in the current list that are not in `tried`."""
+        return [a for a in self._peers if a not in tried]
+
     @property
     def retired(self) -> list[str]:
         return list(self._retired)
@@ -244,7 +248,7 @@ class Peers:
             return p
         key = self._policy.choose([p.candidate() for p in self._peers.values()], exclude)
         if key is None:
-            left = [a for a in self._peers if a not in exclude]
+            left = self.untried(exclude)
             if not self._peers:
                 raise Unavailable(f"no {self.service or 'peer'} instance is listed now "
                                   f"(addresses: {', '.join(self._source.configured) or 'none'})")
@@ -261,7 +265,7 @@ class Peers:
             try:
                 return self.pick(exclude, prefer)
             except Unavailable:
-                tried_all = bool(self._peers) and all(a in exclude for a in self._peers)
+                tried_all = bool(self._peers) and not self.untried(exclude)
                 if time.monotonic() >= end or self._task is None or tried_all:
                     raise
                 await asyncio.sleep(self.poll_s)
@@ -294,7 +298,7 @@ class Peers:
                 if retryable:
                     failed.add(peer.addr)
                 tries += 1
-                others = [a for a in self._peers if a not in failed]  # now: it may have left the list meanwhile
+                others = self.untried(failed)  # now: it may have left the list meanwhile
                 if retryable and tries <= retries and others:
                     log.info("%s refused a call (%s); retrying on another instance", peer.addr, e.code().name)
                     continue

@@ -317,7 +317,7 @@ class GatewayCore:
             except (Unavailable, Overloaded) as e:
                 dcall.cancel()  # the place and any KV the failed call sent there are freed
                 self._dec.finish(dpeer)
-                others = [a for a in (self._enc if prompt.items else self._pre).addrs if a not in failed]
+                others = (self._enc if prompt.items else self._pre).untried(failed)
                 if len(failed) == before or not others or attempt + 1 == UPSTREAM_ATTEMPTS:
                     raise  # none failed mid-call (none up), none left to try, or the last attempt
                 log.info("request %s: %s; retrying with a new reservation", job.request_id, e)
