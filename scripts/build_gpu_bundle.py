@@ -8,7 +8,7 @@ must stay under 40 MiB: the build fails naming the largest wheels when it does n
     python scripts/build_gpu_bundle.py                 # -> dist/gpu-bundle/*.whl
     bash scripts/gpu-check.sh                          # there: install it, run gpu_check.py
 
-What is left out on purpose: what the image has (torch, transformers and their own
+What is left out on purpose: what the image has (torch and transformers' own
 dependencies: numpy, tokenizers, safetensors, huggingface-hub, pyyaml, tqdm, pillow, ...),
 and what the GPU check never imports (av: 35 MB; optuna, matplotlib: hasctl tune / report).
 """
@@ -25,6 +25,10 @@ PYTHON, ABI = "3.12", "cp312"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 # the serving stack's imports that the image lacks, with their own dependencies
 PACKAGES = (
+    # the image's transformers 5.17 predates the config and cache API the adapters use (5.24:
+    # SubConfigSpec, `cache=`, bos/eos on the composite configs); 5.24 is pure Python and its
+    # needs (huggingface-hub >= 1.31, tokenizers 0.23) are in the image
+    "transformers==5.24.0",
     "grpcio", "grpcio-health-checking", "protobuf", "uvloop", "prometheus-client", "soxr",
     "aiohttp", "aiohappyeyeballs", "aiosignal", "attrs", "frozenlist", "multidict", "propcache", "yarl", "idna",
     "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
