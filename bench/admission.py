@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     name = Path(model).resolve().name
     profile = profile_of(args, model)
     print(f"checkpoint and profile ready after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    from hasctl import profile_format as pf
+    from easerve import profile_format as pf
     limits = pf.load(profile).slo(args.tier).limits("image")
     run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
     stacks = start_all({m: lambda adm=adm: start_stack(args, model, profile, adm) for m, adm in (("off", "off"),

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hasctl.bench import BenchConfig, run_bench  # noqa: E402
-from hasctl.bench_metrics import SLO  # noqa: E402
+from easerve.slo import SLO  # noqa: E402
 from hasctl.deployment import Deployment, preset  # noqa: E402
 from hasctl.trials import TrialFailed, TuneConfig, best_deployment, best_trial, evaluate, open_study, run_trials  # noqa: E402
 from hasctl.tune_space import PLACEMENTS, Space, core_devices, runnable_allocations, warm_starts  # noqa: E402

@@ -47,12 +47,12 @@ from bench import online_live  # noqa: E402
 from easerve.policy.online import OnlineBounds, OnlineConfig  # noqa: E402
 from easerve.roofline import load_spec  # noqa: E402
 from easerve.sim import SimRequest  # noqa: E402
-from easerve.sim.model import ModelConfig  # noqa: E402
+from easerve.policy.service_model import ModelConfig  # noqa: E402
 from easerve.sim.online import OnlineDriver  # noqa: E402
 from easerve.sim.workload import piecewise_poisson  # noqa: E402
-from hasctl import profile_format as pf  # noqa: E402
+from easerve import profile_format as pf  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
-from hasctl.bench_metrics import RequestRecord  # noqa: E402
+from easerve.slo import RequestRecord  # noqa: E402
 from hasctl.roofline_profile import build  # noqa: E402
 from hasctl.simulate import media_of, run_simulation, template_tokens  # noqa: E402
 from hasctl.tune_space import Space, deployment_for, runnable_allocations  # noqa: E402

@@ -119,7 +119,7 @@ def online_changes(stack) -> dict:
 
 def slo_limits(args, model: str, run, url: str) -> tuple[float, float]:
     if getattr(args, "profile", None):
-        from hasctl import profile_format as pf
+        from easerve import profile_format as pf
         return pf.load(args.profile).slo(args.slo).limits("image")
     calib = [run(url, [(0.0, 910 + k)])[0][0] for k in range(args.live_calib)]  # one at a time: unloaded
     done = [r for r in calib if "ttft" in r]

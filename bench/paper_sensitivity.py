@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from paper_setting import MODELS, WORKLOAD, cell_requests, machine_args, tune, vllm_like, overhead_seconds, with_encode_overhead  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
-from hasctl import profile_format as pf  # noqa: E402
+from easerve import profile_format as pf  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
-from hasctl.bench_metrics import SLO, compute_metrics  # noqa: E402
+from easerve.slo import SLO, compute_metrics  # noqa: E402
 from hasctl.roofline_profile import TEXT_TOKENS, RooflineModel, build  # noqa: E402
 from hasctl.simulate import PROFILE_TEXT_TOKENS, media_of, run_simulation  # noqa: E402
 from hasctl.tune_space import Space, deployment_for, runnable_allocations, warm_starts  # noqa: E402

@@ -75,8 +75,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from easerve.roofline import DeviceSpec, load_spec  # noqa: E402
-from easerve.sim.model import ServiceModel  # noqa: E402
-from hasctl import profile_format as pf  # noqa: E402
+from easerve.policy.service_model import ServiceModel  # noqa: E402
+from easerve import profile_format as pf  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
 from hasctl.deployment import Deployment  # noqa: E402
 from hasctl.roofline_profile import CHUNK_TOKENS, build  # noqa: E402

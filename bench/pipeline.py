@@ -134,7 +134,7 @@ class Vllm:
 # ---- one cell --------------------------------------------------------------------------------
 def measure(url: str, args, rate: float, label: str) -> dict:
     from hasctl.bench import BenchConfig, run_bench
-    from hasctl.bench_metrics import SLO
+    from easerve.slo import SLO
     from hasctl.workload import WorkloadSpec, parse_size
 
     warm = BenchConfig(url=url, rate=4.0, num_requests=4, seed=args.seed + 999, progress=False,

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from easerve.roofline import DeviceSpec, load_arch, load_spec  # noqa: E402
-from hasctl import profile_format as pf  # noqa: E402
+from easerve import profile_format as pf  # noqa: E402
 from hasctl.roofline_profile import RooflineModel  # noqa: E402
 
 FAMILIES = ("llava-next", "qwen2.5-vl", "ultravox")

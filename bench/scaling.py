@@ -14,7 +14,7 @@
 Each cell is the best of rate x SLO attainment over the ladder (moderate tier of the roofline
 profile's own unloaded latencies, as bench/paper_setting.py). Cross-node transfers cost
 `latency + bytes / (Gb/s / 8)` per message (`hasctl profile --roofline --network-gbps`), links not
-contended (easerve/sim/model.py), so a cell shows where a transfer's time binds, not a full NIC.
+contended (easerve/policy/service_model.py), so a cell shows where a transfer's time binds, not a full NIC.
 
 Where a NIC would bind: `kv_mb_per_request` (the KV of one request's prompt) and, per Gb/s,
 `nic_req_s`, the requests per second whose KV alone fills one node's link (Gb/s / 8 / KV bytes).
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from paper_setting import MODELS, WORKLOAD, vllm_like  # noqa: E402
 
 from easerve.roofline import load_arch, load_spec  # noqa: E402
-from easerve.sim.model import ModelConfig  # noqa: E402
+from easerve.policy.service_model import ModelConfig  # noqa: E402
 from hasctl.bench import BenchConfig  # noqa: E402
 from hasctl.deployment import Deployment, Worker  # noqa: E402
 from hasctl.roofline_profile import (

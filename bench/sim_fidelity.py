@@ -125,7 +125,7 @@ def checkpoint(args, modality: str) -> str:
 
 def profile_of(args, model: str, modality: str, say):
     """`hasctl profile` of `model` into the run folder, or the file an earlier run left there."""
-    from hasctl.profile_format import REVISION, load
+    from easerve.profile_format import REVISION, load
     if args.profile:
         say(f"[{modality}] --profile {args.profile}")
         return load(args.profile), Path(args.profile)
@@ -232,7 +232,7 @@ def overhead(args, d: Deployment, profile, spec: WorkloadSpec, slo, url: str, ru
 
 def model_config(run_dir: Path):
     """The simulator's ModelConfig for a deployment's cells: its measured overhead, if any."""
-    from easerve.sim.model import ModelConfig
+    from easerve.policy.service_model import ModelConfig
     path = run_dir / "overhead.json"
     ms = json.loads(path.read_text())["overhead_ms"] if path.is_file() else 0.0
     return ModelConfig(request_overhead_s=ms / 1e3)
@@ -413,7 +413,7 @@ def known_deployments() -> dict[str, Deployment]:
 
 def config_of(doc: dict) -> BenchConfig:
     """The BenchConfig a live cell recorded, aimed at no server (the simulator's)."""
-    from hasctl.bench_metrics import SLO
+    from easerve.slo import SLO
     c = dict(doc["config"])
     w = {k: tuple(v) if isinstance(v, list) else v for k, v in c.pop("workload").items()}
     s = c.pop("slo")
@@ -426,7 +426,7 @@ def config_of(doc: dict) -> BenchConfig:
 def resim_modality(folder: Path, modality: str, old: dict, say, profile_file: str | None = None) -> tuple[dict, dict]:
     """Every live cell of `folder`/`modality` against the simulator now; `old`: the folder's
     fidelity.json (its cells' loads and meta), {} when it has none."""
-    from hasctl.profile_format import load
+    from easerve.profile_format import load
     meta = dict(old.get("meta", {}).get(modality, {}))
     named = Path(meta["profile"]).name if meta.get("profile") else None
     paths = [Path(profile_file)] if profile_file else [folder / named] if named and (folder / named).is_file() else \

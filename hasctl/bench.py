@@ -4,7 +4,7 @@ Requests go out at their scheduled times (Poisson, or gamma with burstiness K; s
 `hasctl.workload`) whether or not earlier ones have finished, as streamed
 `/v1/chat/completions` calls (`stream: true`, `stream_options.include_usage`), in one asyncio
 process. The client records, per request, the send time, the arrival of every content chunk,
-the end and any error; `hasctl.bench_metrics.compute_metrics` turns those records into the result
+the end and any error; `easerve.slo.compute_metrics` turns those records into the result
 (field names of `vllm bench serve` where they overlap: `median_ttft_ms`, `p99_tpot_ms`,
 `request_throughput`, `request_goodput`, ...). Request bodies are built before the clock starts,
 so the sending loop only sleeps, posts and reads.
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
+from easerve.slo import SLO, RequestRecord, compute_metrics
 from hasctl.workload import ChatRequest, WorkloadSpec, arrival_times, load_dataset, parse_size, synthesize
 
 FORMAT = "easerve.bench/v1"
@@ -304,7 +304,7 @@ def slo_from_args(args) -> SLO | None:
     if args.slo:
         if not args.profile:
             raise ValueError(f"--slo {args.slo} reads its limits from a profile; add --profile PROFILE.json")
-        from hasctl.profile_format import load
+        from easerve.profile_format import load
         return load(args.profile).slo(args.slo)
     return None
 

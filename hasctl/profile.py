@@ -33,7 +33,7 @@ from typing import Callable
 
 from easerve.engine.detok import prompt_tail
 from easerve.stages.encode import profiler as ep
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 
 
 @dataclass(frozen=True)

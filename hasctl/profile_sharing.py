@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 
 if TYPE_CHECKING:
     from hasctl.profile import Profiler

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hasctl.bench import FORMAT as BENCH_FORMAT
-from hasctl.bench_metrics import RequestRecord
+from easerve.slo import RequestRecord
 
 COLUMNS = (("label", "deployment"), ("request_rate", "rate (req/s)"), ("completed", "completed"),
            ("failed", "failed"), ("request_throughput", "throughput (req/s)"),

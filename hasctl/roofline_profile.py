@@ -33,7 +33,7 @@ from pathlib import Path
 from easerve.roofline import DeviceSpec, ModelArch, load_arch, load_spec
 from easerve.roofline.models import check_fits, kv_budget_gib
 from easerve.stages.encode.profiler import media_label, utc_now
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from hasctl.profile import Plan, reference_size, sizes_of
 
 ROOFLINE_PLAN = Plan(image_sizes=((336, 336), (672, 672), (1024, 768)),

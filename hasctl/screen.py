@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from easerve.policy.batcher import MODES as BATCH_MODES, batch_limit
-from hasctl.profile_format import Profile, load
+from easerve.profile_format import Profile, load
 
 
 @dataclass(frozen=True)

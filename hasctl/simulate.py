@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from easerve.sim import SimRequest, Topology, simulate
-from easerve.sim.model import ModelConfig
+from easerve.policy.service_model import ModelConfig
 from hasctl.bench import (
     BenchConfig,
     BenchResult,
@@ -23,7 +23,7 @@ from hasctl.bench import (
     summary,
     workload_from_args,
 )
-from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
+from easerve.slo import SLO, RequestRecord, compute_metrics
 from hasctl.deployment import STAGES, Deployment, _stage_config, preset
 from easerve.stages.encode.profiler import media_label
 from hasctl.workload import WorkloadSpec, arrival_times, load_dataset, modalities
@@ -127,7 +127,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from hasctl.profile_format import load
+    from easerve.profile_format import load
     if not args.profile:
         raise ValueError("hasctl simulate needs --profile PROFILE.json (its service times)")
     profile = load(args.profile)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from easerve.sim.model import gpu_group
+from easerve.policy.service_model import gpu_group
 
 
 def gpu_index(device: str) -> int | None:

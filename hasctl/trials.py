@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hasctl.bench_metrics import SLO
+from easerve.slo import SLO
 from hasctl.deployment import Deployment, GatewaySpec
 from hasctl.tune_space import Space, deployment_for, suggest, warm_starts
 from hasctl.workload import WorkloadSpec, steady_requests

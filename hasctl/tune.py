@@ -124,12 +124,12 @@ def space_from_args(args, say: Callable[[str], None] = print) -> Space:
 
 def _profile_tp(path: str) -> int:
     """A tensor-parallel profile's tp: each tuned instance spans that many GPUs (--devices: each group's first)."""
-    from hasctl.profile_format import load
+    from easerve.profile_format import load
     return load(path).tp
 
 
 def _screened(args, allocs, instances: int, media: bool, say) -> tuple[list, dict]:
-    from hasctl.profile_format import load
+    from easerve.profile_format import load
     from hasctl.screen import screen_candidates
     return screen_candidates(load(args.profile), args.rate, None if args.modality == "mixed" else args.modality,
                              allocs, instances, max(_ints(args.batch_sizes, "--batch-sizes")), say, args.profile)
@@ -171,7 +171,7 @@ def run(args, evaluate_live: Callable[..., dict] = evaluate) -> int:
         raise ValueError("the simulator needs --profile PROFILE.json (its service times)")
     profile = None
     if args.profile and (keep is not None or args.evaluator == "sim"):
-        from hasctl.profile_format import load
+        from easerve.profile_format import load
         profile = load(args.profile)
     space = space_from_args(args)
     if space.tp > 1 and args.evaluator == "live":

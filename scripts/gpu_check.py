@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from easerve.gpucheck.runner import Section, run_sections, section_command  # noqa: E402
+from hasctl.gpucheck.runner import Section, run_sections, section_command  # noqa: E402
 
 # (section, timeout on an H200 in seconds); the sum stays inside the default budget
 TIMEOUTS = (("preflight", 40), ("green_contexts", 30), ("colocation", 60), ("cuda_ipc", 45),

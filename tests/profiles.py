@@ -1,7 +1,7 @@
 """Hand-made profiles with known capacities, for the screen / format / report tests."""
 from __future__ import annotations
 
-from hasctl.profile_format import (DecodePoint, EncodePoint, EncodeProfile, EncodeSizePoint, Hardware, ModelInfo,
+from easerve.profile_format import (DecodePoint, EncodePoint, EncodeProfile, EncodeSizePoint, Hardware, ModelInfo,
                                    PrefillPoint, Profile, Unloaded, Versions, tiers_from)
 
 

@@ -21,7 +21,7 @@ from easerve.policy.latency import LatencyPredictor, LiveState, Prediction, Requ
 
 AdmissionMode = Literal["off", "reject", "best-effort"]
 Priority = Literal["interactive", "batch"]
-TierName = Literal["tight", "moderate", "loose"]  # the profile's tiers (hasctl/profile_format.py TIERS)
+TierName = Literal["tight", "moderate", "loose"]  # the profile's tiers (easerve/profile_format.py TIERS)
 ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
 PRIORITIES: tuple[str, ...] = get_args(Priority)
 TIER_NAMES: tuple[str, ...] = get_args(TierName)

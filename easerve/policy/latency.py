@@ -1,7 +1,7 @@
 """Latency predictor: an arriving request's TTFT and TPOT from the profile and the live state.
 
 Pure and torch-free, with an injected clock. The service times come from one source, a
-`ServiceTimes` (in practice `easerve.sim.model.ServiceModel` over an `easerve.profile/v1`
+`ServiceTimes` (in practice `easerve.policy.service_model.ServiceModel` over an `easerve.profile/v1`
 file: the very numbers the simulator runs on, including `encode_batch_s`, the time of a
 mixed encode batch). The live state is a frozen `LiveState` snapshot of what a caller sees of
 the stages (the gateway: each instance's last `Stage/Load` answer plus what it sent since).

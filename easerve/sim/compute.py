@@ -5,7 +5,7 @@ process that run one job at a time.
 - Sharing is re-evaluated at every moment a neighbour starts or ends a job (processor sharing):
   a job holds its remaining work in unshared seconds, and each change of the busy set ends the
   stretch at the old factor and reschedules the job's end at the new one. `factor()` is the
-  slowdown at this moment (see easerve/sim/model.py for its parts).
+  slowdown at this moment (see easerve/policy/service_model.py for its parts).
 - `process`: the workers of one process (an encode instance and its co-located prefill; a
   monolith's encode, prefill and decode) slow each other by the profile's measured pairs;
   workers of other processes on the same CPU cores by the profile's sharing curve.

@@ -10,7 +10,7 @@ from typing import Any
 
 from easerve.sim.compute import SerialGroup
 from easerve.sim.events import EventQueue
-from easerve.sim.model import ModelConfig, ServiceModel, shares_compute
+from easerve.policy.service_model import ModelConfig, ServiceModel, shares_compute
 from easerve.sim.stages import DecodeInstance, EncodeInstance, Gateway, PrefillWorker
 from easerve.sim.topology import Topology
 from easerve.sim.workload import SimRequest
@@ -48,7 +48,7 @@ class Req:
         self.at_gateway = False
 
     def record(self) -> dict:
-        """The fields of hasctl.bench_metrics.RequestRecord.to_dict()."""
+        """The fields of easerve.slo.RequestRecord.to_dict()."""
         s = self.spec
         ok = self.error is None
         return {"index": s.index, "modality": s.modality, "scheduled_s": s.arrival_s, "sent_s": s.arrival_s,

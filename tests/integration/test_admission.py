@@ -22,7 +22,7 @@ from easerve.models.tiny import cached_tiny
 from easerve.rpc.errors import RETRY_AFTER_KEY
 from easerve.stages.common.peers import POLL_S
 from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
 from tests.integration.conftest import png_bytes

@@ -33,7 +33,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from tests.integration.conftest import png_bytes
 from tests.profiles import make_profile
 

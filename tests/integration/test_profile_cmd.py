@@ -13,7 +13,7 @@ import pytest
 from easerve.models.tiny import cached_tiny
 from hasctl.bench import slo_from_args
 from hasctl.cli import main
-from hasctl.profile_format import TIERS, load
+from easerve.profile_format import TIERS, load
 
 ROOT = Path(__file__).resolve().parents[2]
 

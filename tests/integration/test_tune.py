@@ -132,7 +132,7 @@ def test_a_deployment_tuned_in_the_simulator_is_served_by_hasctl_up(tiny_root, t
     """`hasctl tune --evaluator sim` over this machine's two cores (every trial simulated from a
     profile, nothing launched) writes a deployment file that `hasctl up` serves."""
     from hasctl.cli import main
-    from hasctl.profile_format import dump
+    from easerve.profile_format import dump
     from tests.profiles import make_profile
     model = str(cached_tiny("qwen2.5-vl", tiny_root))
     prof = dump(make_profile(devices=("cpu:0", "cpu:1")), tmp_path / "p.json")

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from tests.profiles import make_profile
 from tests.unit.test_api_http import CHAT, _http_client, adapter, loop, post  # noqa: F401 (fixtures)
 

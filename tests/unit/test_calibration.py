@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from easerve.policy.calibration import Calibration
 from easerve.policy.clock import ManualClock
 from easerve.policy.latency import LatencyPredictor, LiveState, RequestShape
-from easerve.sim.model import ServiceModel
-from hasctl import profile_format as pf
+from easerve.policy.service_model import ServiceModel
+from easerve import profile_format as pf
 from tests.profiles import make_profile
 
 SVC = ServiceModel(make_profile(encode_s_per_item=0.1, prefill_tok_s=1000.0, decode_tok_s=2000.0))

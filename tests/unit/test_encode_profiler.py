@@ -16,7 +16,7 @@ from easerve.partition.backends import SMBackend, TimeSliceBackend
 from easerve.policy.partitioner import DEFAULT_SHARES, LatencyGrid
 from easerve.stages.encode import profiler
 from easerve.stages.encode.colocate import build_controller
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from tests.profiles import make_profile
 
 

@@ -16,7 +16,7 @@ from easerve.stages.gateway.admission import GatewayAdmission
 from easerve.stages.gateway.core import Job
 from easerve.stages.gateway.metrics import GatewayMetrics
 from easerve.types import SamplingParams
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from tests.profiles import make_profile
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from easerve.gpucheck.runner import SCHEMA, STATUSES, Section, run_sections
+from hasctl.gpucheck.runner import SCHEMA, STATUSES, Section, run_sections
 
 PY = sys.executable
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from easerve.partition.green_contexts import GreenContextBackend, check, probe
-from easerve.gpucheck.fakes import FakeDriver, fake_torch
+from hasctl.gpucheck.fakes import FakeDriver, fake_torch
 
 
 def test_probe_names_missing_driver_entry_points() -> None:

@@ -13,7 +13,7 @@ from easerve.policy.admission import Admission, TierLimits
 from easerve.policy.clock import ManualClock
 from easerve.policy.latency import (DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState,
                                     RequestShape)
-from easerve.sim.model import ServiceModel
+from easerve.policy.service_model import ServiceModel
 from tests.profiles import make_profile
 
 SVC = ServiceModel(make_profile(encode_s_per_item=0.1, prefill_tok_s=1000.0, decode_tok_s=2000.0))

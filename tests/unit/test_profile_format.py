@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hasctl.profile_format import FORMAT, DecodePoint, Profile, dump, load
+from easerve.profile_format import FORMAT, DecodePoint, Profile, dump, load
 from tests.profiles import make_profile
 
 
@@ -115,7 +115,7 @@ def test_constructors_validate_too():
 
 
 def test_revision_2_sections_round_trip_and_revision_1_still_loads(tmp_path):
-    from hasctl.profile_format import GatewayPoint, Interference, LinkPoint, Transfer
+    from easerve.profile_format import GatewayPoint, Interference, LinkPoint, Transfer
     old = make_profile()
     raw = json.loads(json.dumps(old.to_dict()))
     for k in ("revision", "gateway", "transfer", "interference"):
@@ -139,7 +139,7 @@ def test_revision_2_sections_round_trip_and_revision_1_still_loads(tmp_path):
 
 
 def test_revision_4_sharing_curve_round_trips_interpolates_and_older_files_have_none(tmp_path):
-    from hasctl.profile_format import SharingPoint
+    from easerve.profile_format import SharingPoint
     old = make_profile()
     assert old.sharing == () and old.sharing_slowdown("decode", "prefill", 2) is None
     pts = (SharingPoint("decode", "prefill", 1, 1.4, 2), SharingPoint("decode", "prefill", 2, 2.0, 2),

@@ -10,7 +10,7 @@ from PIL import Image
 from easerve.stages.encode.trace import UtilizationTrace
 from hasctl.bench import BenchConfig, BenchResult
 from hasctl.cli import main
-from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
+from easerve.slo import SLO, RequestRecord, compute_metrics
 
 
 def result_file(tmp_path, label: str, rate: float, ttft: float) -> str:

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from easerve.roofline import load_spec
-from easerve.sim.model import ModelConfig
-from hasctl import profile_format as pf
+from easerve.policy.service_model import ModelConfig
+from easerve import profile_format as pf
 from hasctl.bench import BenchConfig
 from hasctl.cli import main
 from hasctl.deployment import Deployment, Worker

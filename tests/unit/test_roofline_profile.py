@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from easerve.roofline import load_spec, spec_names
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 from hasctl.cli import main
 
 PAPER = Path(__file__).resolve().parents[2] / "bench" / "paper_models"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hasctl.cli import main
-from hasctl.profile_format import dump
+from easerve.profile_format import dump
 from hasctl.screen import Allocation, Demand, demand_from, enumerate_allocations, screen
 from tests.profiles import make_profile
 
@@ -83,7 +83,7 @@ def test_cli_prints_kept_and_removed_with_reasons(tmp_path, capsys):
 def test_decode_capacity_is_read_at_the_requests_context():
     import dataclasses
 
-    from hasctl.profile_format import DecodePoint
+    from easerve.profile_format import DecodePoint
     p = make_profile(encode_s_per_item=0.01)  # decode: 2000 tok/s at context 128
     p = dataclasses.replace(p, decode=p.decode + tuple(DecodePoint(b, 2 * b / 2000, 1024) for b in (1, 8, 32)))
     short = screen(p, Demand(15, 1, 50, 100), 3)   # 1500 output tok/s at context ~100: one decoder carries it
@@ -95,7 +95,7 @@ def test_decode_capacity_is_read_at_the_requests_context():
 
 def test_request_at_a_time_is_screened_at_batch_one():
     import dataclasses
-    from hasctl.profile_format import EncodePoint
+    from easerve.profile_format import EncodePoint
     prof = make_profile()  # 0.1 s per image alone; below, a batch of 4 takes 0.2 s (20 items/s)
     grid = tuple(EncodePoint(b, 1.0, 0.1 * (1 + (b - 1) / 3)) for b in (1, 2, 4))
     prof = dataclasses.replace(prof, encode=dataclasses.replace(prof.encode, grid=grid))

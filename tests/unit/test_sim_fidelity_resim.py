@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hasctl.bench import BenchConfig
 from hasctl.deployment import preset
-from hasctl.profile_format import dump
+from easerve.profile_format import dump
 from hasctl.simulate import run_simulation
 from hasctl.workload import WorkloadSpec
 from tests.profiles import make_profile

@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from easerve.sim import simulate
-from easerve.sim.model import ModelConfig
+from easerve.policy.service_model import ModelConfig
 from easerve.sim.run import Sim
-from hasctl.profile_format import Interference, SharingPoint
+from easerve.profile_format import Interference, SharingPoint
 from tests.profiles import make_profile
 from tests.unit.sim_helpers import poisson, topo
 

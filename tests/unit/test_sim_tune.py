@@ -6,10 +6,10 @@ import json
 import optuna
 import pytest
 
-from hasctl.bench_metrics import RequestRecord, compute_metrics
+from easerve.slo import RequestRecord, compute_metrics
 from hasctl.cli import main
 from hasctl.deployment import Deployment
-from hasctl.profile_format import dump
+from easerve.profile_format import dump
 from tests.profiles import make_profile
 
 DEVICES = "cuda:0,cuda:1,cuda:2,cuda:3"

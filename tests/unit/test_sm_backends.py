@@ -224,11 +224,11 @@ def test_auto_falls_back_only_when_a_mechanism_is_unavailable_and_a_bad_argument
 
 
 def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, align: int = 8):
-    """Stand-ins for torch.cuda and the cuda.bindings driver (easerve.gpucheck.fakes), made
+    """Stand-ins for torch.cuda and the cuda.bindings driver (hasctl.gpucheck.fakes), made
     the module defaults so that select_backend builds on them; returns the driver's log."""
     from easerve.partition import green_contexts as m
     from easerve.partition import backends as sm_backends
-    from easerve.gpucheck.fakes import FakeDriver, fake_torch
+    from hasctl.gpucheck.fakes import FakeDriver, fake_torch
 
     drv = FakeDriver(total, align, refuse_below=fail_remainder_below)
     torch = fake_torch(drv)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from easerve.sim.model import ModelConfig
+from easerve.policy.service_model import ModelConfig
 from easerve.sim.run import Sim
 from hasctl.bench import BenchConfig
 from hasctl.deployment import Deployment, Worker, preset, process_names, to_commands
@@ -132,7 +132,7 @@ def test_presets_simulate_unchanged_without_tp():
 
 
 def test_hasctl_simulate_takes_a_profile_per_tp(tmp_path, capsys):
-    from hasctl import profile_format as pf
+    from easerve import profile_format as pf
     from hasctl.cli import main
     one = pf.dump(tp_profile(1, 100.0), tmp_path / "tp1.json")
     two = pf.dump(tp_profile(2, 400.0), tmp_path / "tp2.json")
@@ -159,7 +159,7 @@ def test_tune_gives_every_instance_the_profiles_tp():
 
 
 def test_tune_takes_a_tp_profile_in_the_simulator_only(tmp_path, capsys):
-    from hasctl import profile_format as pf
+    from easerve import profile_format as pf
     from hasctl.cli import main
     prof = pf.dump(tp_profile(2, 400.0), tmp_path / "tp2.json")
     common = ["tune", "--profile", str(prof), "--slo", "moderate", "--rate", "1", "--modality", "image",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from optuna.trial import TrialState
 
-from hasctl.bench_metrics import SLO
+from easerve.slo import SLO
 from hasctl.cli import main
 from hasctl.deployment import Deployment
 from hasctl.trials import INTERRUPTED, TrialFailed, TuneConfig, best_deployment, open_study, run_trials
@@ -122,7 +122,7 @@ def test_cli_needs_an_slo(tmp_path, capsys):
 
 def test_profile_screens_out_allocations_encode_cannot_carry(tmp_path):
     from hasctl.cli import build_parser
-    from hasctl.profile_format import dump
+    from easerve.profile_format import dump
     from hasctl.tune import space_from_args
     from tests.profiles import make_profile
     # encode 10 images/s per instance, 15 req/s of one image each: only E2 allocations carry it

@@ -17,7 +17,7 @@ from pathlib import Path
 from easerve.partition.backends import PartitionController, select_backend
 from easerve.policy.partitioner import FixedPartitioner, LatencyGrid, PartitionerConfig, SMPartitioner, policy_levels
 from easerve.stages.encode.profiler import startup_profile
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 
 log = logging.getLogger("easerve.encode")
 

@@ -1,7 +1,7 @@
 """Encode latency by batch size x compute share: the one profiler behind `hasctl profile` and
 the co-located encode worker's start-up, the synthetic media both of them (and the encode
 warm-up) encode, and the environment a profile records. What it measures is written as an
-`easerve.profile/v1` file (`hasctl.profile_format`, documented in docs/profile-format.md).
+`easerve.profile/v1` file (`easerve.profile_format`, documented in docs/profile-format.md).
 
 Timing (`time_call`): one warm-up call, then `repeats` timed calls, the median kept. Each call
 runs in its own scope (the partition backend's encode context, whose exit waits for the
@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
-from hasctl import profile_format as pf
+from easerve import profile_format as pf
 
 # the media of the start-up grid: image WxH, video frames x W x H, audio seconds
 STARTUP_MEDIA: dict[str, Any] = {"image": (112, 112), "video": (4, 112, 112), "audio": 1.0}

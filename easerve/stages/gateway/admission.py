@@ -33,7 +33,7 @@ from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
 from easerve.policy.slo_order import can_meet
-from easerve.sim.model import ServiceModel
+from easerve.policy.service_model import ServiceModel
 
 if TYPE_CHECKING:
     from easerve.stages.gateway.core import Job
@@ -88,7 +88,7 @@ class GatewayAdmission:
         """None without --profile (nothing to predict from)."""
         if not cfg.profile:
             return None
-        from hasctl import profile_format as pf
+        from easerve import profile_format as pf
         try:
             profile = pf.load(cfg.profile)
         except (OSError, ValueError) as e:

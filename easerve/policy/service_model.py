@@ -1,5 +1,5 @@
-"""Service times from a profile (`hasctl.profile_format.Profile`, duck-typed: this package
-imports nothing of hasctl).
+"""Service times from a profile (`easerve.profile_format.Profile`, duck-typed), shared by the
+simulator (easerve/sim) and the serving latency predictor (easerve/policy/latency.py).
 
 - gateway: `profile.gateway_latency(modality, media)` per request (0 in a revision-1 profile);
 - encode: `profile.encode_latency(batch, share, modality, media)`; a batch mixing media is the sum

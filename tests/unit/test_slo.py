@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hasctl.bench import BenchConfig
-from hasctl.bench_metrics import SLO, RequestRecord, compute_metrics
+from easerve.slo import SLO, RequestRecord, compute_metrics
 
 
 def rec(i, sent, chunks, end, tokens=None, modality="image", error=None, kind=None):

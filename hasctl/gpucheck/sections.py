@@ -1,6 +1,6 @@
-"""The GPU check's sections; `python -m easerve.gpucheck.sections NAME [--dry-run]` runs one
+"""The GPU check's sections; `python -m hasctl.gpucheck.sections NAME [--dry-run]` runs one
 and prints its result as one JSON line. `--dry-run` runs the same code on CPU against
-stand-ins: the fake driver and torch.cuda of `easerve.gpucheck.fakes` for green contexts,
+stand-ins: the fake driver and torch.cuda of `hasctl.gpucheck.fakes` for green contexts,
 the shared-memory transport in one process for CUDA IPC, CPU decode, a CPU stack."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _torch():
 def _green(dry: bool, levels=LEVELS, **kw):
     from easerve.partition.green_contexts import GreenContextBackend
     if dry:
-        from easerve.gpucheck.fakes import FakeDriver, fake_torch
+        from hasctl.gpucheck.fakes import FakeDriver, fake_torch
         drv = FakeDriver()
         return GreenContextBackend(levels, driver=drv, torch=fake_torch(drv, "fake H200 (dry run)"), **kw)
     return GreenContextBackend(levels, **kw)

@@ -100,4 +100,4 @@ def write_atomic(path: Path, report: dict) -> None:
 
 
 def section_command(name: str, dry_run: bool) -> tuple[str, ...]:
-    return (sys.executable, "-m", "easerve.gpucheck.sections", name, *(["--dry-run"] if dry_run else []))
+    return (sys.executable, "-m", "hasctl.gpucheck.sections", name, *(["--dry-run"] if dry_run else []))

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Sequence, get_args
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from hasctl.bench_metrics import SLO
+from easerve.slo import SLO
 
 FORMAT = "easerve.profile/v1"
 REVISION = 4                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing
