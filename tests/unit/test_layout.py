@@ -1,4 +1,4 @@
-"""The tree keeps the layout the README shows: stages meet in the library, never in an entry point."""
+"""The tree keeps the layout docs/layout.md shows: stages meet in the library, never in an entry point."""
 from __future__ import annotations
 
 import ast
@@ -47,21 +47,21 @@ def test_entry_points_only_wire():
 
 
 def _layout_paths() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"^## Layout\n.*?```\n(.*?)```", readme, re.S | re.M).group(1)
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    block = re.search(r"^# Layout\n.*?```\n(.*?)```", layout, re.S | re.M).group(1)
     return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
 
 
-def test_readme_layout_matches_the_tree():
+def test_layout_doc_matches_the_tree():
     paths = _layout_paths()
     missing = [p for p in paths if not (ROOT / p).exists()]
-    assert missing == [], f"the README's Layout names paths that do not exist: {missing}"
+    assert missing == [], f"docs/layout.md names paths that do not exist: {missing}"
     listed = {p.rstrip("/") for p in paths}
     packages = [d for d in (ROOT / "easerve").iterdir() if (d / "__init__.py").exists()]
     packages += [d for d in (ROOT / "easerve" / "stages").iterdir() if (d / "__init__.py").exists()]
     unlisted = sorted(str(d.relative_to(ROOT)) for d in packages
                       if str(d.relative_to(ROOT)) not in listed and d.name != "stages")
-    assert unlisted == [], f"packages the README's Layout does not show: {unlisted}"
+    assert unlisted == [], f"packages docs/layout.md does not show: {unlisted}"
 
 
 def test_architecture_doc_names_only_existing_modules():
