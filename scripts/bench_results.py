@@ -61,7 +61,7 @@ def load_results(root: Path = RESULTS) -> list[dict]:
         missing = {"bench", "command", "commit", "machine", "date", "result"} - set(r)
         if missing:
             raise ValueError(f"{path}: missing {', '.join(sorted(missing))} (the schema: scripts/bench_results.py)")
-        r["folder"] = path.parent.relative_to(ROOT).as_posix()
+        r["folder"] = f"bench/results/{path.parent.name}"  # where it is linked from the README and docs/
         r["plots"] = sorted(p.name for p in path.parent.glob("*.png"))
         out.append(r)
     return out
