@@ -28,18 +28,15 @@ def hf_home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_parse_hub_id_and_local_paths(tiny, tmp_path):
+def test_parse_hub_id_and_local_paths(tiny, tmp_path, monkeypatch):
     ref = parse_hub_id("Qwen/Qwen2.5-VL-7B-Instruct@v1.0")
     assert (ref.repo_id, ref.revision) == ("Qwen/Qwen2.5-VL-7B-Instruct", "v1.0")
     assert parse_hub_id("Org/Name").revision is None
     for local in (str(tiny), "./Org/Name", "/models/x", "~/x/y", "a/b/c", "name-only"):
         assert parse_hub_id(local) is None, local
     (tmp_path / "Org" / "Name").mkdir(parents=True)
-    os.chdir(tmp_path)  # an existing relative folder wins over the hub id of the same spelling
-    try:
-        assert parse_hub_id("Org/Name") is None
-    finally:
-        os.chdir("/")
+    monkeypatch.chdir(tmp_path)  # an existing relative folder wins over the hub id of the same spelling
+    assert parse_hub_id("Org/Name") is None
     assert served_name("Org/Name@abc") == "Org/Name"
 
 
