@@ -25,7 +25,9 @@ One host, so:
   for all.
 The model: the deployment's folder bind-mounted at /models (read-only), or, with no model, the
 tiny checkpoint the image carries at /models, through a named volume (EASERVE_MODEL_DIR=/path
-replaces either).
+replaces either). A hub id (ORG/NAME[@REVISION]) stays in every command: each container fetches
+the files its stage loads into one hub cache, the named volume `hf-home` at /hf-home (HF_HOME;
+EASERVE_HF_HOME=/path mounts a host folder instead), with the caller's HF_TOKEN and HF_HUB_OFFLINE.
 """
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from easerve.models.hub import parse_hub_id
 from hasctl.deployment import STAGES, Command, Deployment, Worker, preset, to_commands
 from hasctl.tensor_parallel import check_launchable
 
 MODEL_DIR = "/models"          # where every container sees the checkpoint
+HF_HOME_DIR = "/hf-home"       # HF_HOME in every container of a hub-id deployment
+HF_HOME_VOLUME = "hf-home"     # its named volume (EASERVE_HF_HOME=/path: a host folder)
 TINY_MODEL_NAME = "qwen2.5-vl-tiny-s0"  # served name of the image's tiny model (as `hasctl up` names it)
 _ADDR_FLAGS = ("--listen", "--http-listen", "--decode", "--prefill", "--encode", "--metrics-listen")
 METRICS_PORT_OFFSET = 1000     # a stage's /metrics port: its gRPC port + this (EASERVE_METRICS_PORT_<PROCESS>)
@@ -196,10 +201,11 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     """The compose file (as a mapping) that runs `d` on one host."""
     check_launchable(d)  # before GPUs are renumbered
     d, gpus = _one_host(d, "cpu" if opts.cpu else opts.device)
-    model_src = _model_source(d.model)
+    hub = parse_hub_id(d.model) is not None
+    model_src = "" if hub else _model_source(d.model)
     if not dict(d.gateway.flags).get("served-model-name"):
         d = d.with_flags("gateway", served_model_name=served_name(d.model))
-    d = d.with_model(MODEL_DIR)
+    d = d if hub else d.with_model(MODEL_DIR)
     ports = _ports(d, opts.base_port)
     port_vars = {p: port_var(n) for n, p in ports.items()}
     cmds = to_commands(d, "127.0.0.1", ports)
@@ -226,7 +232,9 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
         svc["labels"] = scrape_labels(mports[cmd.name])
         services[cmd.name] = svc
     doc: dict[str, Any] = {"name": opts.project, "services": services, "x-prometheus": _scrape_config(mports)}
-    if not model_src.startswith(("/", ".")):
+    if hub:
+        doc["volumes"] = {HF_HOME_VOLUME: {}}
+    elif not model_src.startswith(("/", ".")):
         doc["volumes"] = {model_src: {}}
     return doc
 
@@ -241,10 +249,14 @@ def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: st
     svc: dict[str, Any] = {"image": f"${{EASERVE_IMAGE:-{opts.image}}}"}
     if opts.build_context is not None:
         svc["build"] = {"context": opts.build_context, "dockerfile": "docker/Dockerfile"}
+    model = f"${{EASERVE_MODEL_DIR:-{model_src}}}:{MODEL_DIR}" if model_src else \
+        f"${{EASERVE_HF_HOME:-{HF_HOME_VOLUME}}}:{HF_HOME_DIR}"
+    hub_env = {} if model_src else {"HF_HOME": HF_HOME_DIR, "HF_TOKEN": "${HF_TOKEN:-}",
+                                    "HF_HUB_OFFLINE": "${HF_HUB_OFFLINE:-0}"}
     svc.update({
         "network_mode": "host", "ipc": "host",
-        "volumes": [f"${{EASERVE_MODEL_DIR:-{model_src}}}:{MODEL_DIR}", "/dev/shm:/dev/shm"],
-        "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}",
+        "volumes": [model, "/dev/shm:/dev/shm"],
+        "environment": {"EASERVE_LOG_LEVEL": "${EASERVE_LOG_LEVEL:-INFO}", **hub_env,
                         **{k: f"${{{k}:-{v}}}" for k, v in cmd.env}},  # the caller's value wins
         "command": _interpolated(tuple(argv), port_vars),
         "healthcheck": _health(cmd, port_vars),
@@ -273,8 +285,11 @@ def _model_source(model: str) -> str:
 
 
 def served_name(model: str) -> str:
-    """The model id the gateway serves: the folder's name, or the tiny model's."""
-    return model.rstrip("/").rpartition("/")[2] if model else TINY_MODEL_NAME
+    """The model id the gateway serves: a hub id's ORG/NAME, the folder's name, or the tiny model's."""
+    if not model:
+        return TINY_MODEL_NAME
+    ref = parse_hub_id(model)
+    return ref.repo_id if ref else model.rstrip("/").rpartition("/")[2]
 
 
 def dump(doc: dict) -> str:

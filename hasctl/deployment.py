@@ -3,8 +3,8 @@
 The file (JSON or YAML, what `hasctl tune` writes and `hasctl up` / docker compose consume):
 
     name: default
-    model: ""                 # checkpoint folder or hub id; "" = the default tiny checkpoint
-    served_model_name: ""     # the model id clients send and /v1/models lists; "" = the folder name
+    model: ""                 # checkpoint folder or hub id ORG/NAME[@REVISION]; "" = the default tiny checkpoint
+    served_model_name: ""     # the model id clients send and /v1/models lists; "" = the hub id or folder name
     gateway: {grpc_port: 50051, http_port: 8000, flags: {}}
     encode:  [{device: cpu, port: 0, flags: {max-batch: 8, remote-fraction: 1.0, batch-mode: adaptive}}]
     prefill: [{device: cpu}]
@@ -104,7 +104,7 @@ class Deployment:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
-            raise ValueError(f"model must be a checkpoint path or '' (the default tiny one), got {self.model!r}")
+            raise ValueError(f"model must be a checkpoint path, a hub id or '' (the default tiny one), got {self.model!r}")
         if not isinstance(self.served_model_name, str):
             raise ValueError(f"served_model_name must be a string ('' = the model folder's name), "
                              f"got {self.served_model_name!r}")
@@ -128,13 +128,25 @@ class Deployment:
 
     def _check_flags(self) -> None:
         """Each worker's flags, checked by its stage's own config (as its process will)."""
+        self._stage_configs()
+
+    def _stage_configs(self) -> list:
         dummy = {s: ("127.0.0.1:1",) if getattr(self, s) else () for s in ("prefill", "decode")}
         wiring = {"decode": {}, "prefill": {"decode": dummy["decode"]}, "monolith": {},
                   "encode": {"prefill": dummy["prefill"], "decode": dummy["decode"]}}
-        for stage in STAGES:
-            for i, w in enumerate(getattr(self, stage)):
-                _stage_config(stage, {"model": self.model or "model", "device": w.device, **wiring[stage]},
+        return [_stage_config(stage, {"model": self.model or "model", "device": w.device, **wiring[stage]},
                               w.flags, f"{stage}[{i}]")
+                for stage in STAGES for i, w in enumerate(getattr(self, stage))]
+
+    def model_roles(self) -> tuple[str, ...]:
+        """The adapter roles this deployment's processes load (the gateway's 'processor' too)."""
+        return tuple(sorted({"processor", *(r for c in self._stage_configs() for r in c.model_roles)}))
+
+    def fetch_model(self) -> str:
+        """The model's folder, a hub id fetched (once, with the progress bar, before the processes
+        start: each then finds its files in the cache) with the files its processes load."""
+        from easerve.models.hub import resolve_model
+        return str(resolve_model(self.model, self.model_roles()))
 
     def workers(self) -> list[Worker]:
         return [w for stage in STAGES for w in getattr(self, stage)]

@@ -23,7 +23,9 @@ the server (""), readiness on the stage's service; terminationGracePeriodSeconds
 stage's drain (--grace-s) by a margin. An init container waits until each downstream stage has
 an instance SERVING (what depends_on: service_healthy does in compose). With no model in the
 deployment the pods serve the tiny checkpoint the image carries; otherwise the model comes
-from a PersistentVolumeClaim (`--model-claim`, default easerve-model) mounted at /models.
+from a PersistentVolumeClaim (`--model-claim`, default easerve-model) mounted at /models, or, for a hub
+id (ORG/NAME[@REVISION]), each pod fetches the files its stage loads into HF_HOME=/hf-home (an
+emptyDir, or the PVC `--hf-home-claim`), with HF_TOKEN from the Secret `--hf-token-secret` if it exists.
 The KV transport is left to the stages (pods do not share /dev/shm; across pods it is gRPC).
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hasctl.compose import (MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
+from easerve.models.hub import parse_hub_id
+from hasctl.compose import (HF_HOME_DIR, MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
                             replace_flag, scrape_labels, served_name)
 from hasctl.autoscale import parse_min_max
 from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, to_commands
@@ -59,6 +62,8 @@ class K8sOptions:
     prefix: str = "easerve"
     cluster_domain: str = "cluster.local"
     model_claim: str = "easerve-model"     # PVC with the checkpoint, when the deployment names one
+    hf_home_claim: str = ""                # a hub id: PVC holding HF_HOME ("": an emptyDir per pod)
+    hf_token_secret: str = "hf-token"      # a hub id: Secret whose key HF_TOKEN is passed (optional)
     gateway_service_type: str = "ClusterIP"
     autoscale: tuple[int, int] | None = None  # MIN:MAX replicas of a HorizontalPodAutoscaler per stage
 
@@ -123,7 +128,8 @@ def pod_commands(d: Deployment, opts: K8sOptions) -> tuple[list[Group], dict[str
     gs = groups(d, opts)
     by_proc = {f"{g.stage}-{i}": g for g in gs for i in g.instances}
     pod_d = dataclasses.replace(d, **{s: tuple(by_proc[f"{s}-{i}"].worker for i in range(len(getattr(d, s))))
-                                      for s in STAGES}).with_model(MODEL_DIR)
+                                      for s in STAGES})
+    pod_d = pod_d if parse_hub_id(d.model) else pod_d.with_model(MODEL_DIR)
     if not dict(d.gateway.flags).get("served-model-name"):
         pod_d = pod_d.with_flags("gateway", served_model_name=served_name(d.model))
     ports = {n: g.port for n, g in by_proc.items()}
@@ -196,13 +202,21 @@ def _pod_spec(d: Deployment, opts: K8sOptions, g: Group | None, argv: list[str],
               {"name": "shm", "mountPath": "/dev/shm"}]
     volumes = [{"name": "deployment", "configMap": {"name": f"{opts.prefix}-deployment"}},
                {"name": "shm", "emptyDir": {"medium": "Memory"}}]
-    if model_claim:
+    env = [{"name": "EASERVE_LOG_LEVEL", "value": "INFO"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if parse_hub_id(d.model):
+        mounts.append({"name": "hf-home", "mountPath": HF_HOME_DIR})
+        volumes.append({"name": "hf-home", **({"persistentVolumeClaim": {"claimName": opts.hf_home_claim}}
+                                              if opts.hf_home_claim else {"emptyDir": {}})})
+        env += [{"name": "HF_HOME", "value": HF_HOME_DIR},
+                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": opts.hf_token_secret, "key": "HF_TOKEN",
+                                                                    "optional": True}}}]
+    elif model_claim:
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": opts.model_claim, "readOnly": True}})
     container = {
         "name": stage, "image": opts.image, "imagePullPolicy": "IfNotPresent", "command": argv,
         "ports": ports,
-        "env": [{"name": "EASERVE_LOG_LEVEL", "value": "INFO"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": env,
         "resources": _resources(g),
         "startupProbe": _probe(port, "", 5, 120),          # model load and warm-up: up to 10 min
         "livenessProbe": _probe(port, "", 10, 3),
@@ -308,6 +322,11 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster-domain", default=K8sOptions.cluster_domain)
     p.add_argument("--model-claim", default=K8sOptions.model_claim,
                    help="PersistentVolumeClaim holding the deployment's model folder (mounted at /models)")
+    p.add_argument("--hf-home-claim", default=K8sOptions.hf_home_claim,
+                   help="a hub-id model: PersistentVolumeClaim holding HF_HOME, shared by the pods (default: an "
+                        "emptyDir per pod, each fetching only its stage's files)")
+    p.add_argument("--hf-token-secret", default=K8sOptions.hf_token_secret,
+                   help="a hub-id model: Secret whose key HF_TOKEN the pods get (skipped when absent)")
     p.add_argument("--gateway-service-type", default=K8sOptions.gateway_service_type,
                    choices=["ClusterIP", "NodePort", "LoadBalancer"])
     p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
@@ -320,6 +339,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     opts = K8sOptions(namespace=args.namespace, image=args.image, prefix=args.prefix,
                       cluster_domain=args.cluster_domain, model_claim=args.model_claim,
+                      hf_home_claim=args.hf_home_claim, hf_token_secret=args.hf_token_secret,
                       gateway_service_type=args.gateway_service_type, autoscale=parse_min_max(args.autoscale) if args.autoscale else None)
     objs = manifests(load_deployment(args), opts)
     if args.out is None:

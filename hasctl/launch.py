@@ -209,6 +209,7 @@ class Stack:
         """Spawn every process (decode first, gateway last) and wait until all are SERVING."""
         if self._thread is not None:
             raise RuntimeError("this Stack was started already; make a new one")
+        self.deployment.fetch_model()  # a hub id not cached (offline) fails here, before any process
         with self._lock:
             for p in self._procs.values():
                 self._spawn(p)

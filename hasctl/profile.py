@@ -340,7 +340,8 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure each stage's capacity alone and write a profile file")
-    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--model", required=True, help="checkpoint folder or hub id ORG/NAME[@REVISION] (the roofline: "
+                   "only its config is fetched)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None, help="GPUs, e.g. cuda:0,cuda:1 (measured on the first)")
     where.add_argument("--cores", default=None, help="CPU core group, e.g. 0-1 (default: every allowed core)")
@@ -386,7 +387,9 @@ def run(args) -> int:
     plan = QUICK if args.quick else Plan()
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=args.repeats)
-    prof = run_profile(args.model, device, devices, plan, multipliers, not args.no_progress, args.quick)
+    from easerve.models.hub import resolve_model
+    model = str(resolve_model(args.model, ("encode", "decode")))
+    prof = run_profile(model, device, devices, plan, multipliers, not args.no_progress, args.quick)
     pf.dump(prof, args.out)
     enc = prof.encode
     print(f"wrote {args.out}: {prof.model.family} on {device}"

@@ -140,7 +140,8 @@ def _version() -> str:
 def run(args) -> int:
     from hasctl.profile import QUICK, parse_tiers
     spec = load_spec(args.gpu)
-    prof = build(args.model, spec, args.tp, QUICK if args.quick else ROOFLINE_PLAN, parse_tiers(args.tiers),
+    from easerve.models.hub import resolve_model
+    prof = build(str(resolve_model(args.model, ("processor",))), spec, args.tp, QUICK if args.quick else ROOFLINE_PLAN, parse_tiers(args.tiers),
                  args.network_gbps)
     pf.dump(prof, args.out)
     print(f"wrote {args.out}: roofline of {prof.model.family} on {spec.name} x tp={args.tp} (measured: false)")

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from easerve.models.hub import canonical
 from easerve.policy.batcher import MODES as BATCH_MODES
 from hasctl.deployment import Deployment
 from hasctl.trials import (EVALUATORS, SIM_MIN_DURATION_S, TuneConfig, best_deployment, best_trial, describe, evaluate,
@@ -36,7 +37,7 @@ from hasctl.workload import MODALITIES, WorkloadSpec, parse_size
 # ---- command line ------------------------------------------------------------------------------
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="search allocation x batch mode x B x s for the most goodput (Optuna TPE, real launches)")
-    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--model", required=True, help="checkpoint folder or hub id ORG/NAME[@REVISION]")
     p.add_argument("--rate", type=float, required=True, help="arrival rate every trial replays, requests/s")
     p.add_argument("--trials", type=int, default=30, help="trials to run now (a resumed study adds these)")
     p.add_argument("--storage", required=True, help="optuna storage URL, e.g. sqlite:///tune.db")
@@ -143,7 +144,7 @@ def config_from_args(args, run_dir: str) -> TuneConfig:
     spec = WorkloadSpec(modality=args.modality, image_size=parse_size(args.image_size),
                         video_frames=args.video_frames, video_size=parse_size(args.video_size, "--video-size"),
                         audio_s=args.audio_s, input_tokens=args.input_tokens, output_tokens=args.output_tokens)
-    return TuneConfig(model=str(Path(args.model).resolve()), rate=args.rate, slo=slo, num_requests=args.requests,
+    return TuneConfig(model=canonical(args.model), rate=args.rate, slo=slo, num_requests=args.requests,
                       warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
                       startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir,
                       ignore_eos=args.ignore_eos, evaluator=args.evaluator,

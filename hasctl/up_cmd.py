@@ -26,9 +26,12 @@ def add_parser(sub) -> None:
     src.add_argument("--preset", default=None, choices=sorted([*PRESETS, *ALIASES]),
                      help="a named deployment (default: default)")
     src.add_argument("--deployment", default=None, help="a deployment file (.json / .yaml), e.g. from hasctl tune")
-    p.add_argument("--model", default=None, help="checkpoint folder; default: the deployment's, else the tiny model")
+    p.add_argument("--model", default=None, help="checkpoint folder or hub id ORG/NAME[@REVISION] (fetched through "
+                   "huggingface_hub: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply); default: the deployment's, else the "
+                   "tiny model")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send and /v1/models lists (default: the deployment's, else the folder name)")
+                   help="model id clients send and /v1/models lists (default: the deployment's, else the hub id "
+                        "or folder name)")
     p.add_argument("--device", default=None, help="put every stage on this device (cpu, cuda:0, ...)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="every stage's weights dtype (default: the deployment's, else auto: fp32 on CPU, bf16 on GPU)")
@@ -92,7 +95,9 @@ def resolve(args) -> Deployment:
         print(f"no --model: using the tiny {DEFAULT_FAMILY} checkpoint (built once under {DEFAULT_TINY_ROOT})",
               flush=True)
         model = str(cached_tiny(DEFAULT_FAMILY, Path(DEFAULT_TINY_ROOT).expanduser()))
-    return d.with_model(model)
+    d = d.with_model(model)
+    d.fetch_model()  # a hub id: its files now, with the progress bar (offline and not cached: the error, at once)
+    return d
 
 
 def _notice_if_tiny(model: str) -> None:

@@ -107,13 +107,26 @@ class HFAdapter(Prompts, ModelAdapter):
             raise ValueError(f"{self.path}: tokenizer has no placeholder token {token!r}")
         return int(tid)
 
+    @classmethod
+    def parts_of(cls, role: str) -> tuple[str, ...]:
+        """Submodule / parameter paths whose weights `role` holds."""
+        if role == "processor":
+            return ()
+        if role == "encode":
+            return cls.encoder_parts
+        if role == "full":
+            return cls.encoder_parts + cls.lm_parts
+        return cls.lm_parts
+
+    @classmethod
+    def weight_filter(cls, role: str):
+        """The key map of the checkpoint tensors `role` reads (None for the others): what
+        `read_part_tensors` reads, and what `easerve.models.hub` fetches."""
+        return under(cls.parts_of(role), renamer(cls.legacy_renames))
+
     def role_parts(self) -> tuple[str, ...]:
         """Submodule / parameter paths whose weights this role holds."""
-        if self.role == "encode":
-            return self.encoder_parts
-        if self.role == "full":
-            return self.encoder_parts + self.lm_parts
-        return self.lm_parts
+        return self.parts_of(self.role)
 
     def _load_model(self) -> nn.Module:
         if self.role == "full" and not self.assemble_full:

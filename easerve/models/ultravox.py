@@ -51,7 +51,7 @@ class UltravoxAdapter(AudioPreprocess, HFAdapter):
             model_id = getattr(self.config, f"{kind}_model_id", None)
             if model_id is None or self.REFERENCED_PART[kind] not in parts:
                 continue
-            folder = referenced_folder(model_id, kind)
+            folder = referenced_folder(model_id, kind, weights=True)
             tensors.update(read_tensors(folder, _referenced_map(rules, wanted, set(tensors)),
                                         dtype=self.dtype, device=self.device))
         return tensors

@@ -78,13 +78,16 @@ class UltravoxConfig(PreTrainedConfig):
             self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
 
 
-def referenced_folder(model_id: str, kind: str) -> str:
-    """The local folder an Ultravox config's `audio_model_id` / `text_model_id` names."""
+def referenced_folder(model_id: str, kind: str, weights: bool = False) -> str:
+    """The local folder an Ultravox config's `audio_model_id` / `text_model_id` names: a folder, or
+    a hub id fetched (its config files, and with `weights` its safetensors) by easerve.models.hub."""
+    from easerve.models.hub import parse_hub_id, resolve_model
+    if parse_hub_id(model_id):
+        return str(resolve_model(model_id, ("full",) if weights else ("processor",)))
     if not Path(model_id, "config.json").is_file():
         raise ValueError(
-            f"this Ultravox config names {kind}_model_id={model_id!r}, which is not a local checkpoint folder: "
-            f"EAServe loads offline, so download that model to a folder and set {kind}_model_id in the "
-            "Ultravox config.json to its path")
+            f"this Ultravox config names {kind}_model_id={model_id!r}, which is neither a local checkpoint folder "
+            f"nor a hub id: set {kind}_model_id in the Ultravox config.json to one")
     return str(model_id)
 
 

@@ -22,12 +22,15 @@ KeyMap = Callable[[str], str | None]
 log = logging.getLogger("easerve.models.weights")
 
 
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder (single file or sharded)."""
+def checkpoint_files(path: str | Path, key_map: KeyMap | None = None) -> list[Path]:
+    """The safetensors files of a checkpoint folder (single file or sharded); of a sharded one,
+    with `key_map`, only the shards holding a tensor it keeps (the others need not be there:
+    a hub snapshot of one role's files, easerve.models.hub)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({f for k, f in weight_map.items() if key_map is None or key_map(k) is not None})
         return [root / s for s in shards]
     single = root / "model.safetensors"
     if single.is_file():
@@ -52,7 +55,7 @@ def read_tensors(path: str | Path, key_map: KeyMap, dtype: torch.dtype | None = 
     """Read only the tensors whose mapped name is not None; returns {mapped: tensor}."""
     out: dict[str, torch.Tensor] = {}
     total = 0
-    for f in checkpoint_files(path):
+    for f in checkpoint_files(path, key_map):
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for key in sf.keys():
                 total += 1

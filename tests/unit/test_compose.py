@@ -173,6 +173,18 @@ def test_model_folder_is_a_volume_and_the_tiny_one_needs_none():
     assert _flag(mine["services"]["gateway"]["command"], "--served-model-name") == "Qwen2.5-VL-7B"
 
 
+def test_a_hub_id_stays_in_every_command_with_one_hub_cache_volume():
+    doc = compose_dict(PRESETS["colocated"].with_model("Org/Name@v1"))
+    assert doc["volumes"] == {"hf-home": {}}
+    for name, s in doc["services"].items():
+        assert _flag(s["command"], "--model") == "Org/Name@v1", name  # each container fetches its own files
+        assert "${EASERVE_HF_HOME:-hf-home}:/hf-home" in s["volumes"]
+        assert not any(v.endswith(":/models") for v in s["volumes"])
+        assert {k: s["environment"][k] for k in ("HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE")} == \
+            {"HF_HOME": "/hf-home", "HF_TOKEN": "${HF_TOKEN:-}", "HF_HUB_OFFLINE": "${HF_HUB_OFFLINE:-0}"}
+    assert _flag(doc["services"]["gateway"]["command"], "--served-model-name") == "Org/Name"
+
+
 def test_ports_move_with_environment_variables():
     svc = compose_dict(PRESETS["default"])["services"]
     assert _flag(svc["prefill-0"]["command"], "--decode") == "127.0.0.1:${EASERVE_PORT_DECODE_0:-50052}"

@@ -153,6 +153,26 @@ def test_headless_services_probes_grace_and_resources(name):
     assert gw_svc["spec"].get("clusterIP") != "None"
 
 
+def test_a_hub_id_pod_fetches_into_hf_home_with_the_token_secret():
+    objs = manifests(tuned_2x3x3().with_model("Org/Name@v1"), K8sOptions(hf_home_claim="hf-cache"))
+    pods = [o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")]
+    assert len(pods) == 5  # two encode groups, prefill, decode and the gateway
+    for pod in pods:
+        c = pod["containers"][0]
+        assert c["command"][c["command"].index("--model") + 1] == "Org/Name@v1"
+        assert {"name": "hf-home", "mountPath": "/hf-home"} in c["volumeMounts"]
+        assert {"name": "hf-home", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+        assert not any(v.get("persistentVolumeClaim", {}).get("claimName") == "easerve-model" for v in pod["volumes"])
+        env = {e["name"]: e for e in c["env"]}
+        assert env["HF_HOME"]["value"] == "/hf-home"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN", "optional": True}
+    for o in objs:
+        kv.validate(o, K8S_VERSION, strict=True)
+    emptydir = manifests(tuned_2x3x3().with_model("Org/Name"))
+    pod = next(o for o in emptydir if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert {"name": "hf-home", "emptyDir": {}} in pod["volumes"]
+
+
 def test_grace_follows_the_stage_flag_and_the_configmap_holds_the_deployment():
     d = tuned_2x3x3()
     objs = manifests(d, K8sOptions())

@@ -49,7 +49,8 @@ def cpu_cores(device: str) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class StageConfig:
-    model: str = opt("", "checkpoint folder (a supported family)", wired=True)
+    model: str = opt("", "checkpoint folder or hub id ORG/NAME[@REVISION] (a supported family; a hub id is "
+                     "fetched with only the files this stage loads: easerve.models.hub)", wired=True)
     device: Device = opt("cpu", DEVICE_HELP, wired=True)
     listen: HostPort = opt("127.0.0.1:0", "gRPC address to bind, host:port (port 0 = any)", wired=True)
     port_file: str = opt("", "write the bound gRPC port to this file", wired=True)
@@ -70,7 +71,7 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("--model is required: a checkpoint folder")
+            raise ValueError("--model is required: a checkpoint folder or a hub id ORG/NAME[@REVISION]")
         check_fields(self)
         check_tls_flags(self.tls_cert, self.tls_key, self.tls_ca, self.tls_client_auth)
         self._check()
@@ -81,6 +82,12 @@ class StageConfig:
     @property
     def torch_device(self) -> str:
         return torch_device(self.device)
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """The adapter roles (easerve.models.registry.load_adapter) this stage loads: what a launcher
+        fetches of a hub id for it."""
+        return ("processor",)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,10 @@ class DecodeConfig(EngineConfig, StageConfig):
 
     def _check(self) -> None:
         self._check_engine()
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        return ("decode",)
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,10 @@ class PrefillConfig(PrefillFields, StageConfig):
     def _check(self) -> None:
         if not self.decode:
             raise ValueError("prefill needs --decode addresses for its KV")
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        return ("prefill",)
 
 
 @dataclass(frozen=True)
@@ -235,6 +250,10 @@ class EncodeConfig(PrefillFields, StageConfig):
                              "drop one (--sm-backend static is the 50/50 split, timeslice none)")
 
     @property
+    def model_roles(self) -> tuple[str, ...]:
+        return ("encode", "prefill") if self.colocate_prefill else ("encode",)
+
+    @property
     def batch_sizes(self) -> tuple[int, ...]:
         try:
             sizes = tuple(int(x) for x in self.profile_batch_sizes.split(",") if x.strip())
@@ -269,7 +288,7 @@ class GatewayConfig(PeerFields, StageConfig):
     encode: Addresses = opt((), "encode instances, host:port,...", wired=True)
     prefill: Addresses = opt((), "prefill instances for text-only requests, host:port,...", wired=True)
     decode: Addresses = opt((), "decode instances (reservations; tokens stream from them)", wired=True)
-    served_model_name: str = opt("", "model id clients send (default: the folder's name)")
+    served_model_name: str = opt("", "model id clients send (default: a hub id's ORG/NAME, else the folder's name)")
     request_timeout_s: PosFloat = opt(600.0, "default deadline of a request, seconds")
     default_max_tokens: PosInt = opt(256, "max_tokens when a request sets none")
     max_body_mb: float = opt(64.0, "largest HTTP request body")
@@ -322,9 +341,10 @@ class GatewayConfig(PeerFields, StageConfig):
 
     @property
     def served_model(self) -> str:
-        """The model id clients send: --served-model-name, else the checkpoint folder's name."""
-        from pathlib import Path
-        return self.served_model_name or Path(self.model).resolve().name
+        """The model id clients send: --served-model-name, else a hub id's ORG/NAME or the checkpoint
+        folder's name."""
+        from easerve.models.hub import served_name
+        return self.served_model_name or served_name(self.model)
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {

@@ -88,7 +88,7 @@ class Encoder:
     def _cache(self) -> EmbeddingCache | None:
         if self.cfg.encoder_cache_gb == 0:
             return None
-        fp = model_fingerprint(self.cfg.model, str(self.adapter.dtype), self.cfg.torch_device)
+        fp = model_fingerprint(self.adapter.path, str(self.adapter.dtype), self.cfg.torch_device)
         return EmbeddingCache(int(self.cfg.encoder_cache_gb * 2**30), fp, CacheMetrics(self.metrics.registry))
 
     def _controller(self):
@@ -97,7 +97,7 @@ class Encoder:
         c = self.cfg
         return build_controller(self.adapter, c.torch_device, c.sm_backend, c.partitioner.policy,
                                 c.partition_profile or None, c.batch_sizes, c.partitioner.tolerance,
-                                self.encode_pool, self.prefill_pool, model=c.model)
+                                self.encode_pool, self.prefill_pool, model=self.adapter.path)
 
     def _local_stage(self):
         if self.local_lm is None:
