@@ -23,7 +23,7 @@ from tests.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 DECODES = ("decode-0", "decode-1")
-PROGRESS_S = 4.0  # the gateway's --decode-progress-timeout-s
+PROGRESS_S = 3.0  # the gateway's --decode-progress-timeout-s (under the ~5-10 s keepalive)
 TOKENS = 300      # long enough that the stream is still going when the fault comes
 
 
@@ -75,7 +75,8 @@ def test_stalled_decode_greedy_image_request_resumes_on_the_other(stack):
     """SIGSTOP of the serving decode instance: after PROGRESS_S without a token the request
     moves (encode runs again, its cache holding the image), and ends like the undisturbed run."""
     client = Client(stack.endpoints.grpc, timeout=180)
-    kw = {"prompt": "What is this?", "images": [png_bytes(48, 64, 5)], "logit_bias": no_media_ids(stack.deployment.model)}
+    kw = {"prompt": "What is this?", "images": [png_bytes(48, 64, 5)],
+          "logit_bias": no_media_ids(stack.deployment.model)}
     want = _undisturbed(client, kw)
     before = _migrations(stack, "stalled")
     stopped = []

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from easerve.engine.logprobs import TokenLogprobs
-from easerve.errors import Unavailable
+from easerve.errors import DecodeStalled, Unavailable
 from easerve.rpc.errors import from_rpc_error
 from easerve.types import Timings
 from easerve.wire.protoconv import FINISH_FROM_PROTO
@@ -57,10 +57,6 @@ async def drain(call) -> None:
             pass
     except grpc.aio.AioRpcError as e:
         raise from_rpc_error(e) from None
-
-
-class DecodeStalled(Unavailable):
-    """A decode stream sent no token for longer than the gateway's --decode-progress-timeout-s."""
 
 
 async def decode_chunks(dcall, tail: asyncio.Future, addr: str, got: int,

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from easerve.errors import BadRequest, CacheMiss, Internal, Overloaded, Unavailable
+from easerve.errors import BadRequest, CacheMiss, DecodeStalled, Internal, Overloaded, Unavailable
 from easerve.media import MediaResolver, config_for
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
@@ -49,7 +49,8 @@ from easerve.policy.admission import Decision
 from easerve.stages.gateway.admission import GatewayAdmission
 from easerve.cache.prefix import PrefixCacheConfig
 from easerve.cache.prefix_route import PrefixRoute, up_loads
-from easerve.stages.gateway.choices import Delta, DecodeStalled, chunk_logprobs, decode_chunks, drain, fan_in
+from easerve.stages.gateway.choices import Delta, chunk_logprobs, decode_chunks, drain, fan_in
+from easerve.stages.gateway.legs import Leg, resumable
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
@@ -337,7 +338,7 @@ class GatewayCore:
 
     async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
         deadline = self._deadline(job)
-        leg = _Leg(*await self._reserved_call(job, prompt, deadline))
+        leg = Leg(*await self._reserved_call(job, prompt, deadline))
         try:
             if job.sampling.n > 1:
                 async for d in fan_in(self, job, prompt, leg.first, leg.ucall, leg.dcall, leg.dpeer.addr):
@@ -357,7 +358,7 @@ class GatewayCore:
                     return
                 except Unavailable as e:  # its decode instance died or stalled, or the KV handoff failed
                     if (job.migrations >= self.cfg.migration_limit or not self._dec.untried({leg.dpeer.addr})
-                            or not self._resumable(job, sent)):
+                            or not resumable(self.adapter, job, sent)):
                         raise  # no move left, no other decode instance listed, or none possible
                     reason = "stalled" if isinstance(e, DecodeStalled) else "died"
                     log.warning("request %s: %s; migrating after %d token(s)", job.request_id, e, len(sent))
@@ -369,18 +370,8 @@ class GatewayCore:
         finally:
             leg.close(self._dec)
 
-    def _resumable(self, job: Job, sent: list[int]) -> bool:
-        """Whether the tokens sent can follow the prompt in a new prefill: a media placeholder id
-        among them would be taken for a media item's place (a model never trained to emit one
-        does not; a random tiny checkpoint may)."""
-        held = set(getattr(self.adapter, "placeholder_ids", {}).values()).intersection(sent)
-        if held:
-            log.warning("request %s: not migrated, its output holds media placeholder id(s) %s",
-                        job.request_id, sorted(held))
-        return not held
-
     async def _migrate(self, job: Job, prompt: ProcessedPrompt, sent: list[int], deadline: Deadline,
-                       left: str) -> "_Leg":
+                       left: str) -> Leg:
         """A new leg for a request whose decode stream (at `left`) broke after the tokens `sent`:
         prompt + sent prefilled again (the prefix cache holds most of it when it can), on
         another decode instance, under a new internal id; its first message is the next token."""
@@ -388,7 +379,7 @@ class GatewayCore:
         job.sampling = replace(job.sampling, resumed=tuple(sent))
         job.internal_id = new_internal_id()
         resumed = replace(prompt, input_ids=[*prompt.input_ids, *sent])
-        return _Leg(*await self._reserved_call(job, resumed, deadline, frozenset({left})))
+        return Leg(*await self._reserved_call(job, resumed, deadline, frozenset({left})))
 
     def _resumed(self, job: Job, prompt: ProcessedPrompt, chunk, n: int, first_at: float) -> Delta:
         """The delta of a migrated request's first chunk (its `n`-th token)."""
@@ -423,13 +414,14 @@ class GatewayCore:
                        embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
                        preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
 
-    async def _decoded(self, job: Job, prompt: ProcessedPrompt, leg: "_Leg", n: int,
+    async def _decoded(self, job: Job, prompt: ProcessedPrompt, leg: Leg, n: int,
                        first_at: float) -> AsyncIterator[Delta]:
         """Decode's chunks after the `n` tokens sent (the first at `first_at`), failing at once
         if the upstream call (the KV handoff) fails, and when decode sends no token for
         --decode-progress-timeout-s; a failure of the stream names the decode instance and
         how far the request got."""
-        async for chunk in decode_chunks(leg.dcall, leg.tail, leg.dpeer.addr, n, self.cfg.decode_progress_timeout_s):
+        progress_s = self.cfg.decode_progress_timeout_s
+        async for chunk in decode_chunks(leg.dcall, leg.tail, leg.dpeer.addr, n, progress_s):
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
@@ -454,29 +446,3 @@ class GatewayCore:
                      replace(timings, tpot_ms=tpot * 1000), chunk_logprobs(chunk), job.cached_tokens,
                      migrations=job.migrations)
 
-
-@dataclass
-class _Leg:
-    """A request's place at one decode instance and the upstream call that filled it
-    (`GatewayCore._reserved_call`); a migrated request has one leg per decode instance."""
-
-    dpeer: object
-    dcall: object
-    upeers: object
-    upeer: object
-    ucall: object
-    first: object                        # the upstream call's first message
-    tail: asyncio.Future | None = None   # the upstream call's end (the KV handoff), once awaited
-    closed: bool = False
-
-    def close(self, decode_peers) -> None:
-        """Cancel both calls (frees the stages' work) and give back both peers; once."""
-        if self.closed:
-            return
-        self.closed = True
-        self.dcall.cancel()
-        self.ucall.cancel()
-        if self.tail is not None and not self.tail.done():
-            self.tail.cancel()
-        self.upeers.finish(self.upeer)
-        decode_peers.finish(self.dpeer)
