@@ -57,6 +57,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens answered by prefill's prefix cache
+    migrations: int = 0     # times the stream moved to another decode instance (one died or stalled)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class ModelInfo:
 
 def chunk_from_proto(m: gpb.GenerateResponse) -> Chunk:
     finish = FINISH_REASONS.get(m.finish_reason)
-    usage = (Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens)
+    usage = (Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens, m.usage.migrations)
              if finish and m.HasField("usage") else None)
     timings = timings_from_proto(m.timings) if m.HasField("timings") else None
     lps = tuple(Logprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in m.logprobs)

@@ -79,6 +79,10 @@ class EngineFailed(Unavailable):
     """The decode engine's step raised: this instance cannot finish the request."""
 
 
+class DecodeStalled(Unavailable):
+    """A decode stream sent no token for longer than the gateway's --decode-progress-timeout-s."""
+
+
 class DeadlineExceeded(EAServeError, TimeoutError):
     code, http = "DEADLINE_EXCEEDED", 504
 

@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, Union
+from collections.abc import Sequence
 
 from easerve.errors import InvalidRequest
 
@@ -115,6 +116,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
     structured: StructuredOutput | None = None       # tokens outside the grammar are masked
     n: int = 1  # choices: one prefill, n decodes sharing the prompt's KV (each its own `choice(i)`)
+    # A migrated request (the gateway's mid-stream migration): the tokens it generated before,
+    # which also end its input_ids. The stop rules, the detokenizer and the logit transforms
+    # replay them, the sampler counts its steps from len(resumed) on (a seeded request draws
+    # what it would have drawn uninterrupted), and they count against max_tokens.
+    resumed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.n) is not int or not 1 <= self.n <= MAX_N:
@@ -147,6 +153,9 @@ class SamplingParams:
             object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r}")
+        if self.resumed and (self.n != 1 or len(self.resumed) >= self.max_tokens):
+            raise InvalidRequest(f"resumed ({len(self.resumed)} tokens) needs n = 1 and fewer tokens than "
+                                 f"max_tokens ({self.max_tokens})")
         if self.structured is not None and self.min_tokens:
             raise InvalidRequest("min_tokens cannot be combined with a structured output (its grammar says "
                                  "where the output ends); drop min_tokens")
@@ -161,6 +170,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens still to generate: max_tokens less the resumed ones."""
+        return self.max_tokens - len(self.resumed)
+
+    def prompt_ids(self, input_ids: Sequence[int]) -> list[int]:
+        """The prompt part of a request's input_ids (a resumed request's end with `resumed`)."""
+        return list(input_ids[:len(input_ids) - len(self.resumed)])
 
     def choice(self, i: int) -> "SamplingParams":
         """The sampling of choice i (0..n-1) alone (n = 1). With a seed, choice i samples with

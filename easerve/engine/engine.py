@@ -169,7 +169,7 @@ class DecodeEngine:
         if not live:
             self.scheduler.release_reservation(rid)
         else:
-            self.scheduler.add(rid, payload.prompt_len, sp.max_tokens, tuple(live))
+            self.scheduler.add(rid, payload.prompt_len, sp.tokens_left, tuple(live))
             self._reqs.update(live)
             self._groups[rid] = list(live)
         self._pending.extend(outs)
@@ -266,7 +266,7 @@ class DecodeEngine:
             self._last = inputs
             tokens = inputs.tokens.tolist()
         else:
-            tokens = sample(logits, [r.sampling for r in reqs], [len(r.tokens) for r in reqs],
+            tokens = sample(logits, [r.sampling for r in reqs], [len(r.sampling.resumed) + len(r.tokens) for r in reqs],
                             [r.history for r in reqs])
         return tokens, token_logprobs(logits, tokens, [r.sampling.logprobs for r in reqs])
 

@@ -44,9 +44,12 @@ class TokenHistory:
             from easerve.engine.grammar import Grammars  # xgrammar loads only once a structured output comes
             grammar = Grammars.of(adapter).start(sp.structured)
         stops = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_ids))
-        return cls(frozenset(prompt_ids) if sp.repetition_penalty != 1.0 else frozenset(),
-                   stops if sp.min_tokens else frozenset(),
-                   grammar=grammar)
+        history = cls(frozenset(prompt_ids) if sp.repetition_penalty != 1.0 else frozenset(),
+                      stops if sp.min_tokens else frozenset(),
+                      grammar=grammar)
+        for token in sp.resumed:  # a migrated request's earlier tokens (`prompt_ids` ends before them)
+            history.push(token)
+        return history
 
     def push(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1

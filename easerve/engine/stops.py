@@ -28,7 +28,8 @@ class TokenVerdict:
 
 class StopRules:
     """Order of the rules: a stop id (or EOS, unless ignore_eos) ends the request without
-    its text; then a stop string (text cut right before it); then max_tokens."""
+    its text; then a stop string (text cut right before it); then max_tokens. `prompt_tail`
+    ends before a resumed request's `sampling.resumed`, which the rules replay first."""
 
     def __init__(self, sampling: SamplingParams, eos_ids, tokenizer: Any = None,
                  prompt_tail: list[int] | tuple[int, ...] = ()) -> None:
@@ -39,6 +40,8 @@ class StopRules:
                                                               else frozenset(eos_ids))
         self.detok = Detokenizer(tokenizer, prompt_tail, sampling.stop) if tokenizer is not None else None
         self.count = 0
+        for token in sampling.resumed:  # a migrated request's earlier tokens: their text went out before
+            self.push(token)
 
     def push(self, token: int) -> TokenVerdict:
         self.count += 1

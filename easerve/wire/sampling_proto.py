@@ -17,7 +17,7 @@ def sampling_to_proto(sp: SamplingParams) -> cpb.SamplingParams:
         stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, min_p=sp.min_p, min_tokens=sp.min_tokens,
-        logit_bias=dict(sp.logit_bias), n=sp.n)
+        logit_bias=dict(sp.logit_bias), n=sp.n, resumed=list(sp.resumed))
     if sp.seed is not None:
         msg.seed = sp.seed
     if sp.logprobs is not None:
@@ -41,7 +41,8 @@ def sampling_from_proto(msg, *, default_max_tokens: int = 16) -> SamplingParams:
         min_p=round(msg.min_p, 6), min_tokens=msg.min_tokens,
         logit_bias={int(k): round(v, 6) for k, v in msg.logit_bias.items()},
         structured=(StructuredOutput(msg.structured.kind, msg.structured.spec)
-                    if msg.HasField("structured") else None), n=msg.n or 1)
+                    if msg.HasField("structured") else None), n=msg.n or 1,
+        resumed=tuple(msg.resumed))
 
 
 def timings_from_proto(msg: cpb.Timings) -> Timings:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +47,14 @@ def audio_stack(tiny_root):
     stack.start(timeout=420)
     yield stack
     stack.stop()
+
+
+def no_media_ids(model: str) -> dict[int, float]:
+    """logit_bias that keeps a tiny random checkpoint (at folder `model`) from emitting its media
+    placeholder ids: a mid-stream migration cannot re-prefill those as text (the gateway fails
+    such a request instead of migrating it)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return {cfg[k]: -100.0 for k in ("image_token_id", "video_token_id")}
 
 
 def png_bytes(h: int, w: int, seed: int) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -54,18 +55,42 @@ def prefill_once(pre, req: PrefillRequest, sp: SamplingParams):
     return asyncio.run(prefill())
 
 
-def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
-    """Prefill loop -> codec bytes -> a new DecodeEngine: (tokens, finish reason)."""
+def split_outputs(pre, dec, req: PrefillRequest, sp: SamplingParams) -> list:
+    """Prefill loop -> codec bytes -> a new DecodeEngine: the engine's StepOutputs with a token."""
     one = prefill_once(pre, req, sp)
     r = one.result
+    prompt = sp.prompt_ids(req.input_ids)  # as prefill's stage: a resumed request's earlier tokens replay from sp
     payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token, sp,
-                        prompt_ids_tail=prompt_tail(req.input_ids), penalty_ids=penalty_prompt_ids(sp, req.input_ids))
+                        prompt_ids_tail=prompt_tail(prompt), penalty_ids=penalty_prompt_ids(sp, prompt))
     engine = DecodeEngine(dec, EngineConfig(max_running=2, num_slots=2, max_seq_len=r.prompt_len + sp.max_tokens + 4))
     engine.add(over_the_wire(payload))
     outs = []
     while engine.has_work:
         outs += [o for o in engine.step() if o.token_id is not None]
+    return outs
+
+
+def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
+    """`split_outputs`' (tokens, finish reason)."""
+    outs = split_outputs(pre, dec, req, sp)
     return [o.token_id for o in outs], outs[-1].finish_reason
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["seeded", "greedy"])
+def test_a_resumed_request_goes_on_as_if_uninterrupted(pre, dec, image_req, temperature):
+    """The gateway's mid-stream migration: prefill of prompt + the first 5 tokens with those
+    tokens as `resumed` gives the same next tokens and the same text (a stop string's held-back
+    text crosses the cut) as the run that was never cut; penalties and the seed's steps too."""
+    sp = SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=77, repetition_penalty=1.3,
+                        presence_penalty=0.4, ignore_eos=True, stop=("never-in-this-text",))
+    whole = [(o.token_id, o.text_delta) for o in split_outputs(pre, dec, image_req, sp)]
+    assert len(whole) == 12
+    k, ids = 5, [t for t, _ in whole]
+    cut = PrefillRequest(image_req.request_id, [*image_req.input_ids, *ids[:k]], image_req.embeddings,
+                         image_req.items_meta, dataclasses.replace(sp, resumed=tuple(ids[:k])))
+    rest = split_outputs(pre, dec, cut, cut.sampling)
+    assert [(o.token_id, o.text_delta) for o in rest] == whole[k:]
+    assert [o.index for o in rest] == list(range(12 - k))  # index 0: this leg's prefill token
 
 
 def test_seeded_repetition_penalised_run_repeats_on_a_fresh_engine(pre, dec, image_req):

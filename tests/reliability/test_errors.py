@@ -193,3 +193,21 @@ def test_dying_transport_thread_fails_pending_and_later_transfers():
     assert first[0] == "Unavailable" and "receive thread stopped" in first[1] and first[2] < 60, first
     assert later[0] == "Unavailable" and later[2] < 1.0, later  # no wait at all once it is gone
     assert not alive
+
+
+def test_a_client_cannot_set_the_gateways_resumed_tokens(adapter):
+    """sampling.resumed is the gateway's own (mid-stream migration): INVALID_ARGUMENT from a client."""
+    from easerve.errors import InvalidRequest
+    from easerve.stages.gateway.servicer import GatewayServicer
+    from easerve.wire.v1 import common_pb2 as cpb
+    from easerve.wire.v1 import gateway_pb2 as gpb
+
+    async def main():
+        servicer = GatewayServicer(_core(adapter))
+        ok = servicer._job(gpb.GenerateRequest(prompt="hi", sampling=cpb.SamplingParams(max_tokens=4)), None)
+        assert ok.sampling.resumed == ()
+        with pytest.raises(InvalidRequest, match="sampling.resumed is the gateway's own"):
+            servicer._job(gpb.GenerateRequest(prompt="hi", sampling=cpb.SamplingParams(max_tokens=4, resumed=[1])),
+                          None)
+
+    asyncio.run(main())

@@ -244,3 +244,11 @@ def test_slo_tier_and_priority_come_from_the_body_and_a_bad_one_names_the_field(
         parse({"messages": msgs, "slo_tier": "fast"})
     with pytest.raises(BadRequest, match="priority"):
         parse({"messages": msgs, "priority": "urgent"})
+
+
+def test_usage_reports_prefix_cache_hits_and_migrations():
+    from easerve.stages.gateway.choices import Delta
+    from easerve.stages.gateway.openai_api import usage_json
+    last = Delta([5], "x", "stop", prompt_tokens=7, completion_tokens=3, cached_tokens=4, migrations=2)
+    assert usage_json(last) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                "prompt_tokens_details": {"cached_tokens": 4}, "easerve": {"migrations": 2}}

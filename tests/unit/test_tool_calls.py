@@ -91,11 +91,11 @@ def test_answer_text_becomes_tool_calls():
 
 def test_completion_json_shapes_calls_as_openai_does():
     req = parse(tools=[WEATHER])
-    body = oa.completion_json(req, TEXT, "stop", 3, 4)
+    body = oa.completion_json(req, TEXT, "stop", {})
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "get_time"]
-    plain = oa.completion_json(parse(), TEXT, "stop", 3, 4)["choices"][0]
+    plain = oa.completion_json(parse(), TEXT, "stop", {})["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": TEXT} and plain["finish_reason"] == "stop"
 
 

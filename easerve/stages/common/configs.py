@@ -291,6 +291,11 @@ class GatewayConfig(PeerFields, StageConfig):
     served_model_name: str = opt("", "model id clients send (default: a hub id's ORG/NAME, else the folder's name)")
     request_timeout_s: PosFloat = opt(600.0, "default deadline of a request, seconds")
     default_max_tokens: PosInt = opt(256, "max_tokens when a request sets none")
+    migration_limit: NonNegInt = opt(3, "times a request streaming from a decode instance that dies or stalls is "
+                                     "moved to another one (its prompt and the tokens sent re-prefilled, the "
+                                     "stream resumed where it stopped); 0: the request fails UNAVAILABLE instead")
+    decode_progress_timeout_s: PosFloat = opt(30.0, "a decode stream with no token for this long has stalled: "
+                                              "its request migrates (--migration-limit)")
     max_body_mb: float = opt(64.0, "largest HTTP request body")
     max_model_len: int = opt(0, "prompt + max_tokens limit (0: the model's, capped at 4096 like decode)")
     max_inflight: PosInt = opt(1024, "past this many requests: 429 / RESOURCE_EXHAUSTED")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from easerve.engine.logprobs import TokenLogprobs
-from easerve.errors import Unavailable
+from easerve.errors import DecodeStalled, Unavailable
 from easerve.rpc.errors import from_rpc_error
 from easerve.types import Timings
 from easerve.wire.protoconv import FINISH_FROM_PROTO
@@ -37,6 +37,7 @@ class Delta:
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token id, when asked for
     cached_tokens: int = 0          # on the last delta: prompt tokens prefill's prefix cache answered
     index: int = 0                  # the choice (sampling n > 1) this delta belongs to
+    migrations: int = 0             # on the last delta: times the stream moved to another decode instance
 
 
 def ended(finished: int, n: int) -> bool:
@@ -58,23 +59,27 @@ async def drain(call) -> None:
         raise from_rpc_error(e) from None
 
 
-async def decode_chunks(dcall, tail: asyncio.Future, addr: str, got: int) -> AsyncIterator:
+async def decode_chunks(dcall, tail: asyncio.Future, addr: str, got: int,
+                        progress_s: float | None = None) -> AsyncIterator:
     """Decode's chunks, failing at once if the upstream call (`tail`: the KV handoff) fails;
     a failure of the stream names the decode instance and how far the request got (`got`:
-    tokens before the first chunk)."""
+    tokens before the first chunk). No chunk for `progress_s` seconds: DecodeStalled."""
+    loop = asyncio.get_running_loop()
     while True:
         read = asyncio.ensure_future(dcall.read())
+        until = None if progress_s is None else loop.time() + progress_s
         waits = {read} if tail.done() else {read, tail}
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=progress_s, return_when=asyncio.FIRST_COMPLETED)
+            if tail in done and tail.exception() is not None:
+                raise tail.exception()
+            if read not in done and tail in done:
+                done, _ = await asyncio.wait({read}, timeout=None if until is None else max(0.0, until - loop.time()))
+            if read not in done:
+                raise DecodeStalled(f"decode instance {addr} sent no token for {progress_s:g} s after {got} token(s)")
         except BaseException:
             read.cancel()
             raise
-        if tail in done and tail.exception() is not None:
-            read.cancel()
-            raise tail.exception()
-        if read not in done:
-            done, _ = await asyncio.wait({read})
         try:
             chunk = read.result()
         except grpc.aio.AioRpcError as e:

@@ -13,6 +13,11 @@ easerve.cache.gateway) and given an internal id of the gateway's own. Then, for 
 3. the first token goes out at once, then decode's tokens. The stop rules and the text are
    decided downstream (prefill for the first token, decode after it): the gateway forwards.
    A request with n > 1 choices takes the same path once (`choices.fan_in`).
+4. a decode stream that fails (its instance died) or sends no token for
+   --decode-progress-timeout-s (stalled) migrates, up to --migration-limit times: steps 1-2
+   again on other instances, the prompt followed by the tokens already sent
+   (`SamplingParams.resumed`: the stages replay them, so a seeded request draws on as if
+   uninterrupted and the text goes on where it stopped), and the stream resumes from there.
 
 Leaving early (client gone, deadline) cancels both calls, which frees every stage's work.
 """
@@ -26,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from easerve.errors import BadRequest, CacheMiss, Internal, Overloaded, Unavailable
+from easerve.errors import BadRequest, CacheMiss, DecodeStalled, Internal, Overloaded, Unavailable
 from easerve.media import MediaResolver, config_for
 from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
 from easerve.rpc.deadline import Deadline
@@ -45,6 +50,7 @@ from easerve.stages.gateway.admission import GatewayAdmission
 from easerve.cache.prefix import PrefixCacheConfig
 from easerve.cache.prefix_route import PrefixRoute, up_loads
 from easerve.stages.gateway.choices import Delta, chunk_logprobs, decode_chunks, drain, fan_in
+from easerve.stages.gateway.legs import Leg, resumable
 
 __all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
 log = logging.getLogger("easerve.gateway")
@@ -80,6 +86,7 @@ class Job:
     admission: Decision | None = None    # set at admission (with --profile)
     trace: dict | None = None            # its /trace record
     cached_tokens: int = 0               # set from prefill's first chunk (its prefix cache's hit)
+    migrations: int = 0                  # times its stream moved to another decode instance
 
     def media_parts(self) -> list[MediaPart]:
         """Every media part, in request order."""
@@ -250,10 +257,10 @@ class GatewayCore:
         job.media_plan.skipped = False
         self.cache.learn(job.media_plan, prompt)
         job.preprocess_ms += (time.monotonic() - t0) * 1000
-        if prompt.input_ids != skipped.input_ids:
+        if prompt.input_ids != job.sampling.prompt_ids(skipped.input_ids):
             raise Internal(f"request {job.request_id}: the prompt built from learned media metadata differs "
                            "from the processor's; this is a bug, please report it")
-        return prompt
+        return replace(prompt, input_ids=list(skipped.input_ids))  # a migrated request's: + its resumed tokens
 
     async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
         items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
@@ -294,9 +301,11 @@ class GatewayCore:
             if waiting:
                 self.m.requests_waiting.dec()
 
-    async def _reserved_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline):
+    async def _reserved_call(self, job: Job, prompt: ProcessedPrompt, deadline: Deadline,
+                             avoid: frozenset[str] = frozenset()):
         """(decode peer, decode call, upstream peers, upstream peer, upstream call, its first
-        message): a place held at decode and the upstream call that fills it. An upstream call
+        message): a place held at decode (not on an instance in `avoid`) and the upstream call
+        that fills it. An upstream call
         that fails before its first message (its instance refused it, died or lost its own
         downstream) is tried once more on another instance, under a new internal id and a new
         reservation: the failed call may have handed its KV to the first place already, which
@@ -308,9 +317,9 @@ class GatewayCore:
             if attempt:
                 job.internal_id = new_internal_id()
             reserve = decode_pb2.ReserveRequest(meta=self._meta(job, deadline), num_tokens=len(prompt.input_ids),
-                                                max_new_tokens=job.sampling.max_tokens, n=job.sampling.n)
+                                                max_new_tokens=job.sampling.tokens_left, n=job.sampling.n)
             dpeer, dcall, _ack = await self._dec.start_call(
-                lambda p: p.stub.Open(reserve, timeout=deadline.timeout()), prefer=pinned)
+                lambda p: p.stub.Open(reserve, timeout=deadline.timeout()), prefer=pinned, failed=set(avoid))
             before = len(failed)
             try:
                 return (dpeer, dcall, *await self._upstream(job, prompt, deadline, dpeer.addr, failed))
@@ -329,27 +338,55 @@ class GatewayCore:
 
     async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
         deadline = self._deadline(job)
-        dpeer, dcall, upeers, upeer, ucall, first = await self._reserved_call(job, prompt, deadline)
-        tail = None
+        leg = Leg(*await self._reserved_call(job, prompt, deadline))
         try:
             if job.sampling.n > 1:
-                async for d in fan_in(self, job, prompt, first, ucall, dcall, dpeer.addr):
+                async for d in fan_in(self, job, prompt, leg.first, leg.ucall, leg.dcall, leg.dpeer.addr):
                     yield d
                 return
-            delta = self._first(job, prompt, first)
-            yield delta
-            if delta.finish_reason is not None:
-                return
-            tail = asyncio.ensure_future(drain(ucall))
-            async for d in self._decoded(job, prompt, dcall, tail, dpeer.addr):
-                yield d
+            delta = self._first(job, prompt, leg.first)
+            first_at, sent = time.monotonic(), list(delta.token_ids)  # sent: the token ids the client has
+            while True:
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+                leg.tail = asyncio.ensure_future(drain(leg.ucall))
+                try:
+                    async for d in self._decoded(job, prompt, leg, len(sent), first_at):
+                        sent += d.token_ids
+                        yield d
+                    return
+                except Unavailable as e:  # its decode instance died or stalled, or the KV handoff failed
+                    if (job.migrations >= self.cfg.migration_limit or not self._dec.untried({leg.dpeer.addr})
+                            or not resumable(self.adapter, job, sent)):
+                        raise  # no move left, no other decode instance listed, or none possible
+                    reason = "stalled" if isinstance(e, DecodeStalled) else "died"
+                    log.warning("request %s: %s; migrating after %d token(s)", job.request_id, e, len(sent))
+                    leg.close(self._dec)
+                    leg = await self._migrate(job, prompt, sent, deadline, leg.dpeer.addr)
+                    self.m.migrations.inc(stage="decode", reason=reason)
+                    delta = self._resumed(job, prompt, leg.first, len(sent) + 1, first_at)
+                    sent += delta.token_ids
         finally:
-            dcall.cancel()
-            ucall.cancel()
-            if tail is not None and not tail.done():
-                tail.cancel()
-            upeers.finish(upeer)
-            self._dec.finish(dpeer)
+            leg.close(self._dec)
+
+    async def _migrate(self, job: Job, prompt: ProcessedPrompt, sent: list[int], deadline: Deadline,
+                       left: str) -> Leg:
+        """A new leg for a request whose decode stream (at `left`) broke after the tokens `sent`:
+        prompt + sent prefilled again (the prefix cache holds most of it when it can), on
+        another decode instance, under a new internal id; its first message is the next token."""
+        job.migrations += 1
+        job.sampling = replace(job.sampling, resumed=tuple(sent))
+        job.internal_id = new_internal_id()
+        resumed = replace(prompt, input_ids=[*prompt.input_ids, *sent])
+        return Leg(*await self._reserved_call(job, resumed, deadline, frozenset({left})))
+
+    def _resumed(self, job: Job, prompt: ProcessedPrompt, chunk, n: int, first_at: float) -> Delta:
+        """The delta of a migrated request's first chunk (its `n`-th token)."""
+        finish = FINISH_FROM_PROTO[chunk.finish_reason]
+        if finish is not None:
+            return self._last(job, prompt, chunk, finish, n, first_at, Timings())
+        return Delta(list(chunk.token_ids), chunk.text, logprobs=chunk_logprobs(chunk))
 
     def _first(self, job: Job, prompt: ProcessedPrompt, chunk) -> Delta:
         timings = self._first_timings(job, chunk)
@@ -377,12 +414,14 @@ class GatewayCore:
                        embed_transfer_ms=t.embed_transfer_ms, encode_cache_hits=t.encode_cache_hits,
                        preprocess_ms=job.preprocess_ms, preprocess_skipped=skipped)
 
-    async def _decoded(self, job: Job, prompt: ProcessedPrompt, dcall, tail: asyncio.Future,
-                       addr: str) -> AsyncIterator[Delta]:
-        """Decode's chunks, failing at once if the upstream call (the KV handoff) fails; a
-        failure of the stream names the decode instance and how far the request got."""
-        first_at, n = time.monotonic(), 1
-        async for chunk in decode_chunks(dcall, tail, addr, n):
+    async def _decoded(self, job: Job, prompt: ProcessedPrompt, leg: Leg, n: int,
+                       first_at: float) -> AsyncIterator[Delta]:
+        """Decode's chunks after the `n` tokens sent (the first at `first_at`), failing at once
+        if the upstream call (the KV handoff) fails, and when decode sends no token for
+        --decode-progress-timeout-s; a failure of the stream names the decode instance and
+        how far the request got."""
+        progress_s = self.cfg.decode_progress_timeout_s
+        async for chunk in decode_chunks(leg.dcall, leg.tail, leg.dpeer.addr, n, progress_s):
             n += len(chunk.token_ids)
             finish = FINISH_FROM_PROTO[chunk.finish_reason]
             if finish is not None:
@@ -404,4 +443,6 @@ class GatewayCore:
         self.m.prompt_tokens.inc(len(prompt.input_ids))
         self.m.generation_tokens.inc(n)
         return Delta(list(chunk.token_ids), chunk.text, finish, len(prompt.input_ids), n,
-                     replace(timings, tpot_ms=tpot * 1000), chunk_logprobs(chunk), job.cached_tokens)
+                     replace(timings, tpot_ms=tpot * 1000), chunk_logprobs(chunk), job.cached_tokens,
+                     migrations=job.migrations)
+

@@ -180,8 +180,8 @@ class HttpApi:
         except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
-        bodies = [sh.whole("".join(text[i]), finish[i], last.prompt_tokens, last.completion_tokens, lps[i],
-                           last.cached_tokens) for i, sh in enumerate(shapes)]
+        usage = oa.usage_json(last)
+        bodies = [sh.whole("".join(text[i]), finish[i], usage, lps[i]) for i, sh in enumerate(shapes)]
         return web.json_response({**bodies[0], "choices": [b["choices"][0] for b in bodies]})
 
     def _fail(self, e: Exception) -> web.Response:
@@ -211,8 +211,8 @@ class HttpApi:
                     break
                 d = await gen.__anext__()
             if include_usage:
-                usage = oa.usage_json(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
-                await self._sse(resp, {**shapes[0].chunk(created, "", None, []), "choices": [], "usage": usage})
+                await self._sse(resp, {**shapes[0].chunk(created, "", None, []), "choices": [],
+                                       "usage": oa.usage_json(d)})
             self.core.m.requests.inc(api="http", code="200")
         except ConnectionResetError:
             pass
@@ -260,10 +260,9 @@ class _ChatShape:
         return oa.chunk_json(self.r, created, delta, finish,
                              oa.chat_logprobs(lps, self.tok) if self.want else None, self.i)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
-              cached_tokens: int = 0) -> dict:
-        return oa.completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                  oa.chat_logprobs(lps, self.tok) if self.want else None, cached_tokens, self.i)
+    def whole(self, text: str, finish: str, usage: dict, lps) -> dict:
+        return oa.completion_json(self.r, text, finish, usage, oa.chat_logprobs(lps, self.tok) if self.want else None,
+                                  self.i)
 
 
 class _TextShape:
@@ -281,7 +280,6 @@ class _TextShape:
         self.offset += len(text)
         return oa.text_chunk_json(self.r, created, text, finish, lp, self.i)
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int, lps,
-              cached_tokens: int = 0) -> dict:
-        return oa.text_completion_json(self.r, text, finish, prompt_tokens, completion_tokens,
-                                       oa.text_logprobs(lps, self.tok) if self.want else None, cached_tokens, self.i)
+    def whole(self, text: str, finish: str, usage: dict, lps) -> dict:
+        return oa.text_completion_json(self.r, text, finish, usage,
+                                       oa.text_logprobs(lps, self.tok) if self.want else None, self.i)

@@ -50,6 +50,10 @@ class GatewayMetrics:
         self.cache_late_misses = Counter(
             "easerve:gateway_encoder_cache_late_misses", "Requests sent to an encode instance without pixels "
             "that it no longer held; resent with every item's pixels (preprocessed in full)", registry=r)
+        self.migrations = _Labeled(Counter(
+            "easerve:migrations", "Requests moved mid-stream to another instance of a stage, by the reason "
+            "(died: its stream failed; stalled: no token within --decode-progress-timeout-s)",
+            ["stage", "reason"], registry=r))
 
         self.admissions = _Labeled(Counter(
             "easerve:admission_decisions", "SLO-aware admission decisions (admit, best_effort, reject) by tier "

@@ -258,16 +258,17 @@ def chunk_json(req: ChatRequest, created: int, delta: dict, finish_reason: str |
             "model": req.model, "choices": [choice]}
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage block; `cached_tokens`: prompt tokens prefill's prefix cache answered."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage_json(last) -> dict:
+    """OpenAI's usage block from a request's last `Delta`: `cached_tokens`, prompt tokens prefill's
+    prefix cache answered; `easerve.migrations`, times the stream moved to another decode instance."""
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+            "easerve": {"migrations": last.migrations}}
 
 
-def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0,
-                    index: int = 0) -> dict:
+def completion_json(req: ChatRequest, text: str, finish_reason: str, usage: dict,
+                    logprobs: dict | None = None, index: int = 0) -> dict:
     message: dict = {"role": "assistant", "content": text}
     if req.tools is not None:
         message["content"], calls = tl.split_tool_calls(text)
@@ -277,7 +278,7 @@ def completion_json(req: ChatRequest, text: str, finish_reason: str, prompt_toke
     return {"id": req.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model,
             "choices": [{"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
+            "usage": usage}
 
 
 def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reason: str | None,
@@ -287,11 +288,9 @@ def text_chunk_json(req: CompletionRequest, created: int, text: str, finish_reas
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int, logprobs: dict | None = None, cached_tokens: int = 0,
-                         index: int = 0) -> dict:
-    return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs, index),
-            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}
+def text_completion_json(req: CompletionRequest, text: str, finish_reason: str, usage: dict,
+                         logprobs: dict | None = None, index: int = 0) -> dict:
+    return {**text_chunk_json(req, int(time.time()), text, finish_reason, logprobs, index), "usage": usage}
 
 
 def error_json(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict:

@@ -80,6 +80,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling_msg = req.sampling if req.HasField("sampling") else None
         if sampling_msg is not None and sampling_msg.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
+        if sampling_msg is not None and sampling_msg.resumed:
+            raise InvalidRequest("sampling.resumed is the gateway's own (mid-stream migration); leave it unset")
         sampling = sampling_from_proto(req.sampling, default_max_tokens=cfg.default_max_tokens)
         rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
         job = Job(sampling, rid, timeout_s=timeout)
@@ -118,7 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             finished += d.finish_reason is not None
             if ended(finished, job.sampling.n):  # the last choice's end: usage summed over the choices
                 msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
-                msg.usage.cached_tokens = d.cached_tokens
+                msg.usage.cached_tokens, msg.usage.migrations = d.cached_tokens, d.migrations
             yield msg
         self.core.m.requests.inc(api="grpc", code="OK")
 

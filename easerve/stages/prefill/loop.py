@@ -211,7 +211,8 @@ class PrefillLoop:
         for i, r in enumerate(reqs):
             try:
                 self.adapter.check_prefill(r)
-                histories.append([TokenHistory.start(r.sampling.choice(c), r.input_ids, self.adapter.eos_token_ids,
+                histories.append([TokenHistory.start(r.sampling.choice(c), r.sampling.prompt_ids(r.input_ids),
+                                                     self.adapter.eos_token_ids,
                                                      self.adapter) for c in range(r.sampling.n)])
             except InvalidRequest as e:
                 outcomes[i] = e
@@ -229,7 +230,7 @@ class PrefillLoop:
                     rows = [j for j, r in enumerate(batch) for _ in range(r.sampling.n)]  # a row per choice
                     logits = torch.stack([results[j].last_logits for j in rows])
                     firsts = sample(logits, [r.sampling.choice(c) for r in batch for c in range(r.sampling.n)],
-                                    [0] * len(rows), [h for hs in histories for h in hs])
+                                    [len(batch[j].sampling.resumed) for j in rows], [h for hs in histories for h in hs])
             finally:
                 for lk in looks:
                     self.prefix.release(lk)

@@ -88,7 +88,9 @@ class PrefillStage:
             self.m.on_request(one.batch_size, one.result.prompt_len)
             if self.loop.prefix is not None:
                 self.m.on_prefix_cache(one.result.prompt_len, one.result.cached_tokens)
-        sp, tail, live = req.sampling, prompt_tail(req.input_ids), False
+        sp, live = req.sampling, False
+        prompt = sp.prompt_ids(req.input_ids)  # a resumed request's earlier tokens replay from `sp`
+        tail = prompt_tail(prompt)
         for i, tok in enumerate(one.first_tokens):  # a chunk per choice; the first carries the timings
             verdict = StopRules(sp.choice(i), self.eos, self.tokenizer, tail).push(tok)
             live = live or not verdict.finished
@@ -100,7 +102,7 @@ class PrefillStage:
             return  # the gateway ends its reservation at decode
         r = one.result
         payload = KVPayload(req.request_id, r.keys, r.values, r.prompt_len, r.rope_delta, one.first_token,
-                            sp, prompt_ids_tail=tail, penalty_ids=penalty_prompt_ids(sp, req.input_ids),
+                            sp, prompt_ids_tail=tail, penalty_ids=penalty_prompt_ids(sp, prompt),
                             first_tokens=list(one.first_tokens) if sp.n > 1 else [])
         await self._handoff(peer, payload, deadline)
 

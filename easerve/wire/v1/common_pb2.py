@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/common.proto\x12\neaserve.v1\"j\n\x0bRequestMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bslo_ttft_ms\x18\x04 \x01(\x04\x12\x0e\n\x06yields\x18\x05 \x01(\x08\"9\n\x0bTensorProto\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf3\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).easerve.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.easerve.v1.StructuredOutput\x12\t\n\x01n\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe5\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x11\n\tencode_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x19\n\x11\x65mbed_transfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x07 \x01(\x01\x12\x19\n\x11\x65ncode_cache_hits\x18\x08 \x01(\r\x12\x15\n\rpreprocess_ms\x18\t \x01(\x01\x12\x1a\n\x12preprocess_skipped\x18\n \x01(\x08\"\xba\x01\n\x08ItemMeta\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x04meta\x18\x03 \x03(\x0b\x32\x1e.easerve.v1.ItemMeta.MetaEntry\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1a\x44\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.easerve.v1.TensorProto:\x02\x38\x01\"\x1f\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"X\n\x0cNodeIdentity\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x15\n\rkv_rendezvous\x18\x06 \x01(\t\"\xf5\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.easerve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.easerve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.easerve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.easerve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x61serve/v1/common.proto\x12\neaserve.v1\"j\n\x0bRequestMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bslo_ttft_ms\x18\x04 \x01(\x04\x12\x0e\n\x06yields\x18\x05 \x01(\x08\"9\n\x0bTensorProto\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x84\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).easerve.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.easerve.v1.StructuredOutput\x12\t\n\x01n\x18\x11 \x01(\r\x12\x0f\n\x07resumed\x18\x12 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"d\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x12\n\nmigrations\x18\x04 \x01(\r\"\xe5\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x11\n\tencode_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x19\n\x11\x65mbed_transfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x07 \x01(\x01\x12\x19\n\x11\x65ncode_cache_hits\x18\x08 \x01(\r\x12\x15\n\rpreprocess_ms\x18\t \x01(\x01\x12\x1a\n\x12preprocess_skipped\x18\n \x01(\x08\"\xba\x01\n\x08ItemMeta\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x04meta\x18\x03 \x03(\x0b\x32\x1e.easerve.v1.ItemMeta.MetaEntry\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1a\x44\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.easerve.v1.TensorProto:\x02\x38\x01\"\x1f\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"X\n\x0cNodeIdentity\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x15\n\rkv_rendezvous\x18\x06 \x01(\t\"\xf5\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.easerve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.easerve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.easerve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.easerve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,32 +35,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_ITEMMETA_METAENTRY']._loaded_options = None
   _globals['_ITEMMETA_METAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1703
-  _globals['_FINISHREASON']._serialized_end=1852
+  _globals['_FINISHREASON']._serialized_start=1740
+  _globals['_FINISHREASON']._serialized_end=1889
   _globals['_REQUESTMETA']._serialized_start=39
   _globals['_REQUESTMETA']._serialized_end=145
   _globals['_TENSORPROTO']._serialized_start=147
   _globals['_TENSORPROTO']._serialized_end=204
   _globals['_SAMPLINGPARAMS']._serialized_start=207
-  _globals['_SAMPLINGPARAMS']._serialized_end=706
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=636
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=684
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=708
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=754
-  _globals['_TOKENLOGPROB']._serialized_start=756
-  _globals['_TOKENLOGPROB']._serialized_end=826
-  _globals['_USAGE']._serialized_start=828
-  _globals['_USAGE']._serialized_end=908
-  _globals['_TIMINGS']._serialized_start=911
-  _globals['_TIMINGS']._serialized_end=1140
-  _globals['_ITEMMETA']._serialized_start=1143
-  _globals['_ITEMMETA']._serialized_end=1329
-  _globals['_ITEMMETA_METAENTRY']._serialized_start=1261
-  _globals['_ITEMMETA_METAENTRY']._serialized_end=1329
-  _globals['_DECODETARGET']._serialized_start=1331
-  _globals['_DECODETARGET']._serialized_end=1362
-  _globals['_NODEIDENTITY']._serialized_start=1364
-  _globals['_NODEIDENTITY']._serialized_end=1452
-  _globals['_TOKENCHUNK']._serialized_start=1455
-  _globals['_TOKENCHUNK']._serialized_end=1700
+  _globals['_SAMPLINGPARAMS']._serialized_end=723
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=653
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=701
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=725
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=771
+  _globals['_TOKENLOGPROB']._serialized_start=773
+  _globals['_TOKENLOGPROB']._serialized_end=843
+  _globals['_USAGE']._serialized_start=845
+  _globals['_USAGE']._serialized_end=945
+  _globals['_TIMINGS']._serialized_start=948
+  _globals['_TIMINGS']._serialized_end=1177
+  _globals['_ITEMMETA']._serialized_start=1180
+  _globals['_ITEMMETA']._serialized_end=1366
+  _globals['_ITEMMETA_METAENTRY']._serialized_start=1298
+  _globals['_ITEMMETA_METAENTRY']._serialized_end=1366
+  _globals['_DECODETARGET']._serialized_start=1368
+  _globals['_DECODETARGET']._serialized_end=1399
+  _globals['_NODEIDENTITY']._serialized_start=1401
+  _globals['_NODEIDENTITY']._serialized_end=1489
+  _globals['_TOKENCHUNK']._serialized_start=1492
+  _globals['_TOKENCHUNK']._serialized_end=1737
 # @@protoc_insertion_point(module_scope)
