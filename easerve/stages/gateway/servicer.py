@@ -15,7 +15,8 @@ from easerve.wire.sampling_proto import timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.choices import ended
-from easerve.stages.gateway.core import GatewayCore, Job
+from easerve.stages.gateway.core import GatewayCore
+from easerve.stages.gateway.job import Job
 
 
 ROLES = ("", "system", "developer", "user", "assistant")  # the roles of the HTTP API's messages too
