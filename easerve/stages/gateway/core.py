@@ -27,7 +27,8 @@ from dataclasses import replace
 
 from easerve.errors import BadRequest, CacheMiss, Internal, Overloaded, Unavailable
 from easerve.media import MediaResolver, config_for
-from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
+from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto
+from easerve.wire.sampling_proto import sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.server import ServerOptions
 from easerve.engine.config import default_max_len
