@@ -74,7 +74,7 @@ def load(args):
     path = Path(args.model) if args.model else Path(args.cache_dir)
     if not args.model and not (path / "config.json").is_file():
         try:
-            from easerve.models.tiny import make_tiny
+            from easerve.models.tiny.build import make_tiny
         except ImportError as e:
             raise SystemExit(f"easerve.models.tiny is not available ({e}); pass --text-lm or --model DIR") from None
         make_tiny(family="llava-next", out=str(path), seed=0, scale="bench")

@@ -7,6 +7,8 @@ choice is a `Literal`, and a format a validator (`Annotated[str, AfterValidator(
 is converted) and raises `FieldError`, whose text names the flag (`--max-running`) of a field
 declared with `opt`, else the field's own name. Stage configs (easerve.stages.common.configs)
 turn the `opt` fields into flags; the policies' and the engine's configs use the same check.
+The device a stage runs on (`Device`: 'cpu', 'cpu:0-3', 'cuda:N') is read here too: what torch
+calls it (`torch_device`) and the cores it names (`cpu_cores`).
 """
 from __future__ import annotations
 
@@ -177,3 +179,14 @@ def check_device(device: str) -> None:
 def torch_device(device: str) -> str:
     """What torch calls the device: 'cpu:0-1' is 'cpu'."""
     return "cpu" if device.startswith("cpu") else device
+
+
+def cpu_cores(device: str) -> tuple[int, ...] | None:
+    """The cores of a 'cpu:0-1,4' device, or None for plain 'cpu' / a GPU."""
+    if not device.startswith("cpu:"):
+        return None
+    cores: list[int] = []
+    for part in device[4:].split(","):
+        lo, _, hi = part.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return tuple(sorted(set(cores)))

@@ -48,7 +48,8 @@ def run(args) -> int:
 
 def run_stack(args) -> int:
     from easerve import Client
-    from easerve.models.tiny import DEFAULT_FAMILY, cached_tiny, tiny_notice
+    from easerve.models.tiny import DEFAULT_FAMILY, cached_tiny
+    from easerve.models.tiny.build import tiny_notice
     from hasctl.deployment import preset
     from hasctl.launch import Stack
 
@@ -96,7 +97,8 @@ def demo_requests() -> list[tuple[str, str, dict]]:
 
 
 def run_in_process(args) -> int:
-    from easerve.models.tiny import cached_tiny, tiny_notice
+    from easerve.models.tiny import cached_tiny
+    from easerve.models.tiny.build import tiny_notice
     from easerve.pipeline import InProcessPipeline
 
     pipes: dict[str, InProcessPipeline] = {}

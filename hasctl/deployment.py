@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from easerve.stages.common.configs import STAGE_CONFIGS, check_device, cpu_cores
+from easerve.fields import check_device, cpu_cores
+from easerve.stages.common.configs import STAGE_CONFIGS
 
 from easerve.stages.common.argv import flag_kind, tunable_flags, to_argv
 from hasctl.tensor_parallel import check_groups, check_launchable, check_tp
@@ -134,7 +135,7 @@ class Deployment:
         dummy = {s: ("127.0.0.1:1",) if getattr(self, s) else () for s in ("prefill", "decode")}
         wiring = {"decode": {}, "prefill": {"decode": dummy["decode"]}, "monolith": {},
                   "encode": {"prefill": dummy["prefill"], "decode": dummy["decode"]}}
-        return [_stage_config(stage, {"model": self.model or "model", "device": w.device, **wiring[stage]},
+        return [stage_config(stage, {"model": self.model or "model", "device": w.device, **wiring[stage]},
                               w.flags, f"{stage}[{i}]")
                 for stage in STAGES for i, w in enumerate(getattr(self, stage))]
 
@@ -291,7 +292,7 @@ def process_names(d: Deployment) -> list[str]:
     return [f"{s}-{i}" for s in STAGES for i in range(len(getattr(d, s)))] + ["gateway", "gateway-http"]
 
 
-def _stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
+def stage_config(stage: str, fields: dict[str, Any], flags: Flags, where: str):
     """The stage's frozen config from wired fields + the deployment's flags (validated
     exactly as the stage process will validate its command line)."""
     kw = dict(fields)
@@ -367,7 +368,7 @@ def stage_command(d: Deployment, stage: str, w: Worker, name: str, host: str, po
     """The process of one `stage` worker listening on host:port, its peers taken from
     `addrs` (stage -> instance addresses)."""
     wired = peer_lists(peer_roles(stage, bool(w.flag("colocate-prefill"))), addrs)
-    cfg = _stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{port}", **wired},
+    cfg = stage_config(stage, {"model": d.model, "device": w.device, "listen": f"{host}:{port}", **wired},
                         w.flags, name)
     return Command(name, stage, (python, "-m", f"services.{stage}", *to_argv(cfg)), port, HEALTH_SERVICES[stage],
                    env)
@@ -389,7 +390,7 @@ def to_commands(d: Deployment, host: str, ports: Mapping[str, int], python: str 
                          SHARED_CORES_ENV if shares_cores(d, stage, i) else ())
            for stage in STAGES for i, w in enumerate(getattr(d, stage))]
     served = {"served_model_name": d.served_model_name} if d.served_model_name else {}
-    gw = _stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}", **served,
+    gw = stage_config("gateway", {"model": d.model, "listen": f"{host}:{ports['gateway']}", **served,
                                    "http_listen": f"{host}:{ports['gateway-http']}",
                                    **peer_lists(peer_roles("gateway"), addr)},
                        d.gateway.flags, "gateway")

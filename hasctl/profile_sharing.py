@@ -15,12 +15,10 @@ import select
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from easerve import profile_format as pf
-
-if TYPE_CHECKING:
-    from hasctl.profile import Profiler
+from hasctl.profile_measure import Profiler
+from hasctl.profile_plan import QUICK, Plan, reference_size
 
 READY_TIMEOUT_S = 300.0
 DECODE_BATCH = 4
@@ -28,14 +26,13 @@ DECODE_STEPS = 4     # decode steps per timed call
 
 
 def reference_calls(prof: Profiler) -> dict[str, Callable[[], object]]:
-    from hasctl.profile import reference_size
     plan, calls = prof.plan, {}
     if prof.modalities:
         ref = prof.modalities[0]
-        items = [prof._item(ref, reference_size(plan, ref))]
+        items = [prof.media_item(ref, reference_size(plan, ref))]
         calls["encode"] = lambda: prof.enc.encode(items)
     lens = sorted(plan.prompt_lens)
-    reqs = prof._prefill_reqs(lens[len(lens) // 2], 1)
+    reqs = prof.prefill_reqs(lens[len(lens) // 2], 1)
     calls["prefill"] = lambda: prof.lm.prefill(reqs)
     calls["decode"] = decode_call(prof, DECODE_BATCH, min(plan.decode_contexts))
     return calls
@@ -45,9 +42,9 @@ def decode_call(prof: Profiler, batch: int, ctx: int) -> Callable[[], object]:
     """DECODE_STEPS steps of an engine that keeps `batch` requests of `ctx` tokens running."""
     from easerve.engine.detok import prompt_tail
     from easerve.types import KVPayload
-    [req] = prof._prefill_reqs(ctx, 1, max_tokens=64)
+    [req] = prof.prefill_reqs(ctx, 1, max_tokens=64)
     res = prof.lm.prefill([req])[0]
-    engine = prof._engine(batch, ctx + 64 + 16)
+    engine = prof.decode_engine(batch, ctx + 64 + 16)
     n = [0]
 
     def fill() -> None:
@@ -69,7 +66,7 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
     if prof.device.startswith("cuda") or max_busy < 1:
         return []
     calls = reference_calls(prof)
-    alone = {stage: prof._time(fn) for stage, fn in calls.items()}
+    alone = {stage: prof.timed(fn) for stage, fn in calls.items()}
     out = []
     for kind in calls:
         procs: list[subprocess.Popen] = []
@@ -77,7 +74,7 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
             for k in range(1, max_busy + 1):
                 procs.append(start_neighbour(prof.model, threads, kind, quick))
                 for stage, fn in calls.items():
-                    out.append(pf.SharingPoint(stage, kind, k, max(1.0, prof._time(fn) / alone[stage]), cores))
+                    out.append(pf.SharingPoint(stage, kind, k, max(1.0, prof.timed(fn) / alone[stage]), cores))
                 prof.tick(f"sharing {kind} x{k}")
         finally:
             for p in procs:
@@ -109,7 +106,6 @@ def neighbour(model: str, threads: int, kind: str, plan: str) -> None:
 
     import torch
 
-    from hasctl.profile import QUICK, Plan, Profiler
     parent = os.getppid()
     torch.set_num_threads(threads)
     prof = Profiler(model, "cpu", QUICK if plan == "quick" else Plan())

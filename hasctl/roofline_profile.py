@@ -2,7 +2,7 @@
 device spec (easerve.roofline), not measured: `measured: false`, revision 3, with a `roofline`
 block naming the spec, its source and the efficiency factors applied.
 
-The points are those of a plan (hasctl.profile.Plan; `ROOFLINE_PLAN` by default, sized for
+The points are those of a plan (hasctl.profile_plan.Plan; `ROOFLINE_PLAN` by default, sized for
 GPUs and full-size models), each the roofline seconds of that call (see easerve/roofline/spec.py).
 The unloaded request of each modality is encode (batch 1) + prefill of its prompt (the media's rows
 + TEXT_TOKENS) for TTFT, one decode step at that context for TPOT; the gateway's preprocessing is
@@ -34,7 +34,7 @@ from easerve.roofline import DeviceSpec, ModelArch, load_arch, load_spec
 from easerve.roofline.models import check_fits, kv_budget_gib
 from easerve.stages.encode.profiler import media_label, utc_now
 from easerve import profile_format as pf
-from hasctl.profile import Plan, reference_size, sizes_of
+from hasctl.profile_plan import QUICK, Plan, parse_tiers, reference_size, sizes_of
 
 ROOFLINE_PLAN = Plan(image_sizes=((336, 336), (672, 672), (1024, 768)),
                      video_sizes=((8, 448, 448), (16, 448, 448), (32, 448, 448)),
@@ -138,7 +138,6 @@ def _version() -> str:
 
 
 def run(args) -> int:
-    from hasctl.profile import QUICK, parse_tiers
     spec = load_spec(args.gpu)
     from easerve.models.hub import resolve_model
     prof = build(str(resolve_model(args.model, ("processor",))), spec, args.tp, QUICK if args.quick else ROOFLINE_PLAN, parse_tiers(args.tiers),

@@ -24,7 +24,7 @@ from hasctl.bench import (
     workload_from_args,
 )
 from easerve.slo import SLO, RequestRecord, compute_metrics
-from hasctl.deployment import STAGES, Deployment, _stage_config, preset
+from hasctl.deployment import STAGES, Deployment, stage_config, preset
 from easerve.stages.encode.profiler import media_label
 from hasctl.workload import WorkloadSpec, arrival_times, load_dataset, modalities
 
@@ -39,9 +39,9 @@ def topology(d: Deployment, gpu_kv_gib: float | None = None) -> Topology:
     model = d.model or "model"
     wiring = {"decode": {}, "monolith": {}, "prefill": {"decode": _ADDR},
               "encode": {"prefill": _ADDR if d.prefill else (), "decode": _ADDR}}
-    cfgs = {s: tuple(_stage_config(s, {"model": model, "device": w.device, **wiring[s]}, w.flags, f"{s}[{i}]")
+    cfgs = {s: tuple(stage_config(s, {"model": model, "device": w.device, **wiring[s]}, w.flags, f"{s}[{i}]")
                      for i, w in enumerate(getattr(d, s))) for s in STAGES}
-    gw = _stage_config("gateway", {"model": model, "prefill": _ADDR, "decode": _ADDR}, d.gateway.flags, "gateway")
+    gw = stage_config("gateway", {"model": model, "prefill": _ADDR, "decode": _ADDR}, d.gateway.flags, "gateway")
     return Topology(gw, cfgs["encode"], cfgs["prefill"], cfgs["decode"], cfgs["monolith"],
                     tp={s: tuple(w.tp for w in getattr(d, s)) for s in STAGES},
                     **({"gpu_kv_gb": gpu_kv_gib} if gpu_kv_gib else {}))

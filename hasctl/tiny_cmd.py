@@ -1,7 +1,8 @@
 """`hasctl make-tiny`: write a random-weight checkpoint of a supported family."""
 from __future__ import annotations
 
-from easerve.models.tiny import BUILDERS, LAYOUTS, make_layout
+from easerve.models.tiny import LAYOUTS, make_layout
+from easerve.models.tiny.build import BUILDERS
 
 
 def add_parser(sub) -> None:

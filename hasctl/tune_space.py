@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
 from easerve.policy.batcher import MODES as BATCH_MODES, batch_limit
-from easerve.stages.common.configs import check_device, cpu_cores
+from easerve.fields import check_device, cpu_cores
 from hasctl.deployment import PRESETS, Deployment, Worker
 from hasctl.tensor_parallel import check_tp
 from hasctl.screen import Allocation, enumerate_allocations

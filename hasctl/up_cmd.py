@@ -101,7 +101,7 @@ def resolve(args) -> Deployment:
 
 
 def _notice_if_tiny(model: str) -> None:
-    from easerve.models.tiny import is_tiny, tiny_notice
+    from easerve.models.tiny.build import is_tiny, tiny_notice
     if is_tiny(model):
         print(tiny_notice(model), flush=True)
 

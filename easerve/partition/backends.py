@@ -1,6 +1,6 @@
 """Mechanisms that realize an `Allocation` from `partitioner` on real hardware.
 
-One interface, `SMBackend`: `levels` (the encode shares it can realize), `apply(allocation)`
+One interface, `SMBackend` (sm_backend.py): `levels` (the encode shares it can realize), `apply(allocation)`
 (switch to the smallest level >= the requested encode share; returns its index),
 `realized(level)` (the shares that level really gives each side: cores or SMs granted over the
 total, which is what metrics report) and `encode_context(level)` / `prefill_context(level)`
@@ -34,12 +34,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence, get_args
+from typing import Any, ContextManager, Literal, Mapping, Sequence, get_args
 
+from easerve.partition.cpu_affinity import CpuAffinityBackend
+from easerve.partition.green_contexts import GreenContextBackend
+from easerve.partition.sm_backend import BackendUnavailable, SMBackend, Worker, check_levels, stream_scope
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
 
-Worker = Literal["encode", "prefill"]
-WORKERS: tuple[str, ...] = ("encode", "prefill")
 Preference = Literal["auto", "green_contexts", "mps", "cpu_affinity", "timeslice", "static"]  # --sm-backend
 PREFERENCES: tuple[str, ...] = get_args(Preference)
 _ALIASES = {"dynamic": "auto", "green": "green_contexts", "cpu": "cpu_affinity"}
@@ -50,75 +51,6 @@ def _torch() -> Any:
     return torch
 
 
-class BackendUnavailable(RuntimeError):
-    """The partition asked for cannot be realized here (the mechanism is missing or refused);
-    the message says why, and `select_backend` names the flag to change."""
-
-
-def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
-    lv = tuple(float(x) for x in levels)
-    if not lv or list(lv) != sorted(set(lv)) or not all(0 < x <= 1 for x in lv):
-        raise ValueError(f"levels must be strictly increasing shares in (0, 1], got {list(levels)}")
-    return lv
-
-
-class SMBackend:
-    """Base: bookkeeping of the live level; subclasses override `_switch` and the contexts.
-    `encode_context(level, sync)`: level None = the level of the last `apply`; `sync` (CUDA
-    only) makes the block's GPU work complete on exit."""
-
-    name: ClassVar[str] = "base"
-    dynamic: ClassVar[bool] = False  # can apply() change the split at run time?
-
-    def __init__(self, levels: Sequence[float], reason: str) -> None:
-        self.levels = _check_levels(levels)
-        self.reason = reason
-        self.degraded = ""  # why this backend partitions less than asked ("" = it does not)
-        self.level = len(self.levels) - 1  # start encode-protective
-
-    def realized(self, level: int | None = None) -> Allocation:
-        """The shares `level` (default: the live one) gives encode and prefill. Prefill 0.0
-        means it has nothing of its own and time-slices with encode (the partitioner's
-        convention at share 1.0)."""
-        i = self.level if level is None else level
-        share = self.levels[i]
-        return Allocation(share, 0.0 if share >= 1.0 else round(1.0 - share, 9), i)
-
-    def level_for(self, encode_share: float) -> int:
-        """Index of the smallest level >= encode_share (the largest level if none is)."""
-        for i, lv in enumerate(self.levels):
-            if lv >= encode_share - 1e-9:
-                return i
-        return len(self.levels) - 1
-
-    def apply(self, allocation: Allocation) -> int:
-        idx = self.level_for(allocation.encode_share)
-        if idx != self.level:
-            self._switch(idx)
-            self.level = idx
-        return idx
-
-    def _switch(self, idx: int) -> None:
-        pass
-
-    def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "reason": self.reason, "levels": list(self.levels),
-                "level": self.level, "dynamic": self.dynamic, "degraded": self.degraded,
-                "realized": [vars(self.realized(i)) for i in range(len(self.levels))]}
-
-    def close(self) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(levels={self.levels}, level={self.level}, reason={self.reason!r})"
-
-
 class TimeSliceBackend(SMBackend):
     """No partition: on CUDA encode and prefill get two plain streams and the hardware
     interleaves them; on CPU both threads keep every allowed core."""
@@ -127,9 +59,9 @@ class TimeSliceBackend(SMBackend):
 
     def __init__(self, device: str = "cpu", reason: str = "uncontrolled time-slicing") -> None:
         super().__init__((1.0,), reason)
-        self._streams = None
+        self._streams = self._torch = None
         if device.startswith("cuda"):
-            torch = _torch()
+            self._torch = torch = _torch()
             if not torch.cuda.is_available():
                 raise RuntimeError(f"device {device!r} asked for but CUDA is not available")
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -146,7 +78,7 @@ class TimeSliceBackend(SMBackend):
     def _ctx(self, i: int, sync: bool) -> ContextManager[Any]:
         if self._streams is None:
             return contextlib.nullcontext()
-        return _stream_scope(self._streams[i], sync)
+        return stream_scope(self._streams[i], sync, self._torch)
 
 
 class StaticSplitBackend(SMBackend):
@@ -228,26 +160,6 @@ class MPSBackend(SMBackend):
         if not os.path.exists(os.path.join(pipe, "control")):
             return False, f"no MPS control daemon ({pipe}/control missing; run nvidia-cuda-mps-control -d)"
         return True, f"{cls.ENV}={pct} under the MPS daemon at {pipe}"
-
-
-@contextlib.contextmanager
-def _stream_scope(stream: Any, sync: bool, enter: Any = None, torch: Any = None):
-    """Run a block on `stream`, after the work already queued on the caller's current stream
-    (inputs it uploaded). `enter`: for a stream of another CUDA context (a green context), a
-    scope that makes that context current; the wait on the caller's stream is set up before
-    it, so that event is recorded in the caller's context, and events recorded inside the
-    block belong to `stream`'s context (an event may only be recorded on a stream of its own
-    context; a stream may wait on an event of any). With `sync`, the exit waits on the host
-    for this stream alone, so results are ready for any thread or stream and the other
-    side's stream keeps running; without it the caller orders the hand-off with CUDA events.
-    (A GPU-side wait of the shared default stream instead would chain encode and prefill
-    back together.)"""
-    torch = _torch() if torch is None else torch
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with enter() if enter is not None else contextlib.nullcontext(), torch.cuda.stream(stream):
-        yield stream
-    if sync:
-        stream.synchronize()
 
 
 class PartitionController:
@@ -333,13 +245,12 @@ def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
     if name == "green_contexts":
         if not cuda:
             raise BackendUnavailable("device is not CUDA")
-        from easerve.partition.green_contexts import GreenContextBackend
         return GreenContextBackend(levels, index, rounding="nearest" if exact else "up", strict=exact)
     if name == "mps":
         if not cuda:
             raise BackendUnavailable("device is not CUDA")
         backend = MPSBackend(env)
-        if exact and backend.levels != _check_levels(levels):
+        if exact and backend.levels != check_levels(levels):
             want = MPSBackend.env_for(levels[0])[MPSBackend.ENV]
             raise BackendUnavailable(f"{MPSBackend.ENV}={round(backend.levels[0] * 100)} gives encode "
                                f"{backend.levels[0]:g}; the split {list(levels)} needs "
@@ -347,7 +258,6 @@ def _build(name: str, cuda: bool, index: int, levels: Sequence[float],
         return backend
     if cuda:
         raise BackendUnavailable("core affinity does not partition a GPU")
-    from easerve.partition.cpu_affinity import CpuAffinityBackend
     backend = CpuAffinityBackend(levels)
     if len(backend.cores) < 2:
         raise BackendUnavailable(f"only {len(backend.cores)} allowed core: nothing to split")

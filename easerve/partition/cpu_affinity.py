@@ -1,5 +1,5 @@
-"""CpuAffinityBackend: the CPU's partition mechanism (one of `easerve.partition.backends`'
-SMBackends): the process's allowed cores split between the encode and local-prefill worker
+"""CpuAffinityBackend: the CPU's partition mechanism (an `easerve.partition.sm_backend.SMBackend`,
+selected by `easerve.partition.backends`): the process's allowed cores split between the encode and local-prefill worker
 threads with os.sched_setaffinity on their native thread ids."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import threading
 from typing import Any, ContextManager, Sequence
 
-from easerve.partition.backends import WORKERS, BackendUnavailable, SMBackend, Worker, _check_levels
+from easerve.partition.sm_backend import WORKERS, BackendUnavailable, SMBackend, Worker, check_levels
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
 
 
@@ -33,7 +33,7 @@ class CpuAffinityBackend(SMBackend):
         self.cores = tuple(sorted(os.sched_getaffinity(0) if cores is None else cores))
         if not self.cores:
             raise ValueError("cores must not be empty")
-        lv = _check_levels(levels)
+        lv = check_levels(levels)
         self._splits = tuple(self._split(s) for s in lv)
         self._tids: dict[str, int] = {}
         self.lost: list[tuple[str, int]] = []  # bound threads that disappeared

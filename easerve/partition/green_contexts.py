@@ -28,8 +28,8 @@ import functools
 import math
 from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
+from easerve.partition.sm_backend import BackendUnavailable, SMBackend, check_levels, stream_scope
 from easerve.policy.partitioner import DEFAULT_SHARES, Allocation
-from easerve.partition.backends import BackendUnavailable, SMBackend, _check_levels, _stream_scope
 
 MIN_DRIVER_VERSION = 12080  # cuDriverGetVersion of CUDA 12.8, the first with green contexts
 # what this backend calls: a bindings module without one of these cannot run it
@@ -154,7 +154,7 @@ class GreenContextBackend(SMBackend):
         props = self._torch.cuda.get_device_properties(device_index)
         self._handles: list[Any] = []   # (raw stream, green ctx) to destroy on close
         self.notes: list[str] = []
-        lv = _check_levels(levels)
+        lv = check_levels(levels)
         with self._torch.cuda.device(device_index):
             self._torch.empty(1, device=f"cuda:{device_index}")  # primary context current on this thread
             try:
@@ -201,11 +201,11 @@ class GreenContextBackend(SMBackend):
 
     def encode_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
         stream, ctx = self._enc[self.level if level is None else level]
-        return _stream_scope(stream, sync, self._entering(ctx), torch=self._torch)
+        return stream_scope(stream, sync, self._torch, self._entering(ctx))
 
     def prefill_context(self, level: int | None = None, sync: bool = True) -> ContextManager[Any]:
         stream, ctx = self._pre[self.level if level is None else level]
-        return _stream_scope(stream, sync, self._entering(ctx), torch=self._torch)
+        return stream_scope(stream, sync, self._torch, self._entering(ctx))
 
     def _entering(self, ctx: Any) -> Callable[[], ContextManager[Any]] | None:
         """For a green stream: a scope that makes its context current (None: a plain stream,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from easerve.stages.common.configs import cpu_cores
+from easerve.fields import cpu_cores
 
 CPU_SHARE_SLOWDOWN = 2.0  # an unprofiled pair of busy workers on the same CPU cores
 DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists no by_size point for it

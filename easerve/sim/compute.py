@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from easerve.sim.run import Sim
+from easerve.policy.service_model import ServiceModel
+from easerve.sim.events import EventQueue
 
 
 class SerialGroup:
@@ -37,9 +36,10 @@ class SerialGroup:
 class Compute:
     """One worker's compute on a device (with `tp` > 1: the GPUs cuda:N .. cuda:N+tp-1)."""
 
-    def __init__(self, sim: Sim, kind: str, device: str, tp: int = 1, process: str = "",
-                 serial: SerialGroup | None = None) -> None:
-        self.sim, self.kind, self.device, self.tp = sim, kind, device, tp
+    def __init__(self, events: EventQueue, model: ServiceModel, kind: str, device: str, tp: int = 1,
+                 process: str = "", serial: SerialGroup | None = None) -> None:
+        self.events, self.model = events, model
+        self.kind, self.device, self.tp = kind, device, tp
         self.process, self.serial = process or f"{kind}@{id(self)}", serial
         self.busy_kind: str | None = None
         self.neighbours: list[Compute] = []
@@ -60,7 +60,7 @@ class Compute:
         """This worker's slowdown now: 1 + the sum of (measured pair - 1) over its busy
         neighbours of the same process (and, on a GPU, of any process), times the sharing
         slowdown of the busy neighbours of other processes on the same CPU cores."""
-        model, f, others = self.sim.model, 1.0, []
+        model, f, others = self.model, 1.0, []
         for n in self.neighbours:
             if n.busy_kind is None or n is skip:
                 continue
@@ -93,7 +93,7 @@ class Compute:
         if g.waiters:
             nxt, kick = g.waiters.popleft()
             g.holder = nxt
-            self.sim.events.after(0.0, nxt._take_turn, kick)
+            self.events.after(0.0, nxt._take_turn, kick)
 
     def _take_turn(self, kick: Callable[[], None]) -> None:
         kick()
@@ -107,7 +107,7 @@ class Compute:
         slowdown at a moment (default `self.factor`). Returns the end it is due at now."""
         if self.busy_kind is not None:
             raise RuntimeError(f"{self.kind} on {self.device} started a job while running one")
-        now = self.sim.events.now()
+        now = self.events.now()
         self.busy_kind, self._done = kind, done
         self._factor_fn = factor or self.factor
         self._left, self._since = work_s, now
@@ -120,7 +120,7 @@ class Compute:
 
     def _schedule(self) -> None:
         self._version += 1
-        self.sim.events.at(self._end, self._finish, self._version)
+        self.events.at(self._end, self._finish, self._version)
 
     def _finish(self, version: int) -> None:
         if version != self._version or self.busy_kind is None:
@@ -134,7 +134,7 @@ class Compute:
         """A neighbour started or ended a job: the stretch so far ran at the old factor."""
         if self.busy_kind is None:
             return
-        now = self.sim.events.now()
+        now = self.events.now()
         self._left = max(0.0, self._left - (now - self._since) / self._factor)
         self._since = now
         f = self._factor_fn()

@@ -11,13 +11,11 @@ holds) until each stage runs the desired count. GPU-seconds held are integrated 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from easerve.policy.online import STAGES, Change, Knobs, OnlineConfig, OnlineController, apply_knobs
+from easerve.sim.run import Sim
 from easerve.sim.stages import DecodeInstance, EncodeInstance, PrefillWorker
-
-if TYPE_CHECKING:
-    from easerve.sim.run import Req, Sim
+from easerve.sim.workload import Req
 
 FRESH_DEVICE_BASE = 64  # devices the autoscaler adds: cuda:64 and up (the simulator's ModelConfig says which
 # node holds them: with devices_per_host >= 64 + instances added, the deployment's node)

@@ -12,24 +12,46 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.policy.prefill_plan import PrefillBatcher, PrefillBatchPlan
 from easerve.stages.encode.trace import UtilizationTrace
 from easerve.errors import Overloaded, RequestTooLarge
+from easerve.policy.service_model import ServiceModel
 from easerve.sim.compute import Compute, SerialGroup
 from easerve.sim.encode import EncodeBatching
+from easerve.sim.events import EventQueue
 from easerve.sim.topology import (
+    Topology,
     batcher_config,
     partitioner,
     prefill_batch_config,
     router,
     scheduler,
 )
+from easerve.sim.workload import Req
 
-if TYPE_CHECKING:
-    from easerve.sim.run import Req, Sim
+
+class Simulation(Protocol):
+    """What an instance sees of the simulation it runs in (easerve.sim.run.Sim): the clock and
+    the service times, the other instances it hands requests to, and the request ends."""
+
+    events: EventQueue
+    model: ServiceModel
+    topology: Topology
+    gateway: Gateway
+    gateway_device: str
+    encoders: list[EncodeInstance]
+    text_prefills: list[PrefillWorker]
+    remote_prefills: list[PrefillWorker]
+    decoders: list[DecodeInstance]
+
+    def complete(self, req: Req) -> None: ...
+
+    def fail(self, req: Req, kind: str, message: str) -> None: ...
+
+    def expire(self, req: Req) -> None: ...
 
 
 def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
@@ -41,7 +63,7 @@ def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
 
 
 class Gateway:
-    def __init__(self, sim: Sim, cfg) -> None:
+    def __init__(self, sim: Simulation, cfg) -> None:
         self.sim, self.cfg = sim, cfg
         self.free = cfg.preprocess_threads
         self.queue: deque[Req] = deque()
@@ -104,11 +126,11 @@ class Gateway:
 class PrefillWorker:
     """A remote prefill instance, or the prefill co-located in an encode process (`host`)."""
 
-    def __init__(self, sim: Sim, cfg, device: str, name: str, host: EncodeInstance | None = None,
+    def __init__(self, sim: Simulation, cfg, device: str, name: str, host: EncodeInstance | None = None,
                  tp: int = 1) -> None:
         self.sim, self.cfg, self.name, self.host = sim, cfg, name, host
         self.planner = PrefillBatcher(prefill_batch_config(cfg))
-        self.compute = Compute(sim, "prefill", device, tp, host.name if host is not None else name,
+        self.compute = Compute(sim.events, sim.model, "prefill", device, tp, host.name if host is not None else name,
                                host.compute.serial if host is not None else None)
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
@@ -196,12 +218,12 @@ class PrefillWorker:
 class EncodeInstance:
     """An encode service, or with `serial` (a monolith's) the encode of a monolith process."""
 
-    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1, serial: SerialGroup | None = None) -> None:
+    def __init__(self, sim: Simulation, cfg, name: str, tp: int = 1, serial: SerialGroup | None = None) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.batching = EncodeBatching(batcher_config(cfg))
         self.router = router(cfg)
         self.partitioner = partitioner(cfg, sim.model.for_tp(tp, name))
-        self.compute = Compute(sim, "encode", cfg.device, tp, name, serial)
+        self.compute = Compute(sim.events, sim.model, "encode", cfg.device, tp, name, serial)
         self.local = (PrefillWorker(sim, cfg, cfg.device, f"{name}/prefill", host=self, tp=tp)
                       if cfg.colocate_prefill else None)
         self.capacity = cfg.max_inflight
@@ -298,10 +320,10 @@ class EncodeInstance:
 class DecodeInstance:
     """A decode service, or with `host` (a monolith's encode) the decode of that monolith process."""
 
-    def __init__(self, sim: Sim, cfg, name: str, tp: int = 1, host: EncodeInstance | None = None) -> None:
+    def __init__(self, sim: Simulation, cfg, name: str, tp: int = 1, host: EncodeInstance | None = None) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb, tp)
-        self.compute = Compute(sim, "decode", cfg.device, tp, host.name if host is not None else name,
+        self.compute = Compute(sim.events, sim.model, "decode", cfg.device, tp, host.name if host is not None else name,
                                host.compute.serial if host is not None else None)
         self.capacity = 0
         self.held: dict[int, Req] = {}

@@ -18,10 +18,9 @@ from easerve.policy.partitioner import measure_grid
 from easerve.policy.prefill_plan import PrefillBatchConfig
 from easerve.policy.router import DeficitRouter
 from easerve.engine.block_manager import BlockManager
-from easerve.engine.config import GIB
+from easerve.engine.config import DEFAULT_MAX_MODEL_LEN, GIB
 from easerve.engine.scheduler import Scheduler
 from easerve.stages.common.configs import (
-    DEFAULT_MAX_MODEL_LEN,
     DecodeConfig,
     EncodeConfig,
     GatewayConfig,

@@ -1,4 +1,5 @@
-"""What the simulator is fed: one `SimRequest` per arrival (the workload adapter).
+"""What the simulator is fed: one `SimRequest` per arrival (the workload adapter), and each
+one's state while it is simulated (`Req`).
 
 `hasctl simulate` builds them from `hasctl.workload`'s seeded arrival times and WorkloadSpec,
 so a simulated run and `hasctl bench` replay the same schedule; tests build them directly.
@@ -44,3 +45,42 @@ def piecewise_poisson(segments: list[tuple[float, float]], seed: int = 0) -> lis
             out.append(t)
         start = end
     return out
+
+
+class Req:
+    """One request's state while it is simulated."""
+    __slots__ = (
+        "at_gateway",
+        "decode",
+        "done",
+        "end",
+        "error",
+        "error_kind",
+        "media_tokens",
+        "prompt_tokens",
+        "spec",
+        "stage",
+        "tokens",
+    )
+
+    def __init__(self, spec: SimRequest, media_tokens: int) -> None:
+        self.spec = spec
+        self.media_tokens = media_tokens
+        self.prompt_tokens = spec.text_tokens + media_tokens
+        self.tokens: list[float] = []
+        self.end: float | None = None
+        self.error: str | None = None
+        self.error_kind: str | None = None
+        self.done = False
+        self.stage = None        # the instance holding it now (cancel(req) drops it there)
+        self.decode = None       # the decode instance holding its reservation
+        self.at_gateway = False
+
+    def record(self) -> dict:
+        """The fields of easerve.slo.RequestRecord.to_dict()."""
+        s = self.spec
+        ok = self.error is None
+        return {"index": s.index, "modality": s.modality, "scheduled_s": s.arrival_s, "sent_s": s.arrival_s,
+                "chunk_s": list(self.tokens) if ok else [], "end_s": self.end,
+                "output_tokens": len(self.tokens) if ok else None, "prompt_tokens": self.prompt_tokens,
+                "error": self.error, "error_kind": self.error_kind}

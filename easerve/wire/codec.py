@@ -85,10 +85,11 @@ def parse_header(header: bytes) -> tuple[str, dict[str, Any], list[TensorSpec]]:
         raise CodecError("header must be a JSON object with a string 'kind'")
     if not isinstance(obj.get("meta"), dict) or not isinstance(obj.get("tensors"), list):
         raise CodecError("header needs an object 'meta' and a list 'tensors'")
-    return obj["kind"], obj["meta"], [_parse_spec(i, s) for i, s in enumerate(obj["tensors"])]
+    return obj["kind"], obj["meta"], [parse_spec(i, s) for i, s in enumerate(obj["tensors"])]
 
 
-def _parse_spec(i: int, s: Any) -> TensorSpec:
+def parse_spec(i: int, s: Any) -> TensorSpec:
+    """Tensor `i`'s spec from its header entry {'dtype', 'shape'}; CodecError saying what is wrong."""
     if not isinstance(s, dict) or set(s) != {"dtype", "shape"}:
         raise CodecError(f"tensor {i}: spec must be {{'dtype', 'shape'}}, got {s!r}")
     if s["dtype"] not in DTYPES:
@@ -121,7 +122,7 @@ def check_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> tuple[str, di
     return kind, meta, specs
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat CPU uint8 tensor (little-endian hosts only)."""
     if sys.byteorder != "little":
         raise CodecError("the codec writes little-endian data; big-endian hosts are unsupported")
@@ -142,7 +143,7 @@ def write_parts(header: bytes, tensors: Sequence[torch.Tensor], buf: memoryview)
     buf[_PREAMBLE.size: _PREAMBLE.size + len(header)] = header
     for t, off, s in zip(tensors, offsets, specs):
         if s.nbytes:
-            torch.frombuffer(buf, dtype=torch.uint8, count=s.nbytes, offset=off).copy_(_raw(t))
+            torch.frombuffer(buf, dtype=torch.uint8, count=s.nbytes, offset=off).copy_(raw_bytes(t))
     return total
 
 
@@ -156,7 +157,7 @@ def iter_frame(header: bytes, tensors: Sequence[torch.Tensor]) -> Iterator[memor
         if off > pos:
             yield memoryview(bytes(off - pos))
         if s.nbytes:
-            yield memoryview(_raw(t).numpy())
+            yield memoryview(raw_bytes(t).numpy())
         pos = off + s.nbytes
 
 
@@ -185,10 +186,11 @@ def split_parts(buf: Any, *, copy: bool = True) -> tuple[bytes, list[torch.Tenso
     if len(mv) != total:
         what = "truncated" if len(mv) < total else "trailing bytes"
         raise CodecError(f"{what}: header declares a {total}-byte payload, got {len(mv)} bytes")
-    return header, [_view(mv, s, off, copy) for s, off in zip(specs, offsets)]
+    return header, [view_tensor(mv, s, off, copy) for s, off in zip(specs, offsets)]
 
 
-def _view(mv: memoryview, s: TensorSpec, off: int, copy: bool) -> torch.Tensor:
+def view_tensor(mv: memoryview, s: TensorSpec, off: int, copy: bool) -> torch.Tensor:
+    """The tensor of spec `s` at byte `off` of `mv`: a copy, or (copy=False) a view into `mv`."""
     dtype = DTYPES[s.dtype]
     if s.numel == 0:
         return torch.empty(s.shape, dtype=dtype)

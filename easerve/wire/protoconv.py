@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from easerve.wire.codec import _parse_spec, _raw, _view, spec_of
+from easerve.wire.codec import parse_spec, raw_bytes, view_tensor, spec_of
 from easerve.errors import CodecError, InvalidRequest
-from easerve.wire.sampling_proto import sampling_from_proto, sampling_to_proto  # noqa: F401 (re-exported)
+from easerve.wire.sampling_proto import sampling_from_proto
 from easerve.types import ItemMeta, MMItem, PrefillRequest
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import encode_pb2 as epb
@@ -17,15 +17,15 @@ from easerve.wire.v1 import encode_pb2 as epb
 
 def tensor_to_proto(t: torch.Tensor) -> cpb.TensorProto:
     s = spec_of(t)
-    data = memoryview(_raw(t).numpy()).tobytes() if s.nbytes else b""
+    data = memoryview(raw_bytes(t).numpy()).tobytes() if s.nbytes else b""
     return cpb.TensorProto(dtype=s.dtype, shape=list(s.shape), data=data)
 
 
 def tensor_from_proto(msg, *, copy: bool = True) -> torch.Tensor:
-    s = _parse_spec(0, {"dtype": msg.dtype, "shape": list(msg.shape)})
+    s = parse_spec(0, {"dtype": msg.dtype, "shape": list(msg.shape)})
     if len(msg.data) != s.nbytes:
         raise CodecError(f"TensorProto {s.dtype}{list(s.shape)} needs {s.nbytes} bytes, has {len(msg.data)}")
-    return _view(memoryview(msg.data), s, 0, copy)
+    return view_tensor(memoryview(msg.data), s, 0, copy)
 
 
 FINISH_TO_PROTO = {

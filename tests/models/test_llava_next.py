@@ -117,7 +117,7 @@ def test_unsupported_architecture_names_the_supported_ones(unsupported_checkpoin
 
 
 def test_same_seed_same_bytes(tmp_path):
-    from easerve.models.tiny import make_tiny
+    from easerve.models.tiny.build import make_tiny
 
     a, b, c = (make_tiny(FAMILY, tmp_path / n, seed=s) for n, s in (("a", 0), ("b", 0), ("c", 1)))
     files = sorted(p.name for p in a.iterdir())

@@ -138,7 +138,7 @@ def test_prefill_rejects_swapped_modalities(mm, rng, full, enc, pre):
 
 
 def test_same_seed_same_bytes(tmp_path):
-    from easerve.models.tiny import make_tiny
+    from easerve.models.tiny.build import make_tiny
 
     a, b = (make_tiny(FAMILY, tmp_path / n, seed=0) for n in ("a", "b"))
     files = sorted(p.name for p in a.iterdir())

@@ -93,7 +93,7 @@ def test_config_naming_a_hub_lm_without_its_config_is_rejected():
 
 
 def test_same_seed_same_bytes(tmp_path):
-    from easerve.models.tiny import make_tiny
+    from easerve.models.tiny.build import make_tiny
 
     a, b = (make_tiny(FAMILY, tmp_path / n, seed=0) for n in ("a", "b"))
     files = sorted(p.name for p in a.iterdir())

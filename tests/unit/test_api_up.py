@@ -53,7 +53,7 @@ def test_dtype_from_hasctl_up_reaches_every_stage():
 
 
 def test_tiny_checkpoints_are_announced_with_how_to_serve_a_real_model(tmp_path, capsys):
-    from easerve.models.tiny import MARKER, is_tiny, tiny_notice
+    from easerve.models.tiny.build import MARKER, is_tiny, tiny_notice
 
     real = tmp_path / "real"
     real.mkdir()

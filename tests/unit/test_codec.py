@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from easerve.wire import codec, protoconv
+from easerve.wire import codec, protoconv, sampling_proto
 from easerve.errors import CodecError
 from easerve.types import KVPayload, SamplingParams
 
@@ -172,11 +172,11 @@ def test_tensor_proto_roundtrip_and_errors():
 def test_sampling_proto_roundtrip():
     sp = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=11,
                         stop=("a", "bc"), stop_token_ids=(3,), ignore_eos=True)
-    assert protoconv.sampling_from_proto(protoconv.sampling_to_proto(sp)) == sp
+    assert sampling_proto.sampling_from_proto(sampling_proto.sampling_to_proto(sp)) == sp
     from easerve.wire.v1 import common_pb2
-    assert protoconv.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert sampling_proto.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
     with pytest.raises(ValueError):
-        protoconv.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))
+        sampling_proto.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))
 
 
 def test_no_pickle_or_torch_load_in_module():

@@ -12,7 +12,8 @@ import pytest
 
 from easerve.models.registry import load_adapter
 from easerve.models.tiny import cached_tiny
-from easerve.partition.backends import SMBackend, TimeSliceBackend
+from easerve.partition.backends import TimeSliceBackend
+from easerve.partition.sm_backend import SMBackend
 from easerve.policy.partitioner import DEFAULT_SHARES, LatencyGrid
 from easerve.stages.encode import profiler
 from easerve.stages.encode.colocate import build_controller

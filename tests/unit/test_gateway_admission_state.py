@@ -13,7 +13,7 @@ import pytest
 
 from easerve.stages.common.configs import GatewayConfig
 from easerve.stages.gateway.admission import GatewayAdmission
-from easerve.stages.gateway.core import Job
+from easerve.stages.gateway.job import Job
 from easerve.stages.gateway.metrics import GatewayMetrics
 from easerve.types import SamplingParams
 from easerve import profile_format as pf

@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from easerve.partition.cpu_affinity import CpuAffinityBackend
-from easerve.partition.backends import MPSBackend, PartitionController, SMBackend, StaticSplitBackend, TimeSliceBackend, select_backend
+from easerve.partition.backends import MPSBackend, PartitionController, StaticSplitBackend, TimeSliceBackend, select_backend
 from easerve.partition.green_contexts import GreenContextBackend
 from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
-from easerve.partition.backends import BackendUnavailable
+from easerve.partition.sm_backend import BackendUnavailable, SMBackend
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -233,7 +233,7 @@ def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, alig
     drv = FakeDriver(total, align, refuse_below=fail_remainder_below)
     torch = fake_torch(drv)
     monkeypatch.setattr(m, "_torch", lambda: torch)
-    monkeypatch.setattr(sm_backends, "_torch", lambda: torch)  # the shared stream scope
+    monkeypatch.setattr(sm_backends, "_torch", lambda: torch)  # the time-slice backend's streams
     monkeypatch.setattr(m, "load_driver", lambda: drv)
     monkeypatch.setattr(m.GreenContextBackend, "probe",
                         staticmethod(lambda i=0: m.probe(i, driver=drv, torch=torch)))

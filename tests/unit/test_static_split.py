@@ -16,7 +16,8 @@ from easerve.policy.partitioner import Allocation
 from easerve.partition.green_contexts import sm_split
 from easerve.policy.partitioner import (
     DEFAULT_SHARES, FixedPartitioner, PartitionerConfig, SMPartitioner, measure_grid, policy_levels)
-from easerve.partition.backends import BackendUnavailable, PartitionController
+from easerve.partition.backends import PartitionController
+from easerve.partition.sm_backend import BackendUnavailable
 from easerve.stages.encode.colocate import build_controller
 from easerve.stages.encode.metrics import EncodeMetrics
 from tests.unit.test_sm_backends import _fake_gpu, fake_latency

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from easerve.models.tiny.build import BUILDERS, MARKER, make_tiny
+
 SHARDS = 3
 ULTRAVOX_AUDIO, ULTRAVOX_TEXT = "whisper-encoder", "llama-text"
 
@@ -171,8 +173,6 @@ def _copy_side_files(src: Path, out: Path) -> None:
 
 def make_published(family: str, out: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
     """Write the tiny `family` checkpoint of `seed` to `out` in its published hub layout."""
-    from easerve.models.tiny import BUILDERS, MARKER, make_tiny
-
     if family not in BUILDERS:
         raise ValueError(f"unknown --family {family!r}; choose one of {sorted(BUILDERS)}")
     out = Path(out)

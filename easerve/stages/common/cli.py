@@ -7,7 +7,7 @@ import os
 import sys
 
 from easerve.rpc.server import run
-from easerve.stages.common.configs import cpu_cores
+from easerve.fields import cpu_cores
 from easerve.stages.common.argv import from_argv
 
 

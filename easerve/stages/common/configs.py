@@ -19,8 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from easerve.engine.config import DEFAULT_MAX_MODEL_LEN, DEVICE_HELP, EngineConfig  # noqa: F401 (re-exported)
-from easerve.fields import check_device  # noqa: F401 (re-exported: hasctl checks deployment devices)
+from easerve.engine.config import DEVICE_HELP, EngineConfig
 from easerve.fields import (Addresses, Device, Fraction, HostPort, NonNegFloat, NonNegInt, PosFloat, PosInt,
                             check_fields, flags_for, opt, torch_device)
 from easerve.partition.backends import Preference
@@ -34,17 +33,6 @@ from easerve.transport import KVTransportKind
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 _BATCHER, _PARTITIONER = BatcherConfig(), PartitionerConfig()  # their defaults are the flags'
-
-
-def cpu_cores(device: str) -> tuple[int, ...] | None:
-    """The cores of a 'cpu:0-1,4' device, or None for plain 'cpu' / a GPU."""
-    if not device.startswith("cpu:"):
-        return None
-    cores: list[int] = []
-    for part in device[4:].split(","):
-        lo, _, hi = part.partition("-")
-        cores += range(int(lo), int(hi or lo) + 1)
-    return tuple(sorted(set(cores)))
 
 
 @dataclass(frozen=True)

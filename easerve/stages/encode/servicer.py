@@ -10,7 +10,8 @@ import asyncio
 import functools
 import time
 
-from easerve.wire.protoconv import item_meta_to_proto, media_item_from_proto, sampling_from_proto, tensor_to_proto
+from easerve.wire.protoconv import item_meta_to_proto, media_item_from_proto, tensor_to_proto
+from easerve.wire.sampling_proto import sampling_from_proto
 from easerve.rpc.deadline import Deadline
 from easerve.errors import CacheMiss, InvalidRequest
 from easerve.rpc.errors import grpc_errors

@@ -1,7 +1,7 @@
 """The gateway's side of SLO-aware admission (easerve/policy/admission.py decides).
 
 With `--profile`, every preprocessed request (media or text only) is predicted
-(easerve/policy/latency.py over the simulator's `ServiceModel` of that profile) from what the
+(easerve/policy/latency.py over the `ServiceModel` of that profile, easerve/policy/service_model.py) from what the
 gateway sees of the stages: each instance's last `Stage/Load` answer (queued requests and how
 many of them the deadline order puts last, decode's KV room) plus the calls it started there since,
 and what it knows itself of the requests it admitted that have no first token yet:
@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from easerve.errors import BadRequest, Overloaded
 from easerve.policy.admission import PRIORITIES, TIER_NAMES, Admission, Decision, TierLimits
@@ -34,9 +33,7 @@ from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
 from easerve.policy.slo_order import can_meet
 from easerve.policy.service_model import ServiceModel
-
-if TYPE_CHECKING:
-    from easerve.stages.gateway.core import Job
+from easerve.stages.gateway.job import Job
 
 TRACE_RECORDS = 4096
 TIER_HEADER, PRIORITY_HEADER = "x-easerve-slo-tier", "x-easerve-priority"

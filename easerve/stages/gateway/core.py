@@ -27,76 +27,35 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from easerve.errors import BadRequest, CacheMiss, DecodeStalled, Internal, Overloaded, Unavailable
 from easerve.media import MediaResolver, config_for
-from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto, sampling_to_proto
+from easerve.wire.protoconv import FINISH_FROM_PROTO, media_item_to_proto
+from easerve.wire.sampling_proto import sampling_to_proto
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.server import ServerOptions
 from easerve.engine.config import default_max_len
 from easerve.stages.common.configs import GatewayConfig
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import peers_of
-from easerve.types import (MODALITIES, ChatMessage, MediaPart, ProcessedPrompt, SamplingParams, Timings, media_parts,
-                           with_media)
+from easerve.types import MODALITIES, ChatMessage, MediaPart, ProcessedPrompt, Timings
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc, encode_pb2, encode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from easerve.cache.gateway import MediaCache, MediaPlan
-from easerve.policy.admission import Decision
 from easerve.stages.gateway.admission import GatewayAdmission
 from easerve.cache.prefix import PrefixCacheConfig
 from easerve.cache.prefix_route import PrefixRoute, up_loads
 from easerve.stages.gateway.choices import Delta, chunk_logprobs, decode_chunks, drain, fan_in
+from easerve.stages.gateway.job import Job, new_internal_id
 from easerve.stages.gateway.legs import Leg, resumable
 
-__all__ = ["GatewayConfig", "GatewayCore", "Job", "Delta"]
+__all__ = ["GatewayConfig", "GatewayCore", "Delta"]
 log = logging.getLogger("easerve.gateway")
 
 
 UPSTREAM_ATTEMPTS = 2  # an upstream call failing before its first token is tried on one more instance
-
-
-def new_internal_id() -> str:
-    """A request id of the gateway's own, unique: what the stages see."""
-    return f"gw-{uuid.uuid4().hex}"
-
-
-@dataclass
-class Job:
-    """One request as the gateway sees it: chat messages or a raw prompt + media, as parsed at
-    the door (media fetched, once `GatewayCore` did, never decoded in place).
-    `request_id` is what the client sees; `internal_id`, unique, is what the stages see."""
-
-    sampling: SamplingParams
-    request_id: str
-    messages: tuple[ChatMessage, ...] | None = None
-    prompt: str | None = None
-    media: tuple[MediaPart, ...] = ()
-    prompt_ids: list[int] | None = None  # a token-id prompt (/v1/completions), no media
-    timeout_s: float | None = None
-    received: float = field(default_factory=time.monotonic)
-    internal_id: str = field(default_factory=new_internal_id)
-    media_plan: MediaPlan | None = None  # set by preprocess when media are hashed (encoder cache)
-    preprocess_ms: float = 0.0           # set by preprocess (and a late-miss re-preprocess)
-    slo_tier: str | None = None          # None: the gateway's --slo-tier
-    priority: str | None = None          # None: the gateway's --priority
-    admission: Decision | None = None    # set at admission (with --profile)
-    trace: dict | None = None            # its /trace record
-    cached_tokens: int = 0               # set from prefill's first chunk (its prefix cache's hit)
-    migrations: int = 0                  # times its stream moved to another decode instance
-
-    def media_parts(self) -> list[MediaPart]:
-        """Every media part, in request order."""
-        return [*media_parts(self.messages or ()), *self.media]
-
-    def with_media(self, parts: list[MediaPart]) -> tuple[tuple[ChatMessage, ...] | None, tuple[MediaPart, ...]]:
-        """(messages, media) of this job with its media parts (`media_parts()` order) replaced by `parts`."""
-        n = len(parts) - len(self.media)
-        messages = None if self.messages is None else with_media(self.messages, parts[:n])
-        return messages, tuple(parts[n:])
 
 
 class GatewayCore:

@@ -21,8 +21,9 @@ from easerve.errors import BadRequest, BadUpstream
 from easerve.rpc.errors import domain_error, is_unexpected
 from easerve.stages.gateway import openai_api as oa
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
-from easerve.stages.gateway.choices import ended
-from easerve.stages.gateway.core import Delta, GatewayCore, Job
+from easerve.stages.gateway.choices import Delta, ended
+from easerve.stages.gateway.core import GatewayCore
+from easerve.stages.gateway.job import Job
 from easerve.stages.gateway.tools import ToolCallStream
 
 log = logging.getLogger("easerve.gateway")

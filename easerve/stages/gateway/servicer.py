@@ -9,13 +9,14 @@ import numpy as np
 from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest
-from easerve.wire.protoconv import FINISH_TO_PROTO, sampling_from_proto
+from easerve.wire.protoconv import FINISH_TO_PROTO
 from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, TextPart
-from easerve.wire.sampling_proto import timings_to_proto
+from easerve.wire.sampling_proto import sampling_from_proto, timings_to_proto
 from easerve.wire.v1 import gateway_pb2, gateway_pb2_grpc
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.choices import ended
-from easerve.stages.gateway.core import GatewayCore, Job
+from easerve.stages.gateway.core import GatewayCore
+from easerve.stages.gateway.job import Job
 
 
 ROLES = ("", "system", "developer", "user", "assistant")  # the roles of the HTTP API's messages too
