@@ -70,7 +70,7 @@ def load(args):
         from tests.models.text_lm import TextLMSpec, build_text_lm
         spec = TextLMSpec(**json.loads(args.text_lm_spec)) if args.text_lm_spec else TextLMSpec.bench()
         return build_text_lm(spec, device=args.device, with_tokenizer=False)
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
     path = Path(args.model) if args.model else Path(args.cache_dir)
     if not args.model and not (path / "config.json").is_file():
         try:

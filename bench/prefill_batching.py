@@ -120,7 +120,7 @@ def gemm_ceiling(pre, lens: list[int], repeats: int) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     path = checkpoint(args)
     full = load_adapter(path, role="full")

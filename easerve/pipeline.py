@@ -14,7 +14,7 @@ from easerve.engine.config import DEFAULT_KV_TOKENS, EngineConfig
 from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.types import KVPayload, PrefillRequest, ProcessedPrompt, SamplingParams, items_meta
 
 

@@ -19,7 +19,7 @@ class Profiler:
     """Holds the adapters and a timer; each `measure_*` returns profile_format points."""
 
     def __init__(self, model: str, device: str, plan: Plan, tick: Callable[[str], None] = lambda _s: None):
-        from easerve.models.registry import load_adapter
+        from easerve.models.loader import load_adapter
         self.model, self.device, self.plan, self.tick = model, device, plan, tick
         self.enc = load_adapter(model, role="encode", device=device)
         self.lm = load_adapter(model, role="decode", device=device)

@@ -8,4 +8,5 @@ try:
     ULTRAVOX_UNAVAILABLE = ""
 except ImportError as exc:  # pragma: no cover - older transformers (the GPU image's 5.17)
     ULTRAVOX_UNAVAILABLE = f"Ultravox needs transformers >= 5.24 ({exc})"
-from easerve.models.registry import UnsupportedModelError, detect_family, load_adapter  # noqa: F401
+from easerve.models.registry import UnsupportedModelError, detect_family  # noqa: F401
+from easerve.models.loader import load_adapter  # noqa: F401

@@ -1,5 +1,5 @@
 """`--model` as a local checkpoint folder or a hub id `ORG/NAME[@REVISION]`: the one place a
-model name becomes a folder (`resolve_model`, called by `easerve.models.registry.load_adapter`
+model name becomes a folder (`resolve_model`, called by `easerve.models.loader.load_adapter`
 and by `hasctl` before it launches anything).
 
 A hub id is fetched through `huggingface_hub.snapshot_download`, so its cache, `HF_HOME` /
@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from easerve.models.registry import UnsupportedModelError, adapter_class, detect_family
 
 META_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")  # config, tokenizer, processor, template
 INDEX = "model.safetensors.index.json"
@@ -83,7 +85,6 @@ def weight_files(folder: str | Path, roles: Iterable[str]) -> list[str]:
 
 
 def _tensor_filter(folder: Path, roles: tuple[str, ...]):
-    from easerve.models.registry import UnsupportedModelError, adapter_class, detect_family
     try:
         cls = adapter_class(detect_family(folder))
     except UnsupportedModelError:

@@ -1,4 +1,5 @@
-"""Family registry: which adapter serves which checkpoint folder (`load_adapter`: or hub id)."""
+"""Family registry: which adapter class serves which checkpoint folder (loading one:
+`easerve.models.loader.load_adapter`)."""
 from __future__ import annotations
 
 import importlib
@@ -77,13 +78,3 @@ def torch_dtype(dtype):
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose auto or one of {DTYPES}")
     return getattr(torch, dtype)
-
-
-def load_adapter(model: str | Path, role: str = "full", device: str = "cpu", dtype=None):
-    """Build the adapter for `model` (a checkpoint folder or a hub id, fetched with only the files
-    `role` uses: easerve.models.hub), loading only the weights `role` uses, in `dtype`
-    (see `torch_dtype`; None = float32 on CPU, bfloat16 on GPU). `adapter.path` is the folder."""
-    from easerve.models.hub import resolve_model
-    path = resolve_model(str(model), (role,))
-    family = detect_family(path)
-    return adapter_class(family)(str(path), role=role, device=device, dtype=torch_dtype(dtype))

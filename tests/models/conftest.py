@@ -25,7 +25,7 @@ def tiny_checkpoint(tiny_root):
 @pytest.fixture(scope="session")
 def adapters(tiny_checkpoint):
     """`adapters(family, role)` -> adapter over the family's tiny checkpoint, loaded once."""
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     loaded: dict[tuple[str, str], object] = {}
 

@@ -97,7 +97,7 @@ def decode(adapter, work: Path, n: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     role, model, work, n = argv[0], argv[1], Path(argv[2]), int(argv[3])
     torch.set_num_threads(1)

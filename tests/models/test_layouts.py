@@ -31,7 +31,7 @@ def published(tiny_root):
 @pytest.fixture(scope="module")
 def loaded(published, adapters):
     """`loaded(family, role, layout)` -> adapter, loaded once."""
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     cache = {}
 
@@ -138,7 +138,7 @@ def test_published_layout_answers_what_the_default_layout_answers(loaded, mm, fa
 def test_ultravox_reference_to_a_missing_folder_says_what_to_do(published, tmp_path):
     import shutil
 
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     copy = tmp_path / "uv"
     shutil.copytree(published("ultravox"), copy)

@@ -11,7 +11,7 @@ from tests.models.test_layouts import messages_for
 
 @pytest.fixture(scope="module")
 def half(tiny_checkpoint):
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     cache = {}
 
@@ -45,7 +45,7 @@ def test_fp32_is_the_cpu_default_and_auto_means_it(adapters, half):
 
 
 def test_unknown_dtype_is_refused(tiny_checkpoint):
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     with pytest.raises(ValueError, match="int8.*auto or one of"):
         load_adapter(tiny_checkpoint("qwen2.5-vl"), role="prefill", dtype="int8")
@@ -74,7 +74,7 @@ def test_every_stage_takes_dtype(stage):
 @pytest.mark.parametrize("family", ["llava-next", "qwen2.5-vl", "qwen2-audio", "ultravox"])
 def test_half_precision_on_gpu_split_equals_generate(tiny_checkpoint, mm, family, dtype):
     """On a GPU, in bf16 and fp16: split E -> P -> D greedy equals the unsplit model's generate."""
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     path = tiny_checkpoint(family)
     full, enc, pre = (load_adapter(path, role=r, device="cuda:0", dtype=dtype) for r in ("full", "encode", "prefill"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easerve.models.registry import UnsupportedModelError, load_adapter
+from easerve.models.registry import UnsupportedModelError
+from easerve.models.loader import load_adapter
 from easerve.types import ItemMeta, PrefillRequest
 
 FAMILY = "llava-next"

@@ -110,7 +110,7 @@ def test_mask_attention_path_equals_a_cold_prefill(tiny_checkpoint, adapters, mm
     """An LM switched to the decode engine's attention (the monolith shares it with prefill)
     takes the block mask path; with cached prefixes it equals a cold prefill too."""
     from easerve.engine.attention import use_engine_attention
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     family = "qwen2.5-vl"
     pre = load_adapter(tiny_checkpoint(family), role="prefill")

@@ -77,7 +77,7 @@ def test_partial_loading_holds_only_the_role_weights(full, enc, pre):
 
 
 def test_legacy_hub_layout_loads(mm, rng, tiny_checkpoint, legacy_copy, full, enc, pre):
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     old = legacy_copy(tiny_checkpoint(FAMILY), [("model.visual.", "visual."),
                                                 ("model.language_model.", "model.")])

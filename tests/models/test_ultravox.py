@@ -176,7 +176,7 @@ def test_upstream_layout_loads_without_remote_code(upstream_dir):
 
 
 def test_upstream_layout_split_equals_generate(mm, rng, upstream_dir):
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
 
     full, enc, pre = (load_adapter(upstream_dir, role=r) for r in ("full", "encode", "prefill"))
     assert enc.num_parameters() + pre.num_parameters() == full.num_parameters()

@@ -90,7 +90,7 @@ def _generate(model, n_encode: int, refuses: bool = False) -> tuple[list | None,
     decode: (its messages, or None; (status, details) of its error, or None; the script: encode
     calls in order, and the reservations decode opened)."""
     from easerve.engine.config import EngineConfig
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
     from easerve.rpc.server import HealthState
     from easerve.stages.common.warmup import dummy_payload
     from easerve.stages.decode.app import build_engine

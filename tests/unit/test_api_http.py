@@ -31,7 +31,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    from easerve.models.registry import load_adapter
+    from easerve.models.loader import load_adapter
     from easerve.models.tiny import cached_tiny
 
     root = os.environ.get("EASERVE_TINY_CACHE") or tmp_path_factory.mktemp("tiny")

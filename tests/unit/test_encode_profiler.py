@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.models.tiny import cached_tiny
 from easerve.partition.backends import TimeSliceBackend
 from easerve.partition.sm_backend import SMBackend

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from easerve.models.hub import HubModelError, parse_hub_id, resolve_model, served_name, weight_files
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.models.tiny import cached_tiny
 from tests.hub_cache import ENCODER_SHARD, LM_SHARD, SHA, populate_hub
 

@@ -73,7 +73,7 @@ class StageConfig:
 
     @property
     def model_roles(self) -> tuple[str, ...]:
-        """The adapter roles (easerve.models.registry.load_adapter) this stage loads: what a launcher
+        """The adapter roles (easerve.models.loader.load_adapter) this stage loads: what a launcher
         fetches of a hub id for it."""
         return ("processor",)
 

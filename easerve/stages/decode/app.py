@@ -11,7 +11,7 @@ from dataclasses import replace
 from easerve.engine.engine import DecodeEngine
 from easerve.stages.common.metrics import DecodeMetrics, new_registry
 from easerve.engine.config import EngineConfig
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.rpc.server import HealthState, ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.decode.async_engine import AsyncEngine

@@ -10,7 +10,7 @@ from easerve.policy.batcher import AdaptiveBatcher
 from easerve.policy.clock import MonotonicClock
 from easerve.policy.router import DeficitRouter
 from easerve.stages.common.metrics import PrefillMetrics
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
 from easerve.stages.common.cli import dtype_of, write_port_file

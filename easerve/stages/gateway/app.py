@@ -9,7 +9,7 @@ import logging
 from aiohttp import web
 
 from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common.cli import write_port_file
 from easerve.stages.common.configs import GatewayConfig

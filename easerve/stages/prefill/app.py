@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from easerve.models.registry import load_adapter
+from easerve.models.loader import load_adapter
 from easerve.policy.clock import MonotonicClock
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
