@@ -26,13 +26,13 @@ Last stdout line: JSON with "scale_efficiency" per (nodes, Gb/s, placement), "go
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from paper_setting import MODELS, WORKLOAD, vllm_like  # noqa: E402
 
@@ -68,6 +68,7 @@ def args_of(argv=None):
                     help="each cell's arrivals last at least this long, so it reaches steady state "
                          "(bench/paper_setting.py, cell_requests)")
     ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates, 20 s cells")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.rates, args.min_duration_s = 40, "2,4,8,16,32", 20.0
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     res["kv_mb_per_request"] = round(kv / 1e6, 1)
     res["nic_req_s"] = {f"{g:g}": round(g / 8 * 1e9 / kv, 2) for g in args.network_gbps}
     res["quick"] = args.quick
-    print(json.dumps(res))
+    finish("scaling", args, res, argv)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,14 +26,19 @@ class Reply(RequestRecord):
     cached_tokens: int = 0
 
 
-def png_uri(seed: int, size: int | tuple[int, int]) -> str:
-    """A data: URI of a seeded random RGB PNG, size = side or (width, height)."""
+def png_bytes(seed: int, size: int | tuple[int, int] = 56) -> bytes:
+    """A seeded random RGB PNG, size = side or (width, height)."""
     from PIL import Image
     w, h = (size, size) if isinstance(size, int) else size
     arr = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def png_uri(seed: int, size: int | tuple[int, int]) -> str:
+    """png_bytes as a data: URI."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(seed, size)).decode()
 
 
 def image_message(image: str, text: str = "Describe the image.") -> list[dict]:
@@ -96,8 +102,52 @@ def replay_images(url: str, model: str, reqs: Sequence[tuple[float, str]], max_t
                               max_tokens))
 
 
+def unloaded(url: str, model: str, size: int | tuple[int, int], max_tokens: int, n: int = 3,
+             text: str = "Describe the image.") -> list[Reply]:
+    """n image requests sent one at a time (nothing else in flight), each with a new image."""
+    return [replay_images(url, model, [(0.0, png_uri(900 + k, size))], max_tokens, text)[0][0] for k in range(n)]
+
+
+def unloaded_limits(urls: dict[str, str], base: str, model: str, size, max_tokens: int, mult: float,
+                    warm_tokens: int = 4) -> tuple[float, float]:
+    """Warm every stack up with a few new images, then the SLO (TTFT ms, TPOT ms) = mult x the
+    unloaded latency of the stack `base` (see scoring.unloaded_limits)."""
+    from bench.harness.scoring import unloaded_limits as limits
+    for url in urls.values():
+        unloaded(url, model, size, warm_tokens)
+    slo = limits(unloaded(urls[base], model, size, max_tokens), mult)
+    print(f"SLO ({mult:g} x unloaded {base}): TTFT {slo[0]:.0f} ms, TPOT {slo[1]:.1f} ms", file=sys.stderr)
+    return slo
+
+
+def alternate(urls: dict[str, str], parts: list, run) -> tuple[dict[str, list], dict[str, float]]:
+    """Each part of a workload replayed against every stack in turn (run(url, part) -> (records,
+    wall s)), so that drift in the host's load falls on all alike: records and wall time per stack."""
+    recs, walls = {k: [] for k in urls}, {k: 0.0 for k in urls}
+    for part in parts:
+        for k, url in urls.items():
+            res, wall = run(url, part)
+            recs[k] += res
+            walls[k] += wall
+    return recs, walls
+
+
 def segments(reqs: list, n: int) -> list[list]:
     """A trace of (arrival s, ...) cut into n consecutive parts, each re-based to start at 0."""
     size = -(-len(reqs) // n)
     parts = [reqs[i:i + size] for i in range(0, len(reqs), size)]
     return [[(t - part[0][0], *rest) for t, *rest in part] for part in parts]
+
+
+def hasctl_bench(url: str, work, rate: float, n: int, seed: int, label: str = "", slo=None, warm: int = 4):
+    """`hasctl bench` (hasctl.bench.run_bench) against url: `warm` short requests first (not
+    measured), then n requests of the WorkloadSpec `work` at `rate` req/s (seeded Poisson,
+    ignore_eos). Returns its BenchResult (BenchResult.to_dict() is what `hasctl report` reads)."""
+    import dataclasses
+
+    from hasctl.bench import BenchConfig, run_bench
+    if warm:
+        asyncio.run(run_bench(BenchConfig(url=url, rate=4.0, num_requests=warm, seed=seed + 999, progress=False,
+                                          workload=dataclasses.replace(work, output_tokens=4))))
+    return asyncio.run(run_bench(BenchConfig(url=url, rate=rate, num_requests=n, seed=seed, ignore_eos=True,
+                                             slo=slo, label=label, progress=False, workload=work)))

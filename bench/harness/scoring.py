@@ -28,6 +28,14 @@ def summary(records: Sequence[RequestRecord], limits_ms: tuple[float, float], ke
     return out | ({"wall_s": wall_s} if wall_s is not None else {})
 
 
+REFUSALS = ("goodput_rps", "throughput_rps", "completed", "failed", "p50_ttft_ms", "slo_attainment")
+
+
+def summary_with_refusals(records: Sequence[RequestRecord], limits_ms: tuple[float, float], wall_s: float) -> dict:
+    """summary() of a run against a gateway that may refuse (429): REFUSALS, wall_s and "refused"."""
+    return summary(records, limits_ms, REFUSALS, wall_s) | {"refused": refused(records)}
+
+
 def met(r: RequestRecord, limits_ms: tuple[float, float]) -> bool:
     return SLO(*limits_ms).met(r)
 

@@ -25,11 +25,11 @@ def deployment(model: str, preset_name: str = "default", path: str | None = None
     return d.with_flags("gateway", **gateway) if gateway else d
 
 
-def start(d, *, metrics: bool = False, env: dict | None = None, timeout: float = 600.0):
-    """Start the deployment (`metrics`: every stage serves /metrics, see Stack.endpoints.metrics);
-    returns the started Stack."""
+def start(d, *, metrics: bool = False, env: dict | None = None, timeout: float = 600.0, **stack_kw):
+    """Start the deployment (`metrics`: every stage serves /metrics, see Stack.endpoints.metrics;
+    stack_kw: more of Stack's arguments); returns the started Stack."""
     from hasctl.launch import Stack
-    return Stack(d, env=ENV if env is None else env, metrics=metrics).start(timeout=timeout)
+    return Stack(d, env=ENV if env is None else env, metrics=metrics, **stack_kw).start(timeout=timeout)
 
 
 def start_all(starts: dict[str, Callable]) -> dict:
@@ -49,7 +49,7 @@ def start_all(starts: dict[str, Callable]) -> dict:
     return stacks
 
 
-def stop_all(stacks: dict, grace_s: float = 3.0) -> None:
+def stop_all(stacks: dict, grace_s: float = 15.0) -> None:
     """Stop the stacks in parallel."""
     if stacks:
         with concurrent.futures.ThreadPoolExecutor(len(stacks)) as pool:
