@@ -18,7 +18,7 @@ from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.types import KVPayload, PrefillRequest, SamplingParams, StructuredOutput
 from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
-from tests.models.test_sampling import prefill_once
+from tests.models.text_lm import prefill_once
 from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos
 
 torch.set_num_threads(1)

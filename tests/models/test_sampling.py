@@ -5,7 +5,6 @@ and min_tokens hold from the first token on; greedy repetition_penalty equals tr
 own generate (with min_new_tokens as min_tokens)."""
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
@@ -15,11 +14,10 @@ from easerve.engine.detok import prompt_tail
 from easerve.engine.config import EngineConfig
 from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import penalty_prompt_ids
-from easerve.policy.prefill_plan import PrefillBatchConfig
-from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import KVPayload, PrefillRequest, SamplingParams
 from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
 from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
+from tests.models.text_lm import prefill_once
 
 torch.set_num_threads(1)
 FAMILY = "qwen2.5-vl"
@@ -38,20 +36,6 @@ def dec(adapters):
 def over_the_wire(payload):
     """The KV payload as decode receives it: framed to bytes by the codec and parsed back."""
     return kv_from_parts(*split_parts(join_parts(*kv_to_parts(payload))))
-
-
-def prefill_once(pre, req: PrefillRequest, sp: SamplingParams):
-    """`req` with sampling `sp` through a fresh prefill loop: its PrefilledOne."""
-    async def prefill():
-        loop = PrefillLoop(pre, PrefillBatchConfig())
-        loop.start()
-        try:
-            return await loop.prefill(PrefillRequest(req.request_id, req.input_ids, req.embeddings,
-                                                     req.items_meta, sp))
-        finally:
-            await loop.stop()
-
-    return asyncio.run(prefill())
 
 
 def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
