@@ -16,6 +16,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.prom import metric, scrape
+from tests.support.procs import gone
 from tests.support.fake_stage import write_fake_python  # stages that only serve grpc health
 from tests.support.client_load import ClientLoad
 
@@ -34,14 +35,6 @@ def _refused(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], notice_s: float) -> str:
     """Add a prefill instance, see it take requests, then drain and remove `old`; returns the
     added instance's name."""
@@ -56,7 +49,7 @@ def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], no
 
     old_port, old_pid = stack.ports[old], stack.pids[old]
     assert stack.remove_instance(old, notice_s=notice_s) == 0  # it drained and exited by itself
-    assert _gone(old_pid) and _refused(old_port) and _refused(metrics[old])
+    assert gone(old_pid) and _refused(old_port) and _refused(metrics[old])
     assert old not in stack.endpoints.stages
     ok_then, images_then, at_new = load.ok, load.images_ok, _prefilled(port)
     load.wait(lambda: load.ok >= ok_then + 6 and load.images_ok > images_then, 180,
@@ -137,7 +130,7 @@ def test_a_decode_instance_drained_and_removed_under_load_fails_no_request(tiny_
             load.wait(lambda: load.ok >= 8, 180, "the first requests")
             old_port, old_pid = stack.ports["decode-0"], stack.pids["decode-0"]
             assert stack.remove_instance("decode-0", notice_s=0.0) == 0  # drained and exited by itself
-            assert _gone(old_pid) and _refused(old_port)
+            assert gone(old_pid) and _refused(old_port)
             ok_then, images_then = load.ok, load.images_ok
             load.wait(lambda: load.ok >= ok_then + 8 and load.images_ok > images_then, 180,
                       "requests after removing decode-0, an image among them")

@@ -13,22 +13,12 @@ from PIL import Image
 
 from easerve.pipeline import InProcessPipeline
 from easerve.types import SamplingParams
-from tests.integration.conftest import data_uri, png_bytes
-from tests.support.multi_stack import start_multi, scrape_stage
+from tests.support.media import data_uri, png_bytes
+from tests.support.multi_stack import scrape_stage
 
 pytestmark = pytest.mark.slow
 N = 6
 QUESTIONS = ["What is in this picture?", "What color is it?", "Is there anything else?", "Describe it again."]
-
-
-@pytest.fixture(scope="module")
-def multi(tiny_root):
-    from easerve.models.tiny import cached_tiny
-
-    stack = start_multi(str(cached_tiny("qwen2.5-vl", tiny_root)))
-    stack.start(timeout=420)
-    yield stack
-    stack.stop()
 
 
 def _messages(image_part, history: list[tuple[str, str]], question: str) -> list[dict]:

@@ -16,9 +16,8 @@ from pydantic import BaseModel, Field
 
 from easerve import Client
 from easerve.errors import InvalidRequest
-from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.multi_stack import kv_received, start_multi
+from tests.support.multi_stack import kv_received
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -37,14 +36,6 @@ class GetWeather(BaseModel):
 
 
 USER = [{"role": "user", "content": "Weather in Paris, as JSON?"}]
-
-
-@pytest.fixture(scope="module")
-def multi(tiny_root):
-    stack = start_multi(str(cached_tiny("qwen2.5-vl", tiny_root)))
-    stack.start(timeout=420)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import threading
 import time
 
 from easerve import Client
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 
 
 class ClientLoad:

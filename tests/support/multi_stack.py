@@ -8,7 +8,7 @@ import os
 from easerve import Client
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 
 
 N = 6

@@ -247,7 +247,7 @@ def test_the_drain_settles_first_taking_calls_while_not_serving_then_refuses_the
             await asyncio.wait_for(task, 10)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Stats(decode_pb2.StatsRequest(), timeout=2)
-            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens on the port any more
     asyncio.run(main())
 
 
