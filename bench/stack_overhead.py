@@ -83,11 +83,14 @@ def main(argv=None) -> None:
         n, dt = in_process(model, c, args.max_tokens)
         results[f"inprocess_c{c}_tok_s"] = round(n / dt, 2)
         print(f"in-process c={c}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s", flush=True)
-    with stack.start(stack.deployment(model, threads=args.threads), env={"EASERVE_LOG_LEVEL": "WARNING"}) as st:
+    st = stack.start(stack.deployment(model, threads=args.threads), env={"EASERVE_LOG_LEVEL": "WARNING"})
+    try:
         for c in concs:
             n, dt = asyncio.run(_stack_run(st.endpoints.grpc, c, args.max_tokens))
             results[f"stack_c{c}_tok_s"] = round(n / dt, 2)
             print(f"stack c={c}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s", flush=True)
+    finally:
+        st.stop()
     ratios = {f"stack_over_inprocess_c{c}": round(results[f"stack_c{c}_tok_s"] / results[f"inprocess_c{c}_tok_s"], 3)
               for c in concs}
     head = "stack_over_inprocess_c16"
