@@ -22,6 +22,9 @@ TIMEOUT_S = 600.0
 
 @dataclass
 class Reply(RequestRecord):
+    """A RequestRecord with what the benches also read: the answer's text (a conversation resends
+    it) and the prompt tokens the server served from its prefix cache."""
+
     text: str = ""
     cached_tokens: int = 0
 

@@ -81,8 +81,7 @@ def save_result(bench: str, result: dict, argv: list[str] | None = None, plots: 
     path.write_text(json.dumps(doc, indent=1) + "\n")
     for name, fig in (plots or {}).items():
         fig.savefig(out / f"{name}.png", dpi=DPI)
-        import matplotlib.pyplot as plt
-        plt.close(fig)
+        fig.clf()
     return path
 
 

@@ -32,8 +32,10 @@ REFUSALS = ("goodput_rps", "throughput_rps", "completed", "failed", "p50_ttft_ms
 
 
 def summary_with_refusals(records: Sequence[RequestRecord], limits_ms: tuple[float, float], wall_s: float) -> dict:
-    """summary() of a run against a gateway that may refuse (429): REFUSALS, wall_s and "refused"."""
-    return summary(records, limits_ms, REFUSALS, wall_s) | {"refused": refused(records)}
+    """summary() of a run against a gateway that may refuse (429): REFUSALS, wall_s and "refused"
+    ("failed" counts the other failures only)."""
+    out, n = summary(records, limits_ms, REFUSALS, wall_s), refused(records)
+    return out | {"failed": out["failed"] - n, "refused": n}
 
 
 def met(r: RequestRecord, limits_ms: tuple[float, float]) -> bool:
