@@ -20,21 +20,20 @@ Last stdout line: JSON, "goodput_on_over_off" first (target >= 1.5), "ttft_pred_
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench import encoder_cache  # noqa: E402
-from bench.encoder_cache import png_uri  # noqa: E402
+from bench.harness import results, scoring, stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint, served_name  # noqa: E402
+from bench.harness.load import png_uri, replay_images  # noqa: E402
+
 
 
 def parse_args(argv=None):
@@ -51,6 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    results.add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.burst, args.image_size, args.max_tokens = 16, 6, 56, 6
@@ -64,53 +64,14 @@ def workload(n: int, rate: float, seed: int) -> list[tuple[float, int]]:
     return [(float(t), 20_000 + 1000 * seed + k) for k, t in enumerate(np.cumsum(rng.exponential(1.0 / rate, n)))]
 
 
-# ---- client ------------------------------------------------------------------------------------
-async def one(client, model: str, image: str, max_tokens: int) -> dict:
-    """One streamed image request (bench/encoder_cache.py's): TTFT, TPOT, tokens; or refused
-    (429) with its Retry-After, or failed."""
-    import openai
-    try:
-        return await encoder_cache.one(client, model, image, max_tokens)
-    except openai.RateLimitError as e:
-        return {"refused": True, "retry_after": e.response.headers.get("retry-after")}
-    except Exception as e:  # noqa: BLE001 - a failed request counts as failed
-        return {"error": f"{type(e).__name__}: {e}"}
+def run_load(url: str, model: str, reqs, size: int, max_tokens: int) -> tuple[list, float]:
+    """Replay (arrival s, image seed) pairs; a refused request (429) is a reply with error_kind http_429."""
+    return replay_images(url, model, [(t, png_uri(img, size)) for t, img in reqs], max_tokens)
 
 
-async def run_load(url: str, model: str, reqs, size: int, max_tokens: int) -> tuple[list[dict], float]:
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    images = {img: png_uri(img, size) for _, img in reqs}
-    t0 = time.perf_counter()
-
-    async def at(t: float, img: int) -> dict:
-        await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-        return await one(client, model, images[img], max_tokens)
-
-    results = await asyncio.gather(*(at(t, img) for t, img in reqs))
-    await client.close()
-    return list(results), time.perf_counter() - t0
-
-
-def met(r: dict, limits: tuple[float, float]) -> bool:
-    return "ttft" in r and r["ttft"] * 1e3 <= limits[0] and r["tpot"] * 1e3 <= limits[1]
-
-
-def summarize(results: list[dict], wall: float, limits: tuple[float, float]) -> dict:
-    done = [r for r in results if "ttft" in r]
-    return {"goodput_rps": sum(met(r, limits) for r in results) / wall, "throughput_rps": len(done) / wall,
-            "completed": len(done), "refused": sum("refused" in r for r in results),
-            "failed": sum("error" in r for r in results),
-            "p50_ttft_ms": float(np.median([r["ttft"] for r in done]) * 1e3) if done else None,
-            "slo_attainment": sum(met(r, limits) for r in results) / len(results), "wall_s": wall}
-
-
-# ---- stacks and profile --------------------------------------------------------------------------
 def bench_model(args) -> str:
-    if args.quick and not args.model:
-        from easerve.models.tiny import cached_tiny
-        return str(cached_tiny("qwen2.5-vl", args.cache_dir))
-    return encoder_cache.bench_model(args)
+    """The tiny checkpoint with --quick, else the bench-scale one (or --model)."""
+    return checkpoint(args.model, args.cache_dir, scale="tiny" if args.quick else "bench")
 
 
 def profile_of(args, model: str) -> str:
@@ -125,91 +86,61 @@ def profile_of(args, model: str) -> str:
     return str(out)
 
 
-def start_stack(args, model: str, profile: str, admission: str):
-    from hasctl.deployment import preset
-    from hasctl.launch import Stack
-    d = (preset(args.preset).with_model(model).with_gateway_ports(0, 0)
-         .with_flags("encode", threads=1, grace_s=1.0).with_flags("prefill", threads=1, grace_s=1.0)
-         .with_flags("decode", threads=1, grace_s=1.0)
-         .with_flags("gateway", profile=profile, admission=admission, slo_tier=args.tier, grace_s=1.0))
-    return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=600)
-
-
-def start_all(starts: dict) -> dict:
-    """Start the stacks at once (name -> a call returning a started Stack); if one fails to start,
-    stop the others and raise its error."""
-    stacks, errors = {}, []
-    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
-        futs = {name: pool.submit(start) for name, start in starts.items()}
-        for name, fut in futs.items():
-            try:
-                stacks[name] = fut.result()
-            except Exception as e:  # noqa: BLE001 - stop the others, then raise
-                errors.append(e)
-    if errors:
-        for st in stacks.values():
-            st.stop(grace_s=1.0)
-        raise errors[0]
-    return stacks
-
-
-def trace_records(url: str) -> list[dict]:
-    return json.loads(urllib.request.urlopen(url + "/trace?last=100000", timeout=10).read())["requests"]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     model = bench_model(args)
-    name = Path(model).resolve().name
+    name = served_name(model)
     profile = profile_of(args, model)
     print(f"checkpoint and profile ready after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     from easerve import profile_format as pf
     limits = pf.load(profile).slo(args.tier).limits("image")
-    run = lambda url, reqs: asyncio.run(run_load(url, name, reqs, args.image_size, args.max_tokens))  # noqa: E731
-    stacks = start_all({m: lambda adm=adm: start_stack(args, model, profile, adm) for m, adm in (("off", "off"),
-                                                                                              ("on", "reject"))})
+    run = lambda url, reqs: run_load(url, name, reqs, args.image_size, args.max_tokens)  # noqa: E731
+    d = lambda adm: stack.deployment(model, args.preset, grace_s=1.0, gateway={  # noqa: E731
+        "profile": profile, "admission": adm, "slo_tier": args.tier})
+    stacks = stack.start_all({"off": lambda: stack.start(d("off")), "on": lambda: stack.start(d("reject"))})
     try:
         urls = {m: st.endpoints.http for m, st in stacks.items()}
         print(f"both stacks serving after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for url in urls.values():  # the same warm-up on both stacks: every batch shape once, cold
             run(url, workload(args.burst // 2, 4.0, 90))
         burst, wall = run(urls["off"], [(0.0, 1000 + k) for k in range(args.burst)])
-        capacity = sum("ttft" in r for r in burst) / wall
+        capacity = sum(r.ok for r in burst) / wall
         run(urls["on"], [(0.0, 1000 + k) for k in range(args.burst)])  # alike (what it admits of it)
         rate = args.mult * capacity
         print(f"capacity {capacity:.2f} req/s -> trace at {rate:.2f} req/s; tier {args.tier}: "
               f"TTFT {limits[0]:.0f} ms, TPOT {limits[1]:.1f} ms", file=sys.stderr)
-        before = {m: len(trace_records(u)) for m, u in urls.items()}
+        before = {m: len(stack.trace_records(u)) for m, u in urls.items()}
         if not args.quick:  # calibration at lower rates too, on both stacks alike
             for k, frac in enumerate((0.5, 1.0)):
                 for url in urls.values():
                     run(url, workload(args.requests // 2, frac * capacity, args.seed + 1 + k))
         reqs = workload(args.requests, rate, args.seed)
-        results, walls = {}, {}
+        recs, walls = {}, {}
         for mode in ("off", "on"):
-            results[mode], walls[mode] = run(urls[mode], reqs)
-        every = {m: trace_records(u) for m, u in urls.items()}
-        recs = [r for m in urls for r in every[m][before[m]:]]
+            recs[mode], walls[mode] = run(urls[mode], reqs)
+        every = {m: stack.trace_records(u) for m, u in urls.items()}
+        traced = [r for m in urls for r in every[m][before[m]:]]
         dump = ROOT / "runs" / "admission" / "last-run.json"  # with the warm-up and burst records, for study
-        dump.write_text(json.dumps({"records": recs, "every_record": every, "measured_from": before,
-                                    "results": results, "trace": reqs}))
+        dump.write_text(json.dumps({"records": traced, "every_record": every, "measured_from": before,
+                                    "results": {m: [r.to_dict() for r in rs] for m, rs in recs.items()},
+                                    "trace": reqs}))
     finally:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda st: st.stop(grace_s=3.0), stacks.values()))  # idle by now
-    errs = [abs(r["predicted_ttft_ms"] - r["ttft_ms"]) / r["ttft_ms"] for r in recs if r["ttft_ms"]]
-    refused = [i for i, r in enumerate(results["on"]) if "refused" in r]
-    missed = [i for i in refused if not met(results["off"][i], limits)]
-    off, on = (summarize(results[m], walls[m], limits) for m in ("off", "on"))
+        stack.stop_all(stacks, grace_s=3.0)  # idle by now
+    errs = [abs(r["predicted_ttft_ms"] - r["ttft_ms"]) / r["ttft_ms"] for r in traced if r["ttft_ms"]]
+    refused = [i for i, r in enumerate(recs["on"]) if r.error_kind == "http_429"]
+    missed = [i for i in refused if not scoring.met(recs["off"][i], limits)]
+    off, on = (scoring.summary_with_refusals(recs[m], limits, walls[m]) for m in ("off", "on"))
     print("off:", json.dumps(off), "\non:", json.dumps(on), file=sys.stderr)
     print(f"done after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    out = {"goodput_on_over_off": on["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None,
+    out = {"goodput_on_over_off": scoring.ratio(on["goodput_rps"], off["goodput_rps"]),
            "ttft_pred_rel_err_median": float(np.median(errs)) if errs else None,
            "refused_would_have_missed": len(missed) / len(refused) if refused else None,
            "capacity_rps": capacity, "rate_rps": rate, "requests": len(reqs), "tier": args.tier,
            "ttft_limit_ms": limits[0], "tpot_limit_ms": limits[1], "quick": args.quick,
            "predictions": len(errs), "off": off, "on": on}
-    print(json.dumps(out))
+    results.finish("admission", args, out, argv, lambda: results.report_plots(
+        [scoring.report_row(f"admission {m}", rate, recs[m], limits, walls[m]) for m in ("off", "on")]))
     return 0
 
 

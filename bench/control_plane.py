@@ -9,13 +9,18 @@ Last stdout line: one JSON object, decision_us first.
 from __future__ import annotations
 
 import argparse
-import json
 import random
+import sys
 import time
+from pathlib import Path
 
 from easerve.policy.batcher import AdaptiveBatcher, BatcherConfig
 from easerve.policy.partitioner import SMPartitioner, measure_grid
 from easerve.policy.router import DeficitRouter, RandomRouter, max_prefix_error
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -65,6 +70,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=200.0, help="arrivals per second")
     ap.add_argument("--s", type=float, default=0.3, help="remote prefill fraction")
     ap.add_argument("--max-batch", type=int, default=8)
+    add_save_flag(ap)
     a = ap.parse_args()
 
     times = arrivals(a.n, a.rate)
@@ -88,7 +94,7 @@ def main() -> None:
     }
     print(f"control plane: {result['decision_us']} us/request (target <= 20), mean batch "
           f"{result['mean_batch']}, router max prefix error {det_err:.3f} (random {rnd_err:.1f})")
-    print(json.dumps(result))
+    finish("control_plane", a, result)
 
 
 if __name__ == "__main__":

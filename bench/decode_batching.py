@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every core this process may use, as a deployment would)")
     ap.add_argument("--seed", type=int, default=0)
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     if min(args.batches) < 1 or args.steps < 1 or args.prompt_len < 2:
@@ -66,19 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load(args):
     if args.text_lm or args.text_lm_spec:
-        sys.path.insert(0, str(ROOT))
         from tests.models.text_lm import TextLMSpec, build_text_lm
         spec = TextLMSpec(**json.loads(args.text_lm_spec)) if args.text_lm_spec else TextLMSpec.bench()
         return build_text_lm(spec, device=args.device, with_tokenizer=False)
     from easerve.models.loader import load_adapter
-    path = Path(args.model) if args.model else Path(args.cache_dir)
-    if not args.model and not (path / "config.json").is_file():
-        try:
-            from easerve.models.tiny.build import make_tiny
-        except ImportError as e:
-            raise SystemExit(f"easerve.models.tiny is not available ({e}); pass --text-lm or --model DIR") from None
-        make_tiny(family="llava-next", out=str(path), seed=0, scale="bench")
-    return load_adapter(path, role="decode", device=args.device)
+    return load_adapter(Path(checkpoint(args.model, args.cache_dir, "llava-next")), role="decode", device=args.device)
 
 
 def plain_token_ids(adapter) -> list[int]:
@@ -202,7 +198,7 @@ def main(argv=None) -> dict:
     result.update({f"hf_b{b}_tok_s": round(v, 1) for b, v in hf.items()})
     result.update({"params_m": round(params / 1e6, 1), "device": args.device, "steps": args.steps,
                    "prompt_len": args.prompt_len, "threads": args.threads, "backend": backend})
-    print(json.dumps(result))
+    finish("decode_batching", args, result, argv)
     return result
 
 

@@ -24,20 +24,18 @@ by goodput), then the table.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
-import io
 import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.encoder_cache import one  # noqa: E402  (the same streamed request)
+from bench.harness import results, scoring, stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint, served_name  # noqa: E402
+from bench.harness.load import png_uri, replay_images, unloaded  # noqa: E402
 
 MODES = {"adaptive": ("adaptive", 8), "continuous": ("continuous", 8),
          "request_at_a_time": ("request_at_a_time", 1), "fixed-8": ("fixed", 8)}
@@ -59,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny checkpoint, adaptive only, "
                     "rates 0.5 and 1.0, 6 requests a cell")
+    results.add_save_flag(ap)
     a = ap.parse_args(argv)
     if a.quick:
         a.modes, a.rates, a.requests, a.warmup, a.max_tokens = "adaptive", "0.5,1.0", 6, 2, 8
@@ -72,58 +71,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-# ---- requests ------------------------------------------------------------------------------------
-def png_uri(seed: int, size: tuple[int, int]) -> str:
-    from PIL import Image
-    arr = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def unit_trace(n: int, seed: int) -> list[float]:
     """Arrival offsets (s) of a rate-1 Poisson process; divide by a rate to replay it."""
     gaps = np.random.default_rng(seed).exponential(1.0, n)
     return list(np.cumsum(gaps) - gaps[0])
 
 
-async def replay(url: str, model: str, offsets: list[float], images: list[str], args) -> list[dict]:
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
-    text = " ".join(["describe"] * args.prompt_words)
-    t0 = time.perf_counter() + 0.05
-
-    async def at(off: float, image: str) -> dict:
-        await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
-        try:
-            return await one(client, model, image, args.max_tokens, text)
-        except Exception as e:  # noqa: BLE001 - a failed request counts as failed
-            return {"error": f"{type(e).__name__}: {e}"}
-
-    out = await asyncio.gather(*(at(o, im) for o, im in zip(offsets, images)))
-    await client.close()
-    return list(out)
-
-
 # ---- stack and metrics --------------------------------------------------------------------------
 def start_stack(model: str, mode: str):
-    from hasctl.deployment import preset
-    from hasctl.launch import Stack, free_port
     batch_mode, b = MODES[mode]
-    d = preset("default").with_model(model).with_gateway_ports(0, 0).with_flags(
-        "encode", batch_mode=batch_mode, max_batch=b, encoder_cache_gb=0.0, threads=1,
-        metrics_listen=f"127.0.0.1:{free_port()}").with_flags("prefill", threads=1).with_flags("decode", threads=1)
-    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"})
-    stack.start(timeout=600)
-    return stack
+    enc = dict(batch_mode=batch_mode, max_batch=b, encoder_cache_gb=0.0)
+    return stack.start(stack.deployment(model, encode=enc), metrics=True)
 
 
-def batch_histogram(stack) -> dict[int, float]:
+def batch_histogram(st) -> dict[int, float]:
     """Encode batches so far by size bucket (upper bound -> batches), from encode-0's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-    argv = stack._procs["encode-0"].cmd.argv
-    text = urllib.request.urlopen(f"http://{argv[argv.index('--metrics-listen') + 1]}/metrics", timeout=10).read()
-    (fam,) = [f for f in text_string_to_metric_families(text.decode()) if f.name == "easerve:encode_batch_size"]
+    (fam,) = [f for f in stack.metric_families(st, "encode-0") if f.name == "easerve:encode_batch_size"]
     cum = sorted((float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket"))
     out, prev = {}, 0.0
     for le, v in cum:
@@ -133,15 +96,13 @@ def batch_histogram(stack) -> dict[int, float]:
     return out
 
 
-def summarize(results: list[dict], offered: float, slo: tuple[float, float], hist: dict[int, float]) -> dict:
-    done = [r for r in results if "error" not in r]
-    ttft = np.array([r["ttft"] for r in done] or [float("inf")])
-    span = max(r["end"] for r in done) - min(r["t0"] for r in done) if done else float("inf")
-    good = sum(r["ttft"] <= slo[0] and r["tpot"] <= slo[1] for r in done)
+def summarize(recs: list, offered: float, slo: tuple[float, float], hist: dict[int, float]) -> dict:
+    m = scoring.metrics(recs, slo)  # per second of first arrival to last completion
     batches = sum(hist.values())
-    return {"offered_rps": round(offered, 3), "completed_rps": round(len(done) / span, 3),
-            "goodput_rps": round(good / span, 3), "p50_ttft_ms": round(float(np.percentile(ttft, 50)) * 1e3, 1),
-            "p99_ttft_ms": round(float(np.percentile(ttft, 99)) * 1e3, 1), "failed": len(results) - len(done),
+    r = lambda v, d: round(v, d) if v is not None else None  # noqa: E731
+    return {"offered_rps": round(offered, 3), "completed_rps": r(m["request_throughput"], 3),
+            "goodput_rps": r(m["request_goodput"], 3), "p50_ttft_ms": r(m["median_ttft_ms"], 1),
+            "p99_ttft_ms": r(m["p99_ttft_ms"], 1), "failed": m["failed"],
             "batch_hist": {str(k): int(v) for k, v in hist.items() if v},
             "mean_batch": round(sum(k * v for k, v in hist.items()) / batches, 2) if batches else None}
 
@@ -150,48 +111,50 @@ def summarize(results: list[dict], offered: float, slo: tuple[float, float], his
 def main(argv=None) -> dict:
     args = parse_args(argv)
     wall0 = time.perf_counter()
-    from easerve.models.tiny import cached_tiny
-    model = args.model or str(cached_tiny("qwen2.5-vl", args.cache_dir, scale="tiny" if args.quick else "bench"))
-    name = Path(model).resolve().name
+    model = checkpoint(args.model, args.cache_dir, scale="tiny" if args.quick else "bench")
+    name = served_name(model)
     n = args.requests
     images = [png_uri(args.seed * 100_000 + i, args.size) for i in range(n + 40)]
+    text = " ".join(["describe"] * args.prompt_words)
     unit = unit_trace(n, args.seed)
+    send = lambda url, offsets, ims: replay_images(url, name, list(zip(offsets, ims)), args.max_tokens, text)[0]  # noqa: E731
     table: dict[str, dict] = {}
-    cap = args.capacity_rps
-    slo = None
+    rows: list[dict] = []
+    cap, slo, trace = args.capacity_rps, None, None
     for mode in ["adaptive", *[m for m in args.mode_list if m != "adaptive"]]:
-        stack = start_stack(model, mode)
+        st = start_stack(model, mode)
         try:
-            url = stack.endpoints.http
-            asyncio.run(replay(url, name, [0.0] * args.warmup, images[n:n + args.warmup], args))
+            url = st.endpoints.http
+            send(url, [0.0] * args.warmup, images[n:n + args.warmup])
             if slo is None:  # adaptive, first: the unloaded latency and the saturated capacity
-                seq = [asyncio.run(replay(url, name, [0.0], [images[n + 30 + k]], args))[0] for k in range(3)]
-                slo = (args.slo_mult * float(np.median([r["ttft"] for r in seq])),
-                       args.slo_mult * max(float(np.median([r["tpot"] for r in seq])), 1e-3))
+                slo = scoring.unloaded_limits(unloaded(url, name, args.size, args.max_tokens, text=text),
+                                              args.slo_mult)
                 if cap is None:
-                    burst = asyncio.run(replay(url, name, [0.0] * n, images[:n], args))
-                    cap = summarize(burst, 0.0, slo, {})["completed_rps"]
-                print(f"capacity {cap:.3f} req/s; SLO TTFT {slo[0] * 1e3:.0f} ms, TPOT {slo[1] * 1e3:.1f} ms",
+                    cap = summarize(send(url, [0.0] * n, images[:n]), 0.0, slo, {})["completed_rps"]
+                print(f"capacity {cap:.3f} req/s; SLO TTFT {slo[0]:.0f} ms, TPOT {slo[1]:.1f} ms",
                       file=sys.stderr, flush=True)
             row = table.setdefault(mode, {})
             for m in args.rate_mults:
                 rate = m * cap
-                before = batch_histogram(stack)
+                before = batch_histogram(st)
                 offsets = [u / rate for u in unit]
-                res = asyncio.run(replay(url, name, offsets, images[:n], args))
-                after = batch_histogram(stack)
+                res = send(url, offsets, images[:n])
+                after = batch_histogram(st)
                 cell = summarize(res, (n - 1) / offsets[-1], slo, {k: after[k] - before.get(k, 0.0) for k in after})
                 row[f"{m:g}x"] = cell
+                rows.append(scoring.report_row(mode, cell["offered_rps"], res, slo))
                 print(f"{mode:17s} {m:4.2f}x {cell['offered_rps']:6.3f} req/s -> {cell['completed_rps']:6.3f} done, goodput "
                       f"{cell['goodput_rps']:6.3f}, TTFT p50 {cell['p50_ttft_ms']:8.1f} p99 {cell['p99_ttft_ms']:8.1f} "
                       f"ms, batches {cell['batch_hist']}", file=sys.stderr, flush=True)
+            if mode == "adaptive":
+                trace = json.loads(stack.get(st.endpoints.metrics["encode-0"] + "/trace"))
         finally:
-            stack.stop()
+            st.stop()
     out = verdict(table, args.rate_mults)
-    out.update({"capacity_rps": cap, "slo_ttft_ms": round(slo[0] * 1e3, 1), "slo_tpot_ms": round(slo[1] * 1e3, 2),
+    out.update({"capacity_rps": cap, "slo_ttft_ms": round(slo[0], 1), "slo_tpot_ms": round(slo[1], 2),
                 "model": name, "image": args.image_size, "requests_per_cell": n, "max_tokens": args.max_tokens,
                 "quick": args.quick, "wall_s": round(time.perf_counter() - wall0, 1), "table": table})
-    print(json.dumps(out))
+    results.finish("encode_batching", args, out, argv, lambda: results.report_plots(rows, trace))
     return out
 
 

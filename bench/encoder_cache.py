@@ -16,18 +16,18 @@ decoding or the HF processor ("on_preprocess_skipped"), and the per-mode figures
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
-import io
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness import results, scoring, stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint, served_name  # noqa: E402
+from bench.harness.load import alternate, png_uri, replay_images, segments, unloaded_limits  # noqa: E402
+
+KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "goodput_rps", "throughput_rps", "completed", "failed")
 
 
 def parse_args(argv=None):
@@ -44,16 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache-gb", type=float, default=1.0)
     ap.add_argument("--segments", type=int, default=4, help="alternate off/on over this many parts of the workload")
     ap.add_argument("--seed", type=int, default=0)
+    results.add_save_flag(ap)
     return ap.parse_args(argv)
-
-
-# ---- workload ----------------------------------------------------------------------------------
-def png_uri(seed: int, size: int) -> str:
-    from PIL import Image
-    arr = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def workload(n: int, rate: float, repeat: float, seed: int) -> list[tuple[float, int]]:
@@ -72,132 +64,33 @@ def workload(n: int, rate: float, repeat: float, seed: int) -> list[tuple[float,
     return out
 
 
-# ---- client ------------------------------------------------------------------------------------
-async def one(client, model: str, image: str, max_tokens: int, text: str = "Describe the image.") -> dict:
-    """One streamed image request (ignore_eos): when it was sent (t0), TTFT, end, TPOT, tokens."""
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    stream = await client.chat.completions.create(
-        model=model, max_tokens=max_tokens, stream=True, temperature=0.0,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                               {"type": "text", "text": text}]}])
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None:
-            last = time.perf_counter()
-            first = first or last
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-    return {"t0": t0, "ttft": (first - t0) if first else float("inf"), "end": time.perf_counter(),
-            "tpot": (last - first) / (n - 1) if first and n > 1 else 0.0, "tokens": n}
-
-
-async def run_load(url: str, model: str, reqs, images: dict[int, str], max_tokens: int) -> tuple[list[dict], float]:
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    t0 = time.perf_counter()
-
-    async def at(t: float, img: int) -> dict:
-        await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-        try:
-            return await one(client, model, images[img], max_tokens)
-        except Exception as e:  # noqa: BLE001 - a failed request counts as failed, reported below
-            return {"error": f"{type(e).__name__}: {e}"}
-
-    results = await asyncio.gather(*(at(t, img) for t, img in reqs))
-    await client.close()
-    return results, time.perf_counter() - t0
-
-
-def summarize(results: list[dict], wall: float, slo: tuple[float, float]) -> dict:
-    done = [r for r in results if "error" not in r]
-    ttfts = np.array([r["ttft"] for r in done]) if done else np.array([float("inf")])
-    good = sum(1 for r in done if r["ttft"] <= slo[0] and r["tpot"] <= slo[1])
-    return {"p50_ttft_ms": float(np.percentile(ttfts, 50) * 1000),
-            "p99_ttft_ms": float(np.percentile(ttfts, 99) * 1000),
-            "p50_tpot_ms": float(np.median([r["tpot"] for r in done]) * 1000) if done else None,
-            "goodput_rps": good / wall, "throughput_rps": len(done) / wall, "completed": len(done),
-            "failed": len(results) - len(done), "wall_s": wall}
-
-
-# ---- stacks ------------------------------------------------------------------------------------
-def bench_model(args) -> str:
-    if args.model:
-        return args.model
-    from easerve.models.tiny import cached_tiny
-    return str(cached_tiny("qwen2.5-vl", args.cache_dir, scale="bench"))
-
-
-def start_stack(preset_name: str, model: str, cache_gb: float):
-    from hasctl.deployment import preset
-    from hasctl.launch import Stack
-    d = preset(preset_name).with_model(model).with_gateway_ports(0, 0).with_flags(
-        "encode", encoder_cache_gb=cache_gb, threads=1).with_flags("prefill", threads=1).with_flags("decode", threads=1)
-    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"})
-    stack.start(timeout=600)
-    return stack
-
-
-async def unloaded(url: str, model: str, size: int, max_tokens: int) -> tuple[float, float]:
-    """Median TTFT and TPOT of sequential requests, each with a new image."""
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    outs = [await one(client, model, png_uri(900 + k, size), max_tokens) for k in range(3)]
-    await client.close()
-    return float(np.median([o["ttft"] for o in outs])), float(np.median([o["tpot"] for o in outs]))
-
-
-def gateway_counter(url: str, name: str) -> float:
-    """A counter from the gateway's /metrics (0 before it first counts)."""
-    import urllib.request
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
-
-
-def segments(reqs: list[tuple[float, int]], n: int) -> list[list[tuple[float, int]]]:
-    """The workload cut into n consecutive parts, each part's arrivals re-based to start at 0."""
-    size = -(-len(reqs) // n)
-    parts = [reqs[i:i + size] for i in range(0, len(reqs), size)]
-    return [[(t - part[0][0], img) for t, img in part] for part in parts]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = bench_model(args)
-    name = Path(model).resolve().name
+    model = checkpoint(args.model, args.cache_dir)
+    name = served_name(model)
     reqs = workload(args.requests, args.rate, args.repeat, args.seed)
     images = {img: png_uri(img, args.image_size) for img in {i for _, i in reqs}}
     repeats = len(reqs) - len(images)
     print(f"{len(reqs)} requests at {args.rate} req/s, {repeats} repeat an earlier image", file=sys.stderr)
-    stacks = {"off": start_stack(args.preset, model, 0.0)}
+    d = lambda gb: stack.deployment(model, args.preset, encode={"encoder_cache_gb": gb})  # noqa: E731
+    stacks = stack.start_all({"off": lambda: stack.start(d(0.0)), "on": lambda: stack.start(d(args.cache_gb))})
     try:
-        stacks["on"] = start_stack(args.preset, model, args.cache_gb)
         urls = {mode: st.endpoints.http for mode, st in stacks.items()}
-        for url in urls.values():
-            asyncio.run(unloaded(url, name, args.image_size, 4))  # warm-up, new images only
-        ttft, tpot = asyncio.run(unloaded(urls["off"], name, args.image_size, args.max_tokens))
-        slo = (args.slo_mult * ttft, args.slo_mult * max(tpot, 1e-3))
-        print(f"unloaded (cache off): TTFT {ttft * 1000:.0f} ms, TPOT {tpot * 1000:.1f} ms -> SLO "
-              f"{slo[0] * 1000:.0f} / {slo[1] * 1000:.1f} ms", file=sys.stderr)
-        results, walls = {"off": [], "on": []}, {"off": 0.0, "on": 0.0}
-        for part in segments(reqs, args.segments):  # alternate, so load drift on the host hits both alike
-            for mode in ("off", "on"):
-                res, wall = asyncio.run(run_load(urls[mode], name, part, images, args.max_tokens))
-                results[mode] += res
-                walls[mode] += wall
-        skipped = gateway_counter(urls["on"], "easerve:gateway_preprocess_skipped_total")
+        slo = unloaded_limits(urls, "off", name, args.image_size, args.max_tokens, args.slo_mult)
+        recs, walls = alternate(urls, segments(reqs, args.segments), lambda url, part: replay_images(
+            url, name, [(t, images[img]) for t, img in part], args.max_tokens))
+        skipped = stack.counter(urls["on"], "easerve:gateway_preprocess_skipped_total")
     finally:
-        for st in stacks.values():
-            st.stop()
-    off, on = (summarize(results[m], walls[m], slo) for m in ("off", "on"))
-    print("off:", json.dumps(off), "\non:", json.dumps(on), file=sys.stderr)
-    out = {"ttft_p99_off_over_on": off["p99_ttft_ms"] / on["p99_ttft_ms"],
-           "goodput_on_over_off": on["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None,
+        stack.stop_all(stacks)
+    off, on = (scoring.summary(recs[m], slo, KEYS, walls[m]) for m in ("off", "on"))
+    print("off:", off, "\non:", on, file=sys.stderr)
+    out = {"ttft_p99_off_over_on": scoring.ratio(off["p99_ttft_ms"], on["p99_ttft_ms"]),
+           "goodput_on_over_off": scoring.ratio(on["goodput_rps"], off["goodput_rps"]),
            "rate_rps": args.rate, "requests": len(reqs), "repeated_fraction": repeats / len(reqs),
-           "slo_ttft_ms": slo[0] * 1000, "slo_tpot_ms": slo[1] * 1000,
+           "slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1],
            "on_preprocess_skipped": skipped, "off": off, "on": on}
-    print(json.dumps(out))
+    results.finish("encoder_cache", args, out, argv, lambda: results.report_plots(
+        [scoring.report_row(f"cache {m}", args.rate, recs[m], slo, walls[m]) for m in ("off", "on")]))
     return 0
 
 

@@ -42,6 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness import stack  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from hasctl.bench import BenchConfig, run_bench  # noqa: E402
 from easerve.slo import SLO  # noqa: E402
@@ -74,6 +77,7 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default=None, help="default: runs/goodput-<time>")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 trials, 8 requests per cell, 6 per trial")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.trials, args.requests, args.tune_requests, args.probe_requests = 2, 8, 6, 6
@@ -91,21 +95,15 @@ def workload(args, modality: str) -> WorkloadSpec:
                         audio_s=args.audio_s, output_tokens=args.output_tokens)
 
 
-def checkpoint(args, modality: str) -> str:
-    from easerve.models.tiny import cached_tiny
-    return str(cached_tiny(FAMILIES[modality], args.cache_dir, seed=0, scale="bench"))
-
-
 # ---- 1. probe ---------------------------------------------------------------------------------
 def probe(args, model: str, spec: WorkloadSpec, run_dir: Path) -> dict:
     """dynamo-like alone: unloaded TTFT/TPOT (one request at a time) and saturated throughput."""
-    from hasctl.launch import Stack
     from hasctl.trials import stop_uninterrupted
-    stack = Stack(preset("dynamo-like").with_model(model).with_gateway_ports(0, 0), run_dir=run_dir,
-                  env={"EASERVE_LOG_LEVEL": "WARNING"})
+    st = None
     try:
-        stack.start(timeout=600)
-        url = stack.endpoints.http
+        st = stack.start(stack.deployment(model, "dynamo-like", threads=None), env={"EASERVE_LOG_LEVEL": "WARNING"},
+                         run_dir=run_dir)
+        url = st.endpoints.http
 
         def bench(rate: float, n: int, seed: int) -> dict:
             return asyncio.run(run_bench(BenchConfig(url=url, rate=rate, num_requests=n, seed=seed, workload=spec,
@@ -114,7 +112,8 @@ def probe(args, model: str, spec: WorkloadSpec, run_dir: Path) -> dict:
         one = [bench(100.0, 1, args.seed + 11 + i) for i in range(3)]
         burst = bench(1000.0, args.probe_requests, args.seed + 17)
     finally:
-        stop_uninterrupted(stack)
+        if st is not None:
+            stop_uninterrupted(st)
     ttft = statistics.median(m["median_ttft_ms"] for m in one)
     tpot = statistics.median(m["median_tpot_ms"] for m in one)
     return {"unloaded_ttft_ms": ttft, "unloaded_tpot_ms": tpot,
@@ -166,7 +165,7 @@ def ratio(ours: float | None, base: float | None) -> float | None:
 
 
 def run_modality(args, modality: str, flip: bool, say) -> dict:
-    model, spec = checkpoint(args, modality), workload(args, modality)
+    model, spec = checkpoint(None, args.cache_dir, FAMILIES[modality]), workload(args, modality)
     run_dir = args.out_dir / modality
     say(f"[{modality}] {FAMILIES[modality]} bench-scale checkpoint {model}; probing dynamo-like")
     pr = probe(args, model, spec, run_dir / "probe")
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
     out["out_dir"] = str(args.out_dir)
     (args.out_dir / "goodput.json").write_text(json.dumps({"summary": out, "results": results}, indent=2) + "\n")
     print(f"saved {args.out_dir / 'goodput.md'} and goodput.json", file=sys.stderr)
-    print(json.dumps(out))
+    finish("goodput", args, out, argv)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="gRPC chunk size")
+    add_save_flag(ap)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -150,7 +151,7 @@ def main() -> None:
     finally:
         parent.send(None)
         proc.join(30)
-    print(json.dumps(result))
+    finish("kv_transport", args, result)
 
 
 if __name__ == "__main__":

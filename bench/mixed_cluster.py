@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.harness.results import finish  # noqa: E402
 
 from paper_setting import MODELS, WORKLOAD  # noqa: E402
-from scaling import goodput, one_node, per_node  # noqa: E402
+from scaling import goodput, one_node, parse_ladder, per_node  # noqa: E402
 
 from easerve.roofline import load_spec  # noqa: E402
 from hasctl.roofline_profile import build  # noqa: E402
@@ -45,14 +45,7 @@ def args_of(argv=None):
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--mix", default="image=0.3,video=0.2,audio=0.5", help="shares of the requests per modality")
-    ap.add_argument("--requests", type=int, default=200, help="requests per node per cell, at least")
-    ap.add_argument("--rates", default="0.5,1,2,3,4,6,8,12,16,24", help="one node's ladder, req/s")
-    ap.add_argument("--min-duration-s", type=float, default=60.0, help="each cell's arrivals last at least this long")
-    ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates, 20 s cells")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.rates, args.min_duration_s = 40, "2,4,8,16,32", 20.0
-    args.rates = [float(x) for x in args.rates.split(",")]
+    args = parse_ladder(ap, argv)
     try:
         args.mix = {k.strip(): float(v) for k, v in (kv.split("=") for kv in args.mix.split(",") if kv.strip())}
     except ValueError:
@@ -116,11 +109,11 @@ def main(argv=None) -> int:
     print("\n".join([f"# Mixed workload on {args.nodes} x {per} {dev.name} (tp {tp}){' (quick)' if args.quick else ''}",
                      "", *rows, "", f"mixed rate R = {rate:.2f} req/s (even split {even}: "
                      f"{even_rate:.2f} req/s)"]))
-    print(json.dumps({"mixed_req_s": round(rate, 3), "split": split, "even_split": even,
+    finish("mixed_cluster", args, {"mixed_req_s": round(rate, 3), "split": split, "even_split": even,
                       "even_split_req_s": round(even_rate, 3),
                       "per_node_req_s": {m: round(v, 3) for m, v in g1.items()},
                       "allocation": {m: a.name for m, a in alloc.items()}, "mix": args.mix, "check": check,
-                      "quick": args.quick}))
+                      "quick": args.quick}, argv)
     return 0
 
 

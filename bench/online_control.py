@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from bench import online_live  # noqa: E402
 from easerve.policy.online import OnlineBounds, OnlineConfig  # noqa: E402
@@ -90,6 +91,7 @@ def args_of(argv=None):
                     "tiny checkpoint, 8 s phases (a smoke run)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator part (with --live)")
     online_live.add_args(ap)
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.no_sim and not args.live:
         ap.error("--no-sim leaves nothing to run; add --live")
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
     result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
+    finish("online_control", args, result, argv)
     return 0
 
 

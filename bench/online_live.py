@@ -31,14 +31,13 @@ static, online, per-phase goodput of every arm, changes}}.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import time
-import urllib.request
 
 import numpy as np
 
-from bench import admission
+from bench.harness import scoring, stack
+from bench.harness.checkpoint import checkpoint, served_name
+from bench.harness.load import png_uri, replay_images
 
 MODERATE = 4.0  # hasctl profile's moderate tier: this x the unloaded latency
 
@@ -81,34 +80,27 @@ def trace(rates: list[float], phase_s: float, seed: int) -> list[tuple[float, in
 
 
 def start_stack(args, model: str, online: bool, batch: int | None = None):
-    from hasctl.deployment import preset
-    from hasctl.launch import Stack
-    enc = dict(threads=1, grace_s=1.0, max_batch=batch or args.live_batch)
+    enc = dict(max_batch=batch or args.live_batch)
     if online:
         dwell = max(1.0, 0.8 * args.live_window_s)
         enc |= dict(online=True, online_batch=args.live_online_batch, online_window_s=args.live_window_s,
                     online_dwell_s=dwell)
-    d = (preset("default").with_model(model).with_gateway_ports(0, 0).with_flags("encode", **enc)
-         .with_flags("prefill", threads=1, grace_s=1.0).with_flags("decode", threads=1, grace_s=1.0))
-    return Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}, metrics=online).start(timeout=600)
+    return stack.start(stack.deployment(model, grace_s=1.0, encode=enc), metrics=online)
 
 
 def per_phase(reqs, results, phase_s: float, phases: int, limits) -> list[int]:
     """Requests that met both limits, by the phase they arrived in."""
     good = [0] * phases
     for (t, _), r in zip(reqs, results):
-        if admission.met(r, limits):
+        if scoring.met(r, limits):
             good[min(phases - 1, int(t // phase_s))] += 1
     return good
 
 
-def online_changes(stack) -> dict:
+def online_changes(st) -> dict:
     """The online encode's easerve:online_changes_total by knob and reason, and its B now."""
-    from prometheus_client.parser import text_string_to_metric_families
-    url = stack.endpoints.metrics["encode-0"] + "/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
     changes, knobs = {}, {}
-    for fam in text_string_to_metric_families(text):
+    for fam in stack.metric_families(st, "encode-0"):
         for s in fam.samples:
             if s.name == "easerve:online_changes_total":
                 changes[f"{s.labels['knob']}:{s.labels['reason']}"] = int(s.value)
@@ -122,27 +114,22 @@ def slo_limits(args, model: str, run, url: str) -> tuple[float, float]:
         from easerve import profile_format as pf
         return pf.load(args.profile).slo(args.slo).limits("image")
     calib = [run(url, [(0.0, 910 + k)])[0][0] for k in range(args.live_calib)]  # one at a time: unloaded
-    done = [r for r in calib if "ttft" in r]
-    if not done:
-        raise RuntimeError(f"no calibration request completed: {calib}")
-    return (MODERATE * 1e3 * float(np.median([r["ttft"] for r in done])),
-            MODERATE * 1e3 * max(float(np.median([r["tpot"] for r in done])), 1e-3))
+    return scoring.unloaded_limits(calib, MODERATE)
 
 
 def live(args) -> dict:
     """Run the live step; the dict merges into online_control's result."""
     t0 = time.perf_counter()
-    ns = type("A", (), {"model": args.live_model, "quick": args.quick,
-                        "cache_dir": args.live_cache_dir or str(admission.ROOT / "runs" / "tiny")})()
-    model = admission.bench_model(ns)
-    name = model.rstrip("/").rpartition("/")[2]
+    model = checkpoint(args.live_model, args.live_cache_dir, scale="tiny" if args.quick else "bench")
+    name = served_name(model)
 
     def run(url, reqs):
-        return asyncio.run(admission.run_load(url, name, reqs, args.live_image_size, args.live_max_tokens))
+        return replay_images(url, name, [(t, png_uri(img, args.live_image_size)) for t, img in reqs],
+                             args.live_max_tokens)
 
     ceiling = [int(b) for b in args.live_ceiling_batches.split(",") if b.strip()]
     arms = {"static": None, "online": None} | {f"static-b{b}": b for b in ceiling if b != args.live_batch}
-    stacks = admission.start_all({arm: lambda on=arm == "online", b=b: start_stack(args, model, on, b)
+    stacks = stack.start_all({arm: lambda on=arm == "online", b=b: start_stack(args, model, on, b)
                                   for arm, b in arms.items()})
     try:
         urls = {arm: st.endpoints.http for arm, st in stacks.items()}
@@ -151,7 +138,7 @@ def live(args) -> dict:
             run(url, [(0.1 * k, 800 + k) for k in range(2)])  # warm-up
         limits = slo_limits(args, model, run, urls["static"])
         burst, wall = run(urls["static"], [(0.0, 1000 + k) for k in range(args.live_burst)])
-        capacity = sum("ttft" in r for r in burst) / wall
+        capacity = sum(r.ok for r in burst) / wall
         mults = [float(x) for x in args.live_rates.split(",")]
         rates = [m * capacity for m in mults]
         reqs = trace(rates, args.live_phase_s, args.seed)
@@ -161,13 +148,12 @@ def live(args) -> dict:
         out, phases = {}, {}
         for arm in arms:
             results, _ = run(urls[arm], reqs)
-            out[arm] = admission.summarize(results, args.live_phase_s * len(rates), limits)
+            out[arm] = scoring.summary_with_refusals(results, limits, args.live_phase_s * len(rates))
             phases[arm] = per_phase(reqs, results, args.live_phase_s, len(rates), limits)
             print(f"live {arm}: {out[arm]}; good per phase {phases[arm]}", flush=True)
         changes = online_changes(stacks["online"])
     finally:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda st: st.stop(grace_s=3.0), stacks.values()))
+        stack.stop_all(stacks, grace_s=3.0)  # idle by now
     s = out["static"]["goodput_rps"]
     static_arms = [a for a in arms if a != "online"]
     best = sum(max(phases[a][p] for a in static_arms) for p in range(len(rates)))

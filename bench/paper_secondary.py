@@ -26,13 +26,13 @@ second). Last stdout line: JSON with each check's ours and the paper's figures (
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from paper_setting import MODELS, WORKLOAD, overhead_seconds, with_encode_overhead  # noqa: E402
 
@@ -60,6 +60,7 @@ def args_of(argv=None):
     ap.add_argument("--encode-overhead-s", type=overhead_seconds, default=0.0,
                     help="the stacks' fixed cost per encode call, seconds (bench/paper_setting.py fits it)")
     ap.add_argument("--quick", action="store_true", help="60 requests per run")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests = 60
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         for k, v in r["ours"].items():
             print(f"  {k:<18} ours {v}   paper {r['paper'][k]}")
     out["quick"], out["encode_call_overhead_s"] = args.quick, args.encode_overhead_s
-    print(json.dumps(out))
+    finish("paper_secondary", args, out, argv)
     return 0
 
 

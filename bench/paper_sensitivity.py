@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from paper_setting import MODELS, WORKLOAD, cell_requests, machine_args, tune, vllm_like, overhead_seconds, with_encode_overhead  # noqa: E402
 
@@ -73,6 +74,7 @@ def args_of(argv=None):
                     help="the stacks' fixed cost per encode call, seconds (bench/paper_setting.py fits it)")
     ap.add_argument("--quick", action="store_true",
                     help="one alternative per knob, 30 requests, 5 rates, EAServe from the warm starts only")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.rates, args.min_duration_s = 30, "2,4,8,16,32", 20.0
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
     (args.out_dir / "paper_sensitivity.md").write_text(text + "\n")
     (args.out_dir / "paper_sensitivity.json").write_text(json.dumps(result, indent=1) + "\n")
     print(text)
-    print(json.dumps(result))
+    finish("paper_sensitivity", args, result, argv)
     return 0
 
 

@@ -73,6 +73,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from easerve.roofline import DeviceSpec, load_spec  # noqa: E402
 from easerve.policy.service_model import ServiceModel  # noqa: E402
@@ -127,6 +128,7 @@ def args_of(argv=None):
                          "a comma list runs the table at each and reports the one closest to the paper")
     ap.add_argument("--quick", action="store_true", help="8 trials (the warm starts and a few TPE draws), 60 requests "
                                                          "per cell, 8 rates")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     args.encode_overhead_s = [float(x) for x in args.encode_overhead_s.split(",") if x.strip()]
     if not args.encode_overhead_s or min(args.encode_overhead_s) < 0:
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
                                    "paper_ratio_rel_err_max": round(worst[0.0], 3)}
     result["quick"] = args.quick
     (args.out_dir / "paper_setting.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    finish("paper_setting", args, result, argv)
     return 0
 
 

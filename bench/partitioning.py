@@ -24,7 +24,6 @@ and the cells.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -36,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness import results, stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.load import hasctl_bench  # noqa: E402
 POLICIES = ("dynamic", "timeslice", "static")
 KEYS = ("request_throughput", "output_throughput", "p99_ttft_ms", "p99_tpot_ms", "median_ttft_ms",
         "median_tpot_ms", "completed", "failed")
@@ -57,59 +59,43 @@ def parse_args(argv=None):
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a stack to be SERVING")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="12 requests, 8 output tokens, 1 repeat")
+    results.add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.output_tokens, args.repeats = 12, 8, 1
     return args
 
 
-def bench_model(args) -> str:
-    from bench.pipeline import bench_model as build
-    return build(argparse.Namespace(model=args.model, cache_dir=args.cache_dir))
-
-
 def deployment(model: str, policy: str, args, profile: str):
-    from hasctl.deployment import Worker, preset
+    from hasctl.deployment import Worker
     enc = Worker(flags={"colocate-prefill": True, "remote-fraction": 0.0, "max-batch": args.max_batch,
                         "batch-mode": "adaptive", "partition-policy": policy, "threads": args.encode_threads,
                         **({"partition-profile": profile, "profile-batch-sizes": args.profile_batch_sizes}
                            if policy == "dynamic" else {})})
-    d = preset("colocated").with_model(model).with_gateway_ports(0, 0)
+    d = stack.deployment(model, "colocated", threads=None)
     return dataclasses.replace(d, encode=(enc,), name=f"colocated-{policy}")
 
 
-def partition_of(stack) -> dict:
+def partition_of(st) -> dict:
     """The live backend and last realized split of the encode worker (its /partition)."""
-    import urllib.request
-    argv = next(p.cmd.argv for n, p in stack._procs.items() if n == "encode-0")
-    if "--metrics-listen" not in argv:
-        return {}
-    addr = argv[argv.index("--metrics-listen") + 1]
-    info = json.loads(urllib.request.urlopen(f"http://{addr}/partition", timeout=10).read())
+    info = json.loads(stack.get(st.endpoints.metrics["encode-0"] + "/partition"))
     return {k: info.get(k) for k in ("backend", "policy", "degraded", "last")}
 
 
-def measure(model: str, policy: str, args, profile: str) -> dict:
-    from hasctl.bench import BenchConfig, run_bench
-    from hasctl.launch import Stack, free_port
+def measure(model: str, policy: str, args, profile: str) -> tuple[dict, dict]:
+    """The cell of one policy, and its run as `hasctl report` reads it."""
     from hasctl.workload import WorkloadSpec, parse_size
-    d = deployment(model, policy, args, profile).with_flags("encode", metrics_listen=f"127.0.0.1:{free_port()}")
     work = WorkloadSpec(modality="image", image_size=parse_size(args.image_size), output_tokens=args.output_tokens)
-    stack = Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+    st = stack.start(deployment(model, policy, args, profile), metrics=True, env={"EASERVE_LOG_LEVEL": "WARNING"},
+                     timeout=args.start_timeout)
     try:
-        stack.start(timeout=args.start_timeout)
-        url = stack.endpoints.http
-        asyncio.run(run_bench(BenchConfig(url=url, rate=4.0, num_requests=4, seed=args.seed + 999, progress=False,
-                                          workload=dataclasses.replace(work, output_tokens=4))))
-        cfg = BenchConfig(url=url, rate=args.rate, num_requests=args.requests, seed=args.seed, ignore_eos=True,
-                          label=policy, progress=False, workload=work)
-        res = asyncio.run(run_bench(cfg))
+        res = hasctl_bench(st.endpoints.http, work, args.rate, args.requests, args.seed, label=policy)
         cell = {k: res.metrics.get(k) for k in KEYS}
-        cell["partition"] = partition_of(stack)
+        cell["partition"] = partition_of(st)
         cell["max_send_lag_ms"] = round(res.max_send_lag_ms, 1)
     finally:
-        stack.stop()
-    return cell
+        st.stop()
+    return cell, res.to_dict()
 
 
 def median_cells(runs: list[dict]) -> dict:
@@ -128,15 +114,17 @@ def ratios(cells: dict, name: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = bench_model(args)
+    model = checkpoint(args.model, args.cache_dir)
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    rows = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="easerve-part-") as tmp:
         profile = os.path.join(tmp, "encode-partition.json")  # dynamic profiles once, then reuses it
         for rep in range(args.repeats):
             order = POLICIES[rep % 3:] + POLICIES[:rep % 3]
             for policy in order:
-                cell = measure(model, policy, args, profile)
+                cell, row = measure(model, policy, args, profile)
+                rows.append(row)
                 runs[policy].append(cell)
                 print(f"repeat {rep} {policy:9s}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     cells = {p: median_cells(r) for p, r in runs.items()}
@@ -155,7 +143,7 @@ def main(argv=None) -> int:
            "output_tokens": args.output_tokens, "image_size": args.image_size, "cores": len(os.sched_getaffinity(0)),
            "load_avg_1m_end": round(os.getloadavg()[0], 2), "wall_s": round(time.monotonic() - t0, 1),
            "cells": cells}
-    print(json.dumps(out))
+    results.finish("partitioning", args, out, argv, lambda: results.report_plots(rows))
     return 0
 
 

@@ -18,7 +18,6 @@ target >= 1.0) and, when the peer ran, "stack_over_vllm_goodput".
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -29,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness import results, stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.load import hasctl_bench  # noqa: E402
 PEER = Path(os.environ.get("PEER", Path.home() / ".cache" / "easerve-peer"))
 def _peer_scripts() -> Path:
     """../shared/peer beside the checkout (or beside a parent folder: git worktrees live deeper)."""
@@ -58,32 +60,19 @@ def parse_args(argv=None):
     ap.add_argument("--tpot-ms", type=float, default=100.0)
     ap.add_argument("--no-peer", action="store_true", help="skip vLLM even when it is set up")
     ap.add_argument("--seed", type=int, default=0)
+    results.add_save_flag(ap)
     args = ap.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     return args
 
 
-def bench_model(args) -> str:
-    if args.model:
-        return args.model
-    path = Path(args.cache_dir)
-    if not (path / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "hasctl.cli", "make-tiny", "--family", "qwen2.5-vl", "--scale",
-                        "bench", "--out", str(path)], check=True, cwd=ROOT)
-    return str(path)
-
-
 # ---- servers -----------------------------------------------------------------------------------
 class OurStack:
     def __init__(self, preset_name: str, model: str, path: str | None = None):
-        from hasctl.deployment import Deployment, preset
-        from hasctl.launch import Stack
-        d = Deployment.load(path) if path else preset(preset_name)
-        d = d.with_model(model).with_gateway_ports(0, 0)
-        self.name, self.stack = d.name, Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"})
+        self.d, self.stack = stack.deployment(model, preset_name, path, threads=None), None
 
     def __enter__(self) -> str:
-        self.stack.start(timeout=600)
+        self.stack = stack.start(self.d, env={"EASERVE_LOG_LEVEL": "WARNING"})
         return self.stack.endpoints.http
 
     def __exit__(self, *exc) -> None:
@@ -132,27 +121,20 @@ class Vllm:
 
 
 # ---- one cell --------------------------------------------------------------------------------
-def measure(url: str, args, rate: float, label: str) -> dict:
-    from hasctl.bench import BenchConfig, run_bench
+def measure(url: str, args, rate: float, label: str) -> tuple[dict, dict]:
+    """The cell, and the run as `hasctl report` reads it."""
     from easerve.slo import SLO
     from hasctl.workload import WorkloadSpec, parse_size
-
-    warm = BenchConfig(url=url, rate=4.0, num_requests=4, seed=args.seed + 999, progress=False,
-                       workload=WorkloadSpec(modality="image", image_size=parse_size(args.image_size),
-                                             output_tokens=4))
-    asyncio.run(run_bench(warm))
-    cfg = BenchConfig(url=url, rate=rate, num_requests=args.requests, seed=args.seed, ignore_eos=True,
-                      slo=SLO(args.ttft_ms, args.tpot_ms), label=label, progress=False,
-                      workload=WorkloadSpec(modality="image", image_size=parse_size(args.image_size),
-                                            output_tokens=args.output_tokens))
-    m = asyncio.run(run_bench(cfg)).metrics
+    work = WorkloadSpec(modality="image", image_size=parse_size(args.image_size), output_tokens=args.output_tokens)
+    res = hasctl_bench(url, work, rate, args.requests, args.seed, label, SLO(args.ttft_ms, args.tpot_ms))
+    m = res.metrics
     return {k: m.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                                  "request_throughput", "request_goodput", "completed", "failed")}
+                                  "request_throughput", "request_goodput", "completed", "failed")}, res.to_dict()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = bench_model(args)
+    model = checkpoint(args.model, args.cache_dir)
     servers = [("stack", lambda: OurStack(args.preset, model, args.deployment)),
                ("monolith", lambda: OurStack("monolith", model))]
     peer_skip = "--no-peer" if args.no_peer else Vllm.missing()
@@ -162,11 +144,13 @@ def main(argv=None) -> int:
     else:
         print(f"vllm: skipped ({peer_skip})", file=sys.stderr)
     cells: dict[tuple[str, float], dict] = {}
+    rows = []
     for i, rate in enumerate(args.rates):
         order = servers if i % 2 == 0 else servers[::-1]  # alternate who goes first
         for name, make in order:
             with make() as url:
-                cells[(name, rate)] = measure(url, args, rate, name)
+                cells[(name, rate)], row = measure(url, args, rate, name)
+                rows.append(row)
             print(f"{name:9s} rate {rate:5.2f}: {json.dumps(cells[(name, rate)])}", file=sys.stderr, flush=True)
     print(f"{'server':9s} {'rate':>5s} {'ttft p50':>9s} {'ttft p99':>9s} {'tpot p50':>9s} {'tpot p99':>9s} "
           f"{'thru':>6s} {'goodput':>7s}")
@@ -182,7 +166,7 @@ def main(argv=None) -> int:
     out.update({"preset": args.deployment or args.preset, "rates": args.rates, "requests_per_cell": args.requests,
                 "slo_ms": [args.ttft_ms, args.tpot_ms], "peer": "ran" if peer_skip is None else peer_skip,
                 "cells": {f"{n}@{r}": c for (n, r), c in cells.items()}})
-    print(json.dumps(out))
+    results.finish("pipeline", args, out, argv, lambda: results.report_plots(rows))
     return 0
 
 

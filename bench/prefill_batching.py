@@ -25,8 +25,8 @@ there the ratio follows "linear_ceiling"; short prompts show more of the per-req
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +34,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
+
 WORDS = ("describe the picture in detail and say what colours and shapes you can see in it "
          "then count the objects and tell me where each of them is placed").split()
 
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per mode (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both modes")
     ap.add_argument("--seed", type=int, default=0)
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.n < 2 or args.repeats < 1 or args.threads < 1:
         ap.error("--n must be >= 2, --repeats >= 1, --threads >= 1")
@@ -61,13 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.side_list) < 28 or min(args.word_list) < 1:
         ap.error("--sides must be >= 28 px and --words >= 1")
     return args
-
-
-def checkpoint(args) -> Path:
-    if args.model:
-        return Path(args.model)
-    from easerve.models.tiny import cached_tiny
-    return cached_tiny("qwen2.5-vl", args.cache_dir, seed=0, scale="bench")
 
 
 def requests(full, args):
@@ -122,7 +120,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     from easerve.models.loader import load_adapter
 
-    path = checkpoint(args)
+    path = Path(checkpoint(args.model, args.cache_dir))
     full = load_adapter(path, role="full")
     reqs = requests(full, args)
     del full
@@ -153,7 +151,7 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "repeats": args.repeats,
     }
-    print(json.dumps(result))
+    finish("prefill_batching", args, result, argv)
     return result
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from easerve.roofline import DeviceSpec, load_arch, load_spec  # noqa: E402
 from easerve import profile_format as pf  # noqa: E402
@@ -54,6 +56,7 @@ def args_of(argv=None):
     ap.add_argument("--out-dir", default=None, help="default: runs/roofline-check-<time>")
     ap.add_argument("--quick", action="store_true", help="measure with hasctl profile --quick (few small points)")
     ap.add_argument("--write-spec", default=None, help="write the spec with the fitted factors to this file")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     if bad := [f for f in args.families if f not in FAMILIES]:
@@ -115,13 +118,12 @@ def fit(spec: DeviceSpec, cases: list[tuple], families: list[str]) -> tuple[Devi
 
 
 def main(argv=None) -> int:
-    from easerve.models.tiny import cached_tiny
     args = args_of(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     spec = load_spec(args.spec)
     cases = []
     for fam in args.families:
-        model = str(cached_tiny(fam, args.cache_dir, seed=0, scale="bench"))
+        model = checkpoint(None, args.cache_dir, fam)
         cases.append((fam, load_arch(model), measured_profile(args, fam, model)))
     table, per_family, per_stage = [], {}, {}
     for fam, arch, prof in cases:
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
               "per_stage": {k: round(statistics.median(v), 3) for k, v in per_stage.items()},
               "points": len(all_errs), "spec": spec.name, "quick": all(p.quick for _, _, p in cases)}
     (args.out_dir / "roofline_check.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    finish("roofline_check", args, result, argv)
     return 0
 
 

@@ -26,13 +26,13 @@ Last stdout line: JSON with "scale_efficiency" per (nodes, Gb/s, placement), "go
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from paper_setting import MODELS, WORKLOAD, vllm_like  # noqa: E402
 
@@ -51,6 +51,23 @@ from hasctl.workload import WorkloadSpec, steady_requests  # noqa: E402
 ENCODE = {"max-batch": 8, "batch-mode": "adaptive", "remote-fraction": 1.0}
 
 
+def parse_ladder(ap, argv=None):
+    """Add the one-node rate ladder's flags (--requests, --rates, --min-duration-s, --quick,
+    --save; bench/mixed_cluster.py's too) and parse."""
+    ap.add_argument("--requests", type=int, default=200, help="requests per node per cell, at least")
+    ap.add_argument("--rates", default="0.5,1,2,3,4,6,8,12,16,24", help="one node's ladder, req/s")
+    ap.add_argument("--min-duration-s", type=float, default=60.0,
+                    help="each cell's arrivals last at least this long, so it reaches steady state "
+                         "(bench/paper_setting.py, cell_requests)")
+    ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates, 20 s cells")
+    add_save_flag(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.rates, args.min_duration_s = 40, "2,4,8,16,32", 20.0
+    args.rates = [float(x) for x in args.rates.split(",")]
+    return args
+
+
 def args_of(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modality", default="image", choices=list(MODELS))
@@ -62,16 +79,7 @@ def args_of(argv=None):
     ap.add_argument("--big-gpu", default="h100-sxm")
     ap.add_argument("--big-tp", type=int, default=1)
     ap.add_argument("--big-nodes", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=200, help="requests per node per cell")
-    ap.add_argument("--rates", default="0.5,1,2,3,4,6,8,12,16,24", help="one node's ladder, req/s")
-    ap.add_argument("--min-duration-s", type=float, default=60.0,
-                    help="each cell's arrivals last at least this long, so it reaches steady state "
-                         "(bench/paper_setting.py, cell_requests)")
-    ap.add_argument("--quick", action="store_true", help="40 requests per node per cell, 5 rates, 20 s cells")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.rates, args.min_duration_s = 40, "2,4,8,16,32", 20.0
-    args.rates = [float(x) for x in args.rates.split(",")]
+    args = parse_ladder(ap, argv)
     args.network_gbps = [float(x) for x in args.network_gbps.split(",")]
     return args
 
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
     res["kv_mb_per_request"] = round(kv / 1e6, 1)
     res["nic_req_s"] = {f"{g:g}": round(g / 8 * 1e9 / kv, 2) for g in args.network_gbps}
     res["quick"] = args.quick
-    print(json.dumps(res))
+    finish("scaling", args, res, argv)
     return 0
 
 

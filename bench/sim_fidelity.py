@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 from hasctl.bench import BenchConfig, run_bench  # noqa: E402
 from hasctl.deployment import Deployment, preset  # noqa: E402
@@ -96,6 +98,7 @@ def parse_args(argv=None):
                          "the simulated saturation); e.g. an earlier run's rates, so its cells compare with these")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny checkpoint, `hasctl profile --quick`, default and monolith at S, 6 requests")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     args.modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
     bad = [m for m in args.modalities if m not in FAMILIES]
@@ -118,11 +121,6 @@ def deployment(name: str) -> Deployment:
 
 
 # ---- 1. checkpoint and profile ------------------------------------------------------------------
-def checkpoint(args, modality: str) -> str:
-    from easerve.models.tiny import cached_tiny
-    return str(cached_tiny(FAMILIES[modality], args.cache_dir, seed=0, scale=args.scale))
-
-
 def profile_of(args, model: str, modality: str, say):
     """`hasctl profile` of `model` into the run folder, or the file an earlier run left there."""
     from easerve.profile_format import REVISION, load
@@ -381,7 +379,7 @@ def table(cells: dict, meta: dict) -> str:
 
 # ---- main -------------------------------------------------------------------------------------
 def run_modality(args, modality: str, say) -> tuple[dict, dict]:
-    model = checkpoint(args, modality)
+    model = checkpoint(None, args.cache_dir, FAMILIES[modality], args.scale)
     profile, path = profile_of(args, model, modality, say)
     spec = workload(args, profile, modality)
     slo = profile.slo(args.slo)
@@ -486,7 +484,7 @@ def main(argv=None) -> int:
                     for rate, by_dep in by_rate.items() for name, c in by_dep.items()}
     (args.out_dir / "fidelity.json").write_text(json.dumps({"summary": out, "meta": meta}, indent=2) + "\n")
     say(f"saved {args.out_dir / 'fidelity.md'} and fidelity.json")
-    print(json.dumps(out))
+    finish("sim_fidelity", args, out, argv)
     return 0
 
 

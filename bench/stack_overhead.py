@@ -13,16 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness import stack  # noqa: E402
+from bench.harness.checkpoint import checkpoint  # noqa: E402
+from bench.harness.load import png_bytes as png  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,14 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (both sides)")
+    add_save_flag(ap)
     return ap.parse_args(argv)
-
-
-def png(seed: int) -> bytes:
-    arr = np.random.default_rng(seed).integers(0, 255, (56, 56, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def in_process(model: str, conc: int, max_tokens: int) -> tuple[int, float]:
@@ -78,32 +74,29 @@ async def _stack_run(target: str, conc: int, max_tokens: int) -> tuple[int, floa
 def main(argv=None) -> None:
     import torch
 
-    from easerve.models.tiny import cached_tiny
-    from hasctl.deployment import preset
-    from hasctl.launch import Stack
-
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = args.model or str(cached_tiny(args.family, args.cache_dir, scale="bench"))
+    model = checkpoint(args.model, args.cache_dir, args.family)
     concs = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, float] = {}
     for c in concs:
         n, dt = in_process(model, c, args.max_tokens)
         results[f"inprocess_c{c}_tok_s"] = round(n / dt, 2)
         print(f"in-process c={c}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s", flush=True)
-    d = preset("default").with_model(model).with_gateway_ports(0, 0)
-    for stage in ("encode", "prefill", "decode"):
-        d = d.with_flags(stage, threads=args.threads)
-    with Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"}) as stack:
+    st = stack.start(stack.deployment(model, threads=args.threads), env={"EASERVE_LOG_LEVEL": "WARNING"})
+    try:
         for c in concs:
-            n, dt = asyncio.run(_stack_run(stack.endpoints.grpc, c, args.max_tokens))
+            n, dt = asyncio.run(_stack_run(st.endpoints.grpc, c, args.max_tokens))
             results[f"stack_c{c}_tok_s"] = round(n / dt, 2)
             print(f"stack c={c}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s", flush=True)
+    finally:
+        st.stop()
     ratios = {f"stack_over_inprocess_c{c}": round(results[f"stack_c{c}_tok_s"] / results[f"inprocess_c{c}_tok_s"], 3)
               for c in concs}
     head = "stack_over_inprocess_c16"
     out = {head: ratios.pop(head)} if head in ratios else {}
-    print(json.dumps({**out, **ratios, **results, "max_tokens": args.max_tokens, "model": Path(model).name}))
+    finish("stack_overhead", args, {**out, **ratios, **results, "max_tokens": args.max_tokens, "model": Path(model).name},
+           argv)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,18 @@ def _plt():
 
 
 def plot_goodput(results: list[dict], out: Path) -> Path:
+    return _save(goodput_figure(results), _plt(), out / "goodput_vs_rate.png")
+
+
+def slo_text(slo: dict | None) -> str:
+    return f" (SLO: TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.1f} ms)" if slo else ""
+
+
+def goodput_figure(results: list[dict], slo: dict | None = None):
+    """Goodput and throughput against the rate, one line per label; the SLO (a dict with
+    ttft_ms, tpot_ms; default the first result's) in the title."""
     plt = _plt()
+    slo = slo or next((r["slo"] for r in results if r.get("slo")), None)
     fig, ax = plt.subplots(figsize=(6, 4))
     by_label: dict[str, list[dict]] = defaultdict(list)
     for r in results:
@@ -76,10 +87,10 @@ def plot_goodput(results: list[dict], out: Path) -> Path:
         line.set_label(f"{label} throughput")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("req/s")
-    ax.set_title("goodput vs rate")
+    ax.set_title("goodput vs rate" + slo_text(slo), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, out / "goodput_vs_rate.png")
+    return fig
 
 
 def _cdf(ax, values_ms: list[float], label: str) -> None:
@@ -89,6 +100,11 @@ def _cdf(ax, values_ms: list[float], label: str) -> None:
 
 
 def plot_cdfs(results: list[dict], out: Path) -> Path:
+    return _save(cdf_figure(results), _plt(), out / "latency_cdf.png")
+
+
+def cdf_figure(results: list[dict]):
+    """TTFT and TPOT CDFs of every run's per-request records."""
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for r in results:
@@ -104,10 +120,15 @@ def plot_cdfs(results: list[dict], out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("latency CDFs")
-    return _save(fig, plt, out / "latency_cdf.png")
+    return fig
 
 
 def plot_trace(trace: dict, out: Path, name: str = "encode_utilization.png") -> Path:
+    return _save(trace_figure(trace), _plt(), out / name)
+
+
+def trace_figure(trace: dict):
+    """Each encode worker's busy fraction over time, from the encode service's GET /trace."""
     plt = _plt()
     buckets = trace["buckets"]
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -122,7 +143,7 @@ def plot_trace(trace: dict, out: Path, name: str = "encode_utilization.png") -> 
     ax.set_title("encode worker utilization")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, out / name)
+    return fig
 
 
 def _save(fig, plt, path: Path) -> Path:

@@ -1,7 +1,6 @@
 """CUDA transports across processes. Needs CUDA (and 2 GPUs for NCCL); skipped otherwise."""
 import asyncio
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from easerve.wire import codec
 from easerve.transport.base import handle_from_proto, handle_to_proto
 from easerve.types import KVPayload, SamplingParams
 from easerve.wire.v1 import kv_pb2
+from tests.support.dist_pair import PAYLOADS, run_beside, run_pair
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,12 +62,7 @@ def test_cuda_ipc_across_processes():
             assert_same_cpu(codec.kv_from_parts(*codec.split_parts(parent.recv())), p)
             t.release(h)
         await t.close()
-    try:
-        asyncio.run(main())
-    finally:
-        parent.send(None)
-        proc.join(60)
-    assert proc.exitcode == 0
+    run_beside(main, parent, proc, 60)
 
 
 def test_cuda_ipc_same_process_and_shm_from_gpu():
@@ -87,53 +82,8 @@ def test_cuda_ipc_same_process_and_shm_from_gpu():
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _nccl_rank(rank: int, init: str, conn) -> None:
-    from easerve.transport.nccl import NcclConfig, NcclTransport
-
-    async def main():
-        t = NcclTransport(NcclConfig(rank=rank, init_method=init, device=f"cuda:{rank}"))
-        await t.connect()
-        if rank == 0:
-            for i in range(3):
-                p = kv(i, "cuda:0")
-                conn.send(handle_to_proto(await t.send(p.request_id, *codec.kv_to_parts(p))).SerializeToString())
-        else:
-            handles = [handle_from_proto(kv_pb2.KVTransfer.FromString(conn.recv())) for _ in range(3)]
-            for h in reversed(handles):
-                header, tensors = await t.recv(h, timeout=120)
-                assert all(x.device == torch.device("cuda:1") for x in tensors)
-                conn.send(codec.join_parts(header, tensors))
-        conn.recv()
-        await t.close()
-    asyncio.run(main())
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pair needs 2 GPUs")
 def test_nccl_two_ranks_any_order():
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    pipes = [ctx.Pipe() for _ in range(2)]
-    procs = [ctx.Process(target=_nccl_rank, args=(r, init, pipes[r][1]), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        sender, receiver = pipes[0][0], pipes[1][0]
-        for _ in range(3):
-            assert sender.poll(180), "sender produced no handle"
-            receiver.send(sender.recv())
-        for i in reversed(range(3)):
-            assert receiver.poll(180), "receiver produced no payload"
-            assert_same_cpu(codec.kv_from_parts(*codec.split_parts(receiver.recv())), kv(i))
-    finally:
-        for (conn, _), p in zip(pipes, procs):
-            conn.send("done")
-            p.join(60)
-            if p.exitcode is None:
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    got = run_pair("nccl", kv, 180)
+    for i, p in zip(reversed(range(PAYLOADS)), got):
+        assert_same_cpu(p, kv(i))

@@ -25,7 +25,7 @@ from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from easerve import profile_format as pf
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 from tests.profiles import make_profile
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.autoscale import Autoscaler, counts_file
 from hasctl.deployment import preset
 from hasctl.launch import Stack
-from tests.integration.test_peers_dynamic import ClientLoad
+from tests.support.client_load import ClientLoad
 from tests.prom import metric, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # ~2 min: with the long load tests (.ci/run)

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from easerve import Client
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 from tests.prom import metric
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from easerve import Client
 from easerve.media import decode_audio
 from easerve.pipeline import InProcessPipeline
 from easerve.types import SamplingParams
-from tests.integration.conftest import data_uri, png_bytes, wav_bytes
+from tests.support.media import data_uri, png_bytes, wav_bytes
 from tests.prom import metric, scrape
 
 pytestmark = pytest.mark.slow

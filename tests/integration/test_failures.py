@@ -13,7 +13,7 @@ import pytest
 
 from easerve import Client
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
-from tests.integration.conftest import data_uri, png_bytes, wav_bytes
+from tests.support.media import data_uri, png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -7,63 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from hasctl.deployment import STAGES, preset
 from hasctl.launch import Stack, StageExited
+from tests.support.fake_stage import write_fake_python
+from tests.support.procs import gone, group_gone
 
 pytestmark = pytest.mark.slow
-
-FAKE_STAGE = """\
-#!{python}
-# Stands in for `python -m services.<stage> ... --listen H:P`: serves grpc health SERVING.
-import os, signal, subprocess, sys
-from concurrent import futures
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-stage = sys.argv[2].split(".")[1]
-if os.environ.get("FAKE_FAIL") == stage:
-    print("boom: this stage cannot start", flush=True)
-    sys.exit(3)
-server = grpc.server(futures.ThreadPoolExecutor(2))
-h = health.HealthServicer()
-health_pb2_grpc.add_HealthServicer_to_server(h, server)
-server.add_insecure_port(sys.argv[sys.argv.index("--listen") + 1])
-server.start()
-for name in ("", "easerve.v1." + stage.capitalize()):
-    h.set(name, health_pb2.HealthCheckResponse.SERVING)
-if stage == "decode":  # a grandchild in the stage's process group must die with it
-    kid = subprocess.Popen(["sleep", "600"])
-    with open(os.environ["FAKE_KIDS"], "a") as f:
-        f.write(f"{{kid.pid}}\\n")
-if os.environ.get("FAKE_IGNORE_TERM") == stage:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-else:
-    signal.signal(signal.SIGTERM, lambda *a: (server.stop(0), sys.exit(0)))
-server.wait_for_termination()
-"""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie someone else reaps
-
-
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _wait_for(cond, timeout: float, what: str) -> None:
@@ -86,15 +39,12 @@ def _kill_decode_and_see_it_back(stack: Stack, timeout: float) -> None:
 def _stop_and_check_nothing_left(stack: Stack, pids: dict) -> None:
     stack.stop(grace_s=2.0)
     for name, pid in pids.items():
-        assert _gone(pid) and _group_gone(pid), f"{name} ({pid}) is still running after stop()"
+        assert gone(pid) and group_gone(pid), f"{name} ({pid}) is still running after stop()"
 
 
 @pytest.fixture
 def fake_python(tmp_path):
-    path = tmp_path / "fake-python"
-    path.write_text(textwrap.dedent(FAKE_STAGE.format(python=sys.executable)))
-    path.chmod(0o755)
-    return str(path)
+    return write_fake_python(tmp_path / "fake-python")
 
 
 def _fake_stack(tmp_path, fake_python, **env) -> Stack:
@@ -113,11 +63,11 @@ def test_fake_stack_restarts_and_stops_everything(tmp_path, fake_python):
         _kill_decode_and_see_it_back(stack, timeout=60)
         kids = [int(x) for x in (tmp_path / "kids").read_text().split()]
         assert len(kids) == 2
-        _wait_for(lambda: _gone(kids[0]), 10, "the killed decode's grandchild")
+        _wait_for(lambda: gone(kids[0]), 10, "the killed decode's grandchild")
     finally:
         pids = dict(stack.pids)
         _stop_and_check_nothing_left(stack, pids)  # prefill ignores SIGTERM: SIGKILL after the grace
-    assert all(_gone(k) for k in kids)
+    assert all(gone(k) for k in kids)
     assert "start #1" in (tmp_path / "run" / "decode-0.log").read_text()
 
 
@@ -127,7 +77,7 @@ def test_fake_stack_fails_fast_with_the_log_tail(tmp_path, fake_python):
     with pytest.raises(StageExited, match=r"(?s)prefill-0 exited with code 3.*boom: this stage cannot start"):
         stack.start(timeout=60)
     assert time.monotonic() - t0 < 30
-    assert all(_gone(p) for p in stack.pids.values())
+    assert all(gone(p) for p in stack.pids.values())
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from easerve import Client
-from tests.integration.conftest import data_uri, png_bytes
+from tests.support.media import data_uri, png_bytes
 
 pytestmark = pytest.mark.slow
 N = 5

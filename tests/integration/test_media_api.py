@@ -23,7 +23,7 @@ import pytest
 from easerve import Client
 from easerve.errors import InvalidRequest
 from easerve.wire.v1 import gateway_pb2 as gpb
-from tests.integration.conftest import data_uri, png_bytes
+from tests.support.media import data_uri, png_bytes
 from tests.models.media_clips import decode_all_frames, encode_video, smooth_frames
 
 pytestmark = pytest.mark.slow

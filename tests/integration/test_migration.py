@@ -18,7 +18,7 @@ from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
-from tests.integration.conftest import no_media_ids, png_bytes
+from tests.support.media import no_media_ids, png_bytes
 from tests.prom import metric, scrape
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from easerve import Client
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
-from tests.integration.test_multi_instance import N, ONE, _requests, _run_all, _scrape
+from tests.support.multi_stack import N, ONE, mixed_requests, run_all, scrape_stage
 
 pytestmark = pytest.mark.load  # ~2 min (its own 2x2 stack): with the long tests, .ci/run's second command
 
@@ -45,20 +45,20 @@ def _kv_bytes_per_token(model: str) -> int:
 
 
 def test_nccl_pairs_carry_the_kv_of_2x2_like_shared_memory(nccl_2x2, vl_stack):
-    reqs = _requests()
+    reqs = mixed_requests()
     ref = Client(vl_stack.endpoints.grpc, timeout=180)
     want = [ref.generate(max_tokens=N, **kw) for _, kw in reqs]
     outs = []
     client = Client(nccl_2x2.endpoints.grpc, timeout=180)
-    got = _run_all(nccl_2x2, reqs)
+    got = run_all(nccl_2x2, reqs)
     assert got == [list(w.token_ids) for w in want]
     for _, kw in reqs[:2]:  # the prompt lengths of the same requests, for the byte count below
         outs.append(client.generate(max_tokens=N, **kw))
-    per_decode = {n: _scrape(nccl_2x2, n) for n in ("decode-0", "decode-1")}
+    per_decode = {n: scrape_stage(nccl_2x2, n) for n in ("decode-0", "decode-1")}
     counts = {n: _counter(t, "easerve:kv_receive_seconds_count") for n, t in per_decode.items()}
     assert all(set(c) == {"nccl"} and c["nccl"] > 0 for c in counts.values()), counts  # both, only over pairs
     for n in ("prefill-0", "prefill-1"):
-        assert 'easerve:kv_transfer_seconds_count{transport="nccl"}' in _scrape(nccl_2x2, n)
+        assert 'easerve:kv_transfer_seconds_count{transport="nccl"}' in scrape_stage(nccl_2x2, n)
     got_bytes = sum(_counter(t, "easerve:kv_receive_bytes_total")["nccl"] for t in per_decode.values())
     prompts = sum(w.usage.prompt_tokens for w in want) + sum(o.usage.prompt_tokens for o in outs)
     assert got_bytes == prompts * _kv_bytes_per_token(vl_stack.deployment.model)

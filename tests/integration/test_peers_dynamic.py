@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
-import textwrap
-import threading
 import time
 
 import pytest
@@ -18,66 +15,13 @@ from easerve import Client
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
-from tests.integration.conftest import png_bytes
 from tests.prom import metric, scrape
-from tests.integration.test_launcher import FAKE_STAGE  # a stage that only serves grpc health
+from tests.support.procs import gone
+from tests.support.fake_stage import write_fake_python  # stages that only serve grpc health
+from tests.support.client_load import ClientLoad
 
 pytestmark = pytest.mark.slow
 ONE = {"threads": 1}
-
-
-class ClientLoad:
-    """`workers` threads sending requests back to back (every 4th of worker 0 with an image),
-    counting what was sent, what completed and each failure."""
-
-    def __init__(self, target: str, workers: int = 3, max_tokens: int = 4, all_images: bool = False,
-                 image_size: tuple[int, int] = (40, 48)):
-        self.client, self.max_tokens, self.all_images = Client(target, timeout=120), max_tokens, all_images
-        self.image_size = image_size
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.sent = self.ok = self.images_ok = 0
-        self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(workers)]
-
-    def __enter__(self) -> ClientLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
-        self.client.close()
-
-    def _run(self, w: int) -> None:
-        k = 0
-        while not self.stop.is_set():
-            image = self.all_images or (w == 0 and k % 4 == 3)
-            kw = {"images": [png_bytes(*self.image_size, k)], "prompt": "What is this?"} if image else \
-                {"prompt": f"Count to {k} please"}
-            with self.lock:
-                self.sent += 1
-            try:
-                out = self.client.generate(max_tokens=self.max_tokens, **kw)
-                assert len(out.token_ids) >= 1, out
-            except Exception as e:  # noqa: BLE001 - every failure is recorded and asserted on
-                with self.lock:
-                    self.errors.append(f"{'image' if image else 'text'} request {w}/{k}: {e!r}")
-            else:
-                with self.lock:
-                    self.ok += 1
-                    self.images_ok += image
-            k += 1
-
-    def wait(self, cond, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert not self.errors, self.errors
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what} (sent {self.sent}, ok {self.ok})")
-            time.sleep(0.2)
 
 
 def _prefilled(metrics_port: int) -> float:
@@ -89,14 +33,6 @@ def _refused(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(2)
         return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], notice_s: float) -> str:
@@ -113,7 +49,7 @@ def _cycle(stack: Stack, load: ClientLoad, old: str, metrics: dict[str, int], no
 
     old_port, old_pid = stack.ports[old], stack.pids[old]
     assert stack.remove_instance(old, notice_s=notice_s) == 0  # it drained and exited by itself
-    assert _gone(old_pid) and _refused(old_port) and _refused(metrics[old])
+    assert gone(old_pid) and _refused(old_port) and _refused(metrics[old])
     assert old not in stack.endpoints.stages
     ok_then, images_then, at_new = load.ok, load.images_ok, _prefilled(port)
     load.wait(lambda: load.ok >= ok_then + 6 and load.images_ok > images_then, 180,
@@ -155,11 +91,9 @@ def test_a_prefill_instance_added_then_drained_and_removed_under_load_fails_no_r
 
 
 def test_the_last_instance_of_a_stage_is_not_removed_and_unknown_names_are_refused(tmp_path):
-    fake = tmp_path / "fake-python"
-    fake.write_text(textwrap.dedent(FAKE_STAGE.format(python=sys.executable)))
-    fake.chmod(0o755)
+    fake = write_fake_python(tmp_path / "fake-python")
     d = Deployment(model="/no/model/needed").with_gateway_ports(0, 0)
-    stack = Stack(d, run_dir=tmp_path / "run", python=str(fake), env={"FAKE_KIDS": str(tmp_path / "kids")})
+    stack = Stack(d, run_dir=tmp_path / "run", python=fake, env={"FAKE_KIDS": str(tmp_path / "kids")})
     stack.start(timeout=60)
     try:
         with pytest.raises(ValueError, match="prefill-0 is the last prefill instance; add another one first"):
@@ -196,7 +130,7 @@ def test_a_decode_instance_drained_and_removed_under_load_fails_no_request(tiny_
             load.wait(lambda: load.ok >= 8, 180, "the first requests")
             old_port, old_pid = stack.ports["decode-0"], stack.pids["decode-0"]
             assert stack.remove_instance("decode-0", notice_s=0.0) == 0  # drained and exited by itself
-            assert _gone(old_pid) and _refused(old_port)
+            assert gone(old_pid) and _refused(old_port)
             ok_then, images_then = load.ok, load.images_ok
             load.wait(lambda: load.ok >= ok_then + 8 and load.images_ok > images_then, 180,
                       "requests after removing decode-0, an image among them")

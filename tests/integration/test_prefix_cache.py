@@ -13,22 +13,12 @@ from PIL import Image
 
 from easerve.pipeline import InProcessPipeline
 from easerve.types import SamplingParams
-from tests.integration.conftest import data_uri, png_bytes
-from tests.integration.test_multi_instance import _multi, _scrape
+from tests.support.media import data_uri, png_bytes
+from tests.support.multi_stack import scrape_stage
 
 pytestmark = pytest.mark.slow
 N = 6
 QUESTIONS = ["What is in this picture?", "What color is it?", "Is there anything else?", "Describe it again."]
-
-
-@pytest.fixture(scope="module")
-def multi(tiny_root):
-    from easerve.models.tiny import cached_tiny
-
-    stack = _multi(str(cached_tiny("qwen2.5-vl", tiny_root)))
-    stack.start(timeout=420)
-    yield stack
-    stack.stop()
 
 
 def _messages(image_part, history: list[tuple[str, str]], question: str) -> list[dict]:
@@ -68,7 +58,7 @@ def test_four_turn_image_chat_hits_and_equals_a_cold_run(multi):
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
         history.append((q, r.choices[0].message.content))
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
-    scraped = [_scrape(multi, name) for name in multi._procs if name.startswith("prefill")]
+    scraped = [scrape_stage(multi, name) for name in multi._procs if name.startswith("prefill")]
     hits = sum(_counter(t, "easerve:prefix_cache_hits") for t in scraped)
     queries = sum(_counter(t, "easerve:prefix_cache_queries") for t in scraped)
     assert hits == sum(cached) and queries > hits

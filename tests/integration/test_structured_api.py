@@ -16,9 +16,8 @@ from pydantic import BaseModel, Field
 
 from easerve import Client
 from easerve.errors import InvalidRequest
-from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.integration.test_multi_instance import _kv_received, _multi
+from tests.support.multi_stack import kv_received
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -37,14 +36,6 @@ class GetWeather(BaseModel):
 
 
 USER = [{"role": "user", "content": "Weather in Paris, as JSON?"}]
-
-
-@pytest.fixture(scope="module")
-def multi(tiny_root):
-    stack = _multi(str(cached_tiny("qwen2.5-vl", tiny_root)))
-    stack.start(timeout=420)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +128,7 @@ def test_streamed_choices_end_once_each_and_equal_the_unary_answer(oa):
 
 def test_seeded_three_choices_equal_on_both_decode_instances_and_through_the_sdk(multi, oa):
     names = ("decode-0", "decode-1")
-    before = {n: sum(_kv_received(multi, n).values()) for n in names}
+    before = {n: sum(kv_received(multi, n).values()) for n in names}
 
     def ask(_):
         r = oa.chat.completions.create(model=_served(oa), messages=USER, max_tokens=10, temperature=1.0,
@@ -145,7 +136,7 @@ def test_seeded_three_choices_equal_on_both_decode_instances_and_through_the_sdk
         return [(c.index, c.message.content, c.finish_reason) for c in r.choices]
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(ask, range(6)))
-    after = {n: sum(_kv_received(multi, n).values()) for n in names}
+    after = {n: sum(kv_received(multi, n).values()) for n in names}
     assert all(after[n] > before[n] for n in names), (before, after)  # both decode instances forked some
     assert all(a == answers[0] for a in answers)
     assert len({text for _, text, _ in answers[0]}) == 3  # seed + i: the choices differ

@@ -2,9 +2,13 @@
 adapters loaded once per (family, role), and the split E -> P -> D greedy loop."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+
+from tests.models.text_lm import TextLMSpec, build_text_lm
 
 torch.set_num_threads(1)
 
@@ -95,21 +99,11 @@ def user(*parts) -> list[dict]:
 
 def split_greedy(enc, pre, prompt, new_tokens: int = 8) -> list[int]:
     """Encode -> prefill -> decode with a DynamicCache rebuilt from the prefill KV."""
-    from transformers import DynamicCache
-
     from easerve.types import PrefillRequest, items_meta
 
     embeddings = enc.encode(prompt.items)
     req = PrefillRequest("r0", prompt.input_ids, embeddings, items_meta(prompt.items))
-    res = pre.prefill([req])[0]
-    cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(res.keys, res.values)],
-                         config=pre.text_config)
-    tokens = [int(res.last_logits.argmax())]
-    for k in range(new_tokens - 1):
-        pos = pre.decode_position_ids(torch.tensor([res.prompt_len + k]), torch.tensor([res.rope_delta]))
-        logits = pre.lm_forward(pre.embed_tokens(torch.tensor([[tokens[-1]]])), pos, cache)
-        tokens.append(int(logits[0, -1].argmax()))
-    return tokens
+    return greedy_from(pre, pre.prefill([req])[0], new_tokens)
 
 
 def reference_greedy(full, messages, new_tokens: int = 8) -> tuple[list[int], list[int]]:
@@ -123,6 +117,17 @@ def reference_greedy(full, messages, new_tokens: int = 8) -> tuple[list[int], li
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
 
 
+def assert_audio_split_equals_generate(full, enc, pre, messages, clips: int) -> None:
+    """An audio prompt of `clips` clips: the processor's ids are generate's, one item per clip,
+    and the split path's greedy tokens equal generate's."""
+    prompt = full.preprocess(messages)
+    ref_ids, ref = reference_greedy(full, messages)
+    assert prompt.input_ids == ref_ids
+    assert [i.modality for i in prompt.items] == ["audio"] * clips
+    assert ref, "generate produced no tokens"
+    assert split_greedy(enc, pre, prompt)[:len(ref)] == ref
+
+
 @pytest.fixture(scope="session")
 def mm():
     """The helpers above as one namespace, for test modules (conftest is not imported)."""
@@ -130,7 +135,8 @@ def mm():
 
     return SimpleNamespace(image=random_image, video=random_video, user=user, audio=audio_clip,
                            audio_messages=audio_messages, split_greedy=split_greedy,
-                           reference_greedy=reference_greedy, assert_batched_matches_alone=assert_batched_matches_alone)
+                           reference_greedy=reference_greedy, assert_batched_matches_alone=assert_batched_matches_alone,
+                           assert_audio_split_equals_generate=assert_audio_split_equals_generate)
 
 
 @pytest.fixture(scope="session")
@@ -232,3 +238,15 @@ def greedy_from(pre, res, new_tokens: int = 6) -> list[int]:
 def decode_greedy():
     """`decode_greedy(pre, result, n)`: greedy_from above, for test modules."""
     return greedy_from
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny random text-only Llama (tests/models/text_lm.py, seed 4)."""
+    return build_text_lm(TextLMSpec(family="llama", seed=4))
+
+
+@pytest.fixture(scope="module")
+def ref(llama):
+    """A copy of `llama` that keeps plain sdpa attention: the reference its outputs are compared with."""
+    return copy.deepcopy(llama)

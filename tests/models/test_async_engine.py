@@ -50,42 +50,43 @@ def test_open_submit_stream_and_the_reservation_is_the_stream(lm):
     asyncio.run(main())
 
 
-def test_leaving_open_early_frees_the_place_and_the_kv(lm):
+def run_started(make, body) -> None:
+    """In a fresh event loop: start the AsyncEngine make() returns, await body(engine), stop it."""
     async def main():
-        engine = _engine(lm)
-        eng = AsyncEngine(engine)
+        eng = make()
         eng.start()
         try:
-            free = (await eng.stats()).kv_free_tokens
-            async with eng.open("a", 6, 8, ttl_s=30) as stream:
-                await eng.submit(_payload(lm, "a"))
-                async for o in stream:
-                    if o.index == 2:
-                        break
-            for _ in range(50):
-                s = await eng.stats()
-                if s.running == 0 and s.kv_free_tokens == free:
-                    break
-                await asyncio.sleep(0.02)
-            assert s.running == 0 and s.waiting == 0 and s.kv_free_tokens == free
+            await body(eng)
         finally:
             await eng.stop()
     asyncio.run(main())
+
+
+def test_leaving_open_early_frees_the_place_and_the_kv(lm):
+    async def body(eng):
+        free = (await eng.stats()).kv_free_tokens
+        async with eng.open("a", 6, 8, ttl_s=30) as stream:
+            await eng.submit(_payload(lm, "a"))
+            async for o in stream:
+                if o.index == 2:
+                    break
+        for _ in range(50):
+            s = await eng.stats()
+            if s.running == 0 and s.kv_free_tokens == free:
+                break
+            await asyncio.sleep(0.02)
+        assert s.running == 0 and s.waiting == 0 and s.kv_free_tokens == free
+    run_started(lambda: AsyncEngine(_engine(lm)), body)
 
 
 def test_a_full_engine_refuses_at_open(lm):
-    async def main():
-        eng = AsyncEngine(_engine(lm, max_running=1, max_waiting=2, num_slots=1))
-        eng.start()
-        try:
-            async with eng.open("a", 6, 8, ttl_s=30):
-                async with eng.open("b", 6, 8, ttl_s=30):
-                    with pytest.raises(Overloaded):
-                        async with eng.open("c", 6, 8, ttl_s=30):
-                            pass
-        finally:
-            await eng.stop()
-    asyncio.run(main())
+    async def body(eng):
+        async with eng.open("a", 6, 8, ttl_s=30):
+            async with eng.open("b", 6, 8, ttl_s=30):
+                with pytest.raises(Overloaded):
+                    async with eng.open("c", 6, 8, ttl_s=30):
+                        pass
+    run_started(lambda: AsyncEngine(_engine(lm, max_running=1, max_waiting=2, num_slots=1)), body)
 
 
 def test_a_failing_step_fails_every_open_stream_and_reports_once(lm):

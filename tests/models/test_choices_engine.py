@@ -5,7 +5,6 @@ seeded choice i draws what an n = 1 request with seed + i draws, through the rea
 the KV codec and a fresh engine; each choice keeps its own grammar state."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -18,22 +17,12 @@ from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.types import KVPayload, PrefillRequest, SamplingParams, StructuredOutput
 from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
-from tests.models.test_sampling import prefill_once
-from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos
+from tests.models.text_lm import prefill_once
+from tests.models.text_lm import greedy_ignore_eos
 
 torch.set_num_threads(1)
 FAMILY = "qwen2.5-vl"
 IDS = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # 13 tokens: one full block of 8 and a partial one
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build_text_lm(TextLMSpec(family="llama", seed=4))
-
-
-@pytest.fixture(scope="module")
-def ref(llama):
-    return copy.deepcopy(llama)  # keeps plain sdpa attention
 
 
 def fork_payload(adapter, rid: str, ids: list[int], sp: SamplingParams) -> KVPayload:

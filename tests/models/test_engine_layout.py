@@ -1,13 +1,12 @@
 """The engine's KV layouts on a real tiny HF decoder: slots read in place and compacted on
 finish, memory sizing, failed steps, and reservations of requests done on their first token."""
-import copy
 import random
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
+from tests.models.text_lm import greedy_ignore_eos, payload_for
 
 from easerve.engine import attention as att
 from easerve.engine.config import GIB
@@ -18,16 +17,6 @@ from easerve.engine.kv_pool import KVLayout
 from easerve.types import SamplingParams
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build_text_lm(TextLMSpec(family="llama", seed=4))
-
-
-@pytest.fixture(scope="module")
-def ref(llama):
-    return copy.deepcopy(llama)  # keeps plain sdpa attention
 
 
 def _sp(n):

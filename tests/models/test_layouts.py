@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from tests.support.layouts import messages_for
 
 FAMILIES = ("llava-next", "qwen2.5-vl", "qwen2-audio", "ultravox")
 ROLE_PREFIXES = {  # family -> (encode role's parameter prefixes, LM roles')
@@ -47,15 +48,6 @@ def loaded(published, adapters):
 
 def held(adapter) -> dict[str, tuple]:
     return {n: tuple(p.shape) for n, p in adapter.model.named_parameters() if p.device.type != "meta"}
-
-
-def messages_for(family: str, mm, rng) -> list[dict]:
-    if family == "llava-next":
-        return mm.user({"type": "image", "image": mm.image(rng, 40, 72)}, "Describe the image.")
-    if family == "qwen2.5-vl":
-        return mm.user({"type": "image", "image": mm.image(rng, 56, 84)},
-                       {"type": "video", "video": mm.video(rng, 4, 56, 56)}, "What is in both?")
-    return mm.audio_messages(rng, [0.7, 2.6] if family == "ultravox" else [0.7])
 
 
 # ---- the files are the published layout ----------------------------------------------------------

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.test_layouts import messages_for
+from tests.support.layouts import messages_for
 
 
 @pytest.fixture(scope="module")

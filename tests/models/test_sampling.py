@@ -5,7 +5,6 @@ and min_tokens hold from the first token on; greedy repetition_penalty equals tr
 own generate (with min_new_tokens as min_tokens)."""
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 
@@ -16,44 +15,24 @@ from easerve.engine.detok import prompt_tail
 from easerve.engine.config import EngineConfig
 from easerve.engine.engine import DecodeEngine
 from easerve.engine.logit_transforms import penalty_prompt_ids
-from easerve.policy.prefill_plan import PrefillBatchConfig
-from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import KVPayload, PrefillRequest, SamplingParams
 from easerve.wire.codec import join_parts, kv_from_parts, kv_to_parts, split_parts
-from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for
+from tests.models.text_lm import TextLMSpec, build_text_lm, greedy_ignore_eos, payload_for, prefill_once
 
 torch.set_num_threads(1)
 FAMILY = "qwen2.5-vl"
-
 
 @pytest.fixture(scope="module")
 def image_req(mixed_requests):
     return mixed_requests(FAMILY)[0]  # an image and a few words
 
-
 @pytest.fixture(scope="module")
 def dec(adapters):
     return adapters(FAMILY, "decode")
 
-
 def over_the_wire(payload):
     """The KV payload as decode receives it: framed to bytes by the codec and parsed back."""
     return kv_from_parts(*split_parts(join_parts(*kv_to_parts(payload))))
-
-
-def prefill_once(pre, req: PrefillRequest, sp: SamplingParams):
-    """`req` with sampling `sp` through a fresh prefill loop: its PrefilledOne."""
-    async def prefill():
-        loop = PrefillLoop(pre, PrefillBatchConfig())
-        loop.start()
-        try:
-            return await loop.prefill(PrefillRequest(req.request_id, req.input_ids, req.embeddings,
-                                                     req.items_meta, sp))
-        finally:
-            await loop.stop()
-
-    return asyncio.run(prefill())
-
 
 def split_outputs(pre, dec, req: PrefillRequest, sp: SamplingParams) -> list:
     """Prefill loop -> codec bytes -> a new DecodeEngine: the engine's StepOutputs with a token."""
@@ -69,12 +48,10 @@ def split_outputs(pre, dec, req: PrefillRequest, sp: SamplingParams) -> list:
         outs += [o for o in engine.step() if o.token_id is not None]
     return outs
 
-
 def split_run(pre, dec, req: PrefillRequest, sp: SamplingParams) -> tuple[list[int], str]:
     """`split_outputs`' (tokens, finish reason)."""
     outs = split_outputs(pre, dec, req, sp)
     return [o.token_id for o in outs], outs[-1].finish_reason
-
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["seeded", "greedy"])
 def test_a_resumed_request_goes_on_as_if_uninterrupted(pre, dec, image_req, temperature):
@@ -92,7 +69,6 @@ def test_a_resumed_request_goes_on_as_if_uninterrupted(pre, dec, image_req, temp
     assert [(o.token_id, o.text_delta) for o in rest] == whole[k:]
     assert [o.index for o in rest] == list(range(12 - k))  # index 0: this leg's prefill token
 
-
 def test_seeded_repetition_penalised_run_repeats_on_a_fresh_engine(pre, dec, image_req):
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=1234, repetition_penalty=1.8,
                         presence_penalty=0.5, ignore_eos=True)
@@ -103,20 +79,17 @@ def test_seeded_repetition_penalised_run_repeats_on_a_fresh_engine(pre, dec, ima
                                                           ignore_eos=True))[0]
     assert plain != first  # the penalties changed the draw; the seed alone repeats it
 
-
 def test_logit_bias_forces_every_greedy_token(pre, dec, image_req):
     forced = 42
     assert forced not in dec.eos_token_ids
     tokens, reason = split_run(pre, dec, image_req, SamplingParams(max_tokens=6, logit_bias={forced: 100}))
     assert tokens == [forced] * 6 and reason == "length"
 
-
 def test_min_tokens_holds_eos_back_from_prefill_on(pre, dec, image_req):
     eos = dec.eos_token_ids[0]
     sp = SamplingParams(max_tokens=8, min_tokens=3, logit_bias={eos: 100})  # eos wins once allowed
     tokens, reason = split_run(pre, dec, image_req, sp)
     assert eos not in tokens[:3] and tokens[3] == eos and len(tokens) == 4 and reason == "stop"
-
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_greedy_repetition_penalty_equals_transformers_generate(penalty):

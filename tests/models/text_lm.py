@@ -7,6 +7,7 @@ embed_tokens / lm_forward / decode_position_ids for `easerve.engine.DecodeEngine
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from easerve.engine.detok import prompt_tail
 from easerve.engine.logit_transforms import TokenHistory, penalty_prompt_ids
 from easerve.engine.sampler import sample
 from easerve.models.base import ModelAdapter
+from easerve.policy.prefill_plan import PrefillBatchConfig
+from easerve.stages.prefill.loop import PrefillLoop
 from easerve.types import KVPayload, PrefillRequest, PrefillResult, ProcessedPrompt, SamplingParams
 
 FAMILIES = ("llama", "qwen2", "qwen2_5_vl")
@@ -187,3 +190,17 @@ def greedy_ignore_eos(ref, ids: list[int], n: int) -> list[int]:
             toks.append(int(ref.lm_head(h[0, -1]).argmax()))
             h = ref.lm(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True).last_hidden_state
     return toks
+
+
+def prefill_once(pre, req: PrefillRequest, sp: SamplingParams):
+    """`req` with sampling `sp` through a fresh prefill loop: its PrefilledOne."""
+    async def prefill():
+        loop = PrefillLoop(pre, PrefillBatchConfig())
+        loop.start()
+        try:
+            return await loop.prefill(PrefillRequest(req.request_id, req.input_ids, req.embeddings,
+                                                     req.items_meta, sp))
+        finally:
+            await loop.stop()
+
+    return asyncio.run(prefill())

@@ -10,11 +10,12 @@ import collections
 import json
 import math
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from hasctl.workload import wav as workload_wav
 
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 
 # ---- media, valid and broken ---------------------------------------------------------------
 
@@ -118,3 +119,10 @@ class Tally:
         rows = [f"{f:28s} {n:5d}  " + ", ".join(f"{s}x{c}" for s, c in sorted(self.status[f].items()))
                 for f, n in sorted(self.sent.items())]
         return "\n".join(rows + [f"{'total':28s} {self.total:5d}"])
+
+
+def fuzz(n: int):
+    """Hypothesis settings of a fuzz test: n examples, derandomized (the same cases every run),
+    no deadline, no example database, every health check off."""
+    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=True,
+                    suppress_health_check=list(HealthCheck))

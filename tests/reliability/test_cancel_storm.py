@@ -25,7 +25,7 @@ from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 from tests.prom import metric, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # 1,000 requests: a long load test

@@ -29,6 +29,7 @@ from hasctl.deployment import preset
 from hasctl.launch import Stack
 from tests.integration.conftest import tiny_root  # noqa: F401 - the fixture
 from tests.reliability.driver import HUNG, LoadDriver, image_bodies, recovery_s, served_model
+from tests.support.procs import gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]
 
@@ -213,13 +214,5 @@ def test_stop_leaves_no_process_and_no_standby_behind(stacks):
         time.sleep(0.2)
     pids = [p for p in stack.pids.values() if p] + [p.spare.pid for p in stack._procs.values() if p.spare]
     stacks.close()
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if not gone(pid)]
     assert not left, f"processes left after stop(): {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -13,22 +13,17 @@ import math
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import gateway_pb2 as gpb
-from tests.integration.conftest import png_bytes
-from tests.reliability.fuzz_cases import MP4, PNG, WAV, Tally, broken_base64, corrupted, data_uri, truncated
+from tests.support.media import png_bytes
+from tests.reliability.fuzz_cases import fuzz, MP4, PNG, WAV, Tally, broken_base64, corrupted, data_uri, truncated
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
 GENERATE = "/easerve.v1.Gateway/Generate"
-
-
-def fuzz(n: int):
-    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=True,
-                    suppress_health_check=list(HealthCheck))
 
 
 class _Target:

@@ -15,21 +15,16 @@ import random
 import urllib.parse
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.integration.conftest import png_bytes
-from tests.reliability.fuzz_cases import (MIME, MP4, PNG, WAV, Tally, bad_number, broken_base64, corrupted,
+from tests.support.media import png_bytes
+from tests.reliability.fuzz_cases import (fuzz, MIME, MP4, PNG, WAV, Tally, bad_number, broken_base64, corrupted,
                                           data_uri, dumps, truncated)
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
-
-
-def fuzz(n: int):
-    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=True,
-                    suppress_health_check=list(HealthCheck))
 
 
 class Http:

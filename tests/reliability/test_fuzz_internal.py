@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from easerve import Client
@@ -22,8 +22,8 @@ from easerve.wire import codec
 from easerve.types import KVPayload, SamplingParams
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, encode_pb2, kv_pb2, prefill_pb2, stage_pb2
-from tests.integration.conftest import png_bytes
-from tests.reliability.fuzz_cases import Tally
+from tests.support.media import png_bytes
+from tests.reliability.fuzz_cases import fuzz, Tally
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # hundreds of requests: a long load test
 TALLY = Tally()
@@ -42,11 +42,6 @@ METHODS = {
                "/easerve.v1.KVStream/Push": (kv_pb2.KVChunk, True, False),
                "/easerve.v1.Stage/Load": (stage_pb2.LoadRequest, False, False)},
 }
-
-
-def fuzz(n: int):
-    return settings(max_examples=n, derandomize=True, deadline=None, database=None, print_blob=True,
-                    suppress_health_check=list(HealthCheck))
 
 
 class Stages:

@@ -154,7 +154,7 @@ async def _drain(stack: Stack) -> None:
     url = stack.endpoints.http + "/v1/chat/completions"
     model = await served_model(stack.endpoints.http)
     long = {"model": model, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     short = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         async with s.post(url, json=long) as resp:
@@ -168,8 +168,11 @@ async def _drain(stack: Stack) -> None:
             async for line in resp.content:
                 events.append(line)
     data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-    assert events[-2:] == [b"data: [DONE]\n", b"\n"] or b"data: [DONE]\n" in events, events[-3:]
-    assert data[-1]["choices"][0]["finish_reason"] == "length", data[-1]
+    lines = [e for e in events if e.strip()]
+    # the request in flight ran to the end of a normal stream: one [DONE], last, after all 400 tokens
+    assert lines[-1] == b"data: [DONE]\n" and lines.count(b"data: [DONE]\n") == 1, lines[-3:]
+    assert [c["finish_reason"] for d in data for c in d["choices"] if c.get("finish_reason")] == ["length"]
+    assert [d["usage"]["completion_tokens"] for d in data if d.get("usage")] == [400]
     assert not any("error" in d for d in data)
 
 

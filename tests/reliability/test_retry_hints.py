@@ -11,7 +11,7 @@ import pytest
 from easerve.errors import InvalidRequest, Overloaded, Unavailable
 from easerve.rpc import errors
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
-from tests.unit.test_rpc import _with_server
+from tests.support.decode_server import with_decode_server
 
 
 @pytest.mark.parametrize("exc,code,ms", [
@@ -29,7 +29,7 @@ def test_refusals_carry_retry_after_ms_and_it_survives_the_hop(exc, code, ms):
         assert dict(ei.value.trailing_metadata() or ()).get(errors.RETRY_AFTER_KEY) == ms
         back = errors.from_rpc_error(ei.value)  # what the gateway re-raises to its own caller
         assert back.retry_after_s == (None if ms is None else int(ms) / 1000)
-    asyncio.run(_with_server(call))
+    asyncio.run(with_decode_server(call))
 
 
 def test_http_error_has_retry_after_in_whole_seconds():

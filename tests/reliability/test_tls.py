@@ -105,7 +105,7 @@ def _https(stack, pki, body: dict) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_a_live_stack_serves_end_to_end_over_mutual_tls(tls_stack, pki):
-    from tests.integration.conftest import data_uri, png_bytes
+    from tests.support.media import data_uri, png_bytes
     with Client(tls_stack.endpoints.grpc, timeout=120, tls=Tls(pki.cert, pki.key, pki.ca)) as c:
         out = c.generate("Describe.", images=[png_bytes(64, 64, 1)], max_tokens=4, ignore_eos=True)
     assert out.finish_reason == "length" and len(out.token_ids) == 4

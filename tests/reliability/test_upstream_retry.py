@@ -20,7 +20,7 @@ import os
 import grpc
 import pytest
 
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 
 SERVED = "tiny"
 

@@ -12,7 +12,7 @@ import pytest
 
 from easerve import profile_format as pf
 from tests.profiles import make_profile
-from tests.unit.test_api_http import CHAT, _http_client, adapter, loop, post  # noqa: F401 (fixtures)
+from tests.support.http_api import CHAT, http_client, post
 
 # prefill of 1 token/s: CHAT's 13 prompt tokens are predicted 13 s; tiers from text's unloaded TTFT
 # 2 s: tight 4 s, moderate 8 s, loose 16 s (TPOT limits far above the prediction)
@@ -29,13 +29,13 @@ def profile_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(loop, adapter, profile_path):  # noqa: F811
     from easerve.stages.gateway.core import GatewayCore
-    yield from _http_client(loop, adapter, GatewayCore, admission="reject", profile=profile_path, slo_tier="tight")
+    yield from http_client(loop, adapter, GatewayCore, admission="reject", profile=profile_path, slo_tier="tight")
 
 
 @pytest.fixture(scope="module")
 def best_effort(loop, adapter, profile_path):  # noqa: F811
     from easerve.stages.gateway.core import GatewayCore
-    yield from _http_client(loop, adapter, GatewayCore, admission="best-effort", profile=profile_path,
+    yield from http_client(loop, adapter, GatewayCore, admission="best-effort", profile=profile_path,
                             slo_tier="tight")
 
 

@@ -3,7 +3,6 @@ prefill address nothing listens on): every malformed body gets a 4xx naming the 
 a 5xx (hypothesis), and the rules a body must follow each get their own 400."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -15,65 +14,16 @@ from hypothesis import strategies as st
 
 from easerve.errors import BadRequest
 from easerve.stages.gateway import openai_api as oa
+from tests.support.http_api import CHAT, SERVED, http_client, post
 
-SERVED = "tiny"
-DEAD = "127.0.0.1:1"  # nothing listens here: a valid body ends in 503, never a hang
-CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    from easerve.models.loader import load_adapter
-    from easerve.models.tiny import cached_tiny
-
-    root = os.environ.get("EASERVE_TINY_CACHE") or tmp_path_factory.mktemp("tiny")
-    return load_adapter(cached_tiny("qwen2.5-vl", root), role="processor")
-
-
-def _http_client(loop, adapter, core_cls, **flags):
-    """An aiohttp test client of HttpApi(core_cls(...)) on 127.0.0.1 (yields it, then closes);
-    `flags`: more GatewayConfig fields."""
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from easerve.stages.gateway.core import GatewayConfig
-    from easerve.stages.gateway.http_api import HttpApi
-    from easerve.stages.gateway.metrics import GatewayMetrics
-
-    cfg = GatewayConfig(model=adapter.path, served_model_name=SERVED, encode=(DEAD,), prefill=(DEAD,), decode=(DEAD,),
-                        max_model_len=256, **flags)
-
-    async def start():  # gRPC channels bind to the running loop
-        api = HttpApi(core_cls(cfg, adapter, GatewayMetrics()), 1 << 20, lambda: True)
-        c = TestClient(TestServer(api.app, host="127.0.0.1"), loop=loop)
-        await c.start_server()
-        return c
-
-    c = loop.run_until_complete(start())
-    yield c
-    loop.run_until_complete(c.close())
 
 
 @pytest.fixture(scope="module")
 def client(loop, adapter):
     """HttpApi over a real GatewayCore whose stages are not there."""
     from easerve.stages.gateway.core import GatewayCore
-    yield from _http_client(loop, adapter, GatewayCore)
-
-
-def post(loop, client, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
-    async def go():
-        data = raw if raw is not None else json.dumps(body).encode()
-        async with client.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
-            return r.status, await r.json(content_type=None)
-    return loop.run_until_complete(go())
+    yield from http_client(loop, adapter, GatewayCore)
 
 
 # ---- invalid values per field ---------------------------------------------------------------
@@ -277,7 +227,7 @@ def cut_short(loop, adapter):
     class CutShort(GatewayCore):
         async def generate(self, job):
             yield Delta([5], "Hel")
-    yield from _http_client(loop, adapter, CutShort)
+    yield from http_client(loop, adapter, CutShort)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
@@ -315,7 +265,7 @@ def two_choices(loop, adapter):
             yield Delta([6], "Bye", index=1)
             yield Delta([7], "!", "length", index=1)
             yield Delta([8], "lo", "stop", prompt_tokens=9, completion_tokens=4, index=0)
-    yield from _http_client(loop, adapter, TwoChoices)
+    yield from http_client(loop, adapter, TwoChoices)
 
 
 def test_two_choices_unary_and_streamed(loop, two_choices):

@@ -173,19 +173,23 @@ def test_release_reservation_frees_the_held_place():
 
 
 # ---- slot compaction ----------------------------------------------------------------------------
-def test_free_blocks_are_handed_out_lowest_first():
-    bm = BlockManager(num_blocks=4, block_size=8, max_seq_tokens=8)
-    for rid in "abcd":
+def one_block_each(rids: str) -> BlockManager:
+    """A manager of len(rids) one-block slots, every one taken by a request of `rids`, in order."""
+    bm = BlockManager(num_blocks=len(rids), block_size=8, max_seq_tokens=8)
+    for rid in rids:
         bm.allocate(rid, 1, 8)
+    return bm
+
+
+def test_free_blocks_are_handed_out_lowest_first():
+    bm = one_block_each("abcd")
     bm.free("c")
     bm.free("a")
     assert bm.allocate("e", 1, 8) == [0] and bm.allocate("f", 1, 8) == [2]
 
 
 def test_compact_moves_highest_slots_into_holes():
-    bm = BlockManager(num_blocks=6, block_size=8, max_seq_tokens=8)
-    for rid in "abcdef":
-        bm.allocate(rid, 1, 8)
+    bm = one_block_each("abcdef")
     bm.free("b")
     bm.free("d")
     assert bm.compact() == [("f", 5, 1), ("e", 4, 3)]

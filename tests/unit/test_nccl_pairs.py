@@ -18,7 +18,7 @@ from easerve.transport.nccl_pairs import PairRendezvous, PairTimeouts, _announce
 from easerve.transport.node import NodeIdentity
 from easerve.transport.shm import ShmConfig, ShmTransport
 from easerve.wire import codec
-from tests.unit.test_transport import kv, roundtrip
+from tests.support.kv import kv, roundtrip
 
 T = PairTimeouts(connect_s=20, send_s=10, recv_s=10)
 

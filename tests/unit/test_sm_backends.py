@@ -13,6 +13,7 @@ from easerve.partition.backends import MPSBackend, PartitionController, StaticSp
 from easerve.partition.green_contexts import GreenContextBackend
 from easerve.policy.partitioner import Allocation, SMPartitioner, measure_grid
 from easerve.partition.sm_backend import BackendUnavailable, SMBackend
+from tests.support.fake_gpu import fake_gpu, fake_latency
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -47,10 +48,6 @@ def start_worker() -> Worker:
     w.start()
     w.ready.wait(5)
     return w
-
-
-def fake_latency(b: int, share: float) -> float:
-    return 0.01 * b / min(1.0, share / min(1.0, 0.15 * b))
 
 
 @needs_affinity
@@ -109,8 +106,7 @@ def test_dead_worker_is_dropped_not_fatal() -> None:
     b = CpuAffinityBackend()
     b.bind("prefill", w.tid)
     w.stop()
-    if not _gone(w.tid):  # join() returns a moment before the OS thread is reaped
-        pytest.skip("the exited thread's id was still present")
+    assert _gone(w.tid), "the exited thread's id was still present after 2 s"  # join() returns before the reap
     b.apply(Allocation(0.2, 0.8))
     assert b.lost == [("prefill", w.tid)]
 
@@ -223,29 +219,12 @@ def test_auto_falls_back_only_when_a_mechanism_is_unavailable_and_a_bad_argument
     assert ts.name == "timeslice" and "cpu_affinity unavailable: only 1 allowed core: nothing to split" in ts.degraded
 
 
-def _fake_gpu(monkeypatch, total: int = 132, fail_remainder_below: int = 0, align: int = 8):
-    """Stand-ins for torch.cuda and the cuda.bindings driver (hasctl.gpucheck.fakes), made
-    the module defaults so that select_backend builds on them; returns the driver's log."""
-    from easerve.partition import green_contexts as m
-    from easerve.partition import backends as sm_backends
-    from hasctl.gpucheck.fakes import FakeDriver, fake_torch
-
-    drv = FakeDriver(total, align, refuse_below=fail_remainder_below)
-    torch = fake_torch(drv)
-    monkeypatch.setattr(m, "_torch", lambda: torch)
-    monkeypatch.setattr(sm_backends, "_torch", lambda: torch)  # the time-slice backend's streams
-    monkeypatch.setattr(m, "load_driver", lambda: drv)
-    monkeypatch.setattr(m.GreenContextBackend, "probe",
-                        staticmethod(lambda i=0: m.probe(i, driver=drv, torch=torch)))
-    return drv.log
-
-
 def _splits(log) -> list[int]:
     return [e[2] for e in log if e[0] == "split"]
 
 
 def test_green_backend_levels_with_a_fake_driver(monkeypatch) -> None:
-    log = _fake_gpu(monkeypatch)
+    log = fake_gpu(monkeypatch)
     b = GreenContextBackend()
     # ceil to the 8-SM alignment, then prefill's group cut from the remainder; 1.0 is not split
     assert _splits(log) == [32, 96, 56, 72, 80, 48, 112, 16]
@@ -269,7 +248,7 @@ def test_green_backend_levels_with_a_fake_driver(monkeypatch) -> None:
 
 
 def test_green_backend_remainder_that_fails_time_slices(monkeypatch) -> None:
-    _fake_gpu(monkeypatch, fail_remainder_below=24)
+    fake_gpu(monkeypatch, fail_remainder_below=24)
     b = GreenContextBackend()
     assert b.prefill_sms[3] == 132 and b.prefill_stream(3).key[0] == "plain"
     assert "share 0.8: prefill time-slices" in b.reason

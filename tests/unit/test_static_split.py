@@ -20,7 +20,7 @@ from easerve.partition.backends import PartitionController
 from easerve.partition.sm_backend import BackendUnavailable
 from easerve.stages.encode.colocate import build_controller
 from easerve.stages.encode.metrics import EncodeMetrics
-from tests.unit.test_sm_backends import _fake_gpu, fake_latency
+from tests.support.fake_gpu import fake_gpu, fake_latency
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 STATIC = PartitionerConfig(policy="static")
@@ -85,7 +85,7 @@ def test_green_static_plan_is_the_nearest_granule_to_half(total: int, align: int
 
 @pytest.mark.parametrize("total,align", [(132, 8), (108, 2)])
 def test_green_static_precreates_one_half_partition(monkeypatch, total: int, align: int) -> None:
-    log = _fake_gpu(monkeypatch, total=total, align=align)
+    log = fake_gpu(monkeypatch, total=total, align=align)
     st = select_backend("static", "cuda")
     assert st.name == "static" and st.inner.name == "green_contexts"
     want = sm_split(total, align, align, 0.5, "nearest")
@@ -99,7 +99,7 @@ def test_green_static_precreates_one_half_partition(monkeypatch, total: int, ali
 
 
 def test_green_static_fails_when_the_driver_refuses_prefills_half(monkeypatch) -> None:
-    _fake_gpu(monkeypatch, total=140, fail_remainder_below=70)  # 72 SMs granted, 68 refused
+    fake_gpu(monkeypatch, total=140, fail_remainder_below=70)  # 72 SMs granted, 68 refused
     with pytest.raises(BackendUnavailable, match="share 0.5: the driver refused the prefill group of the 68-SM remainder"):
         select_backend("static", "cuda")
 

@@ -11,27 +11,14 @@ from easerve.transport.base import (CudaIpcHandle, CudaTensorRef, GrpcHandle, In
 from easerve.transport.grpc_stream import GrpcStreamConfig, GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
 from easerve.transport.shm import ShmConfig, ShmTransport
-from easerve.types import KVPayload, SamplingParams
+from easerve.types import KVPayload
 from easerve.wire.v1 import kv_pb2, kv_pb2_grpc
-
-
-def kv(tokens=5, layers=3, dtype=torch.bfloat16, rid="r1") -> KVPayload:
-    g = torch.Generator().manual_seed(1)
-    mk = lambda: torch.randn(2, tokens, 8, generator=g).to(dtype)  # noqa: E731
-    return KVPayload(rid, [mk() for _ in range(layers)], [mk() for _ in range(layers)],
-                     prompt_len=tokens, rope_delta=0, first_token=3, sampling=SamplingParams())
+from tests.support.kv import kv, roundtrip
 
 
 def same(a: KVPayload, b: KVPayload) -> bool:
     return a.request_id == b.request_id and all(
         torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
-
-
-async def roundtrip(tx, rx, payload, through_proto=True):
-    handle = await tx.send(payload.request_id, *codec.kv_to_parts(payload))
-    if through_proto:
-        handle = handle_from_proto(kv_pb2.KVTransfer.FromString(handle_to_proto(handle).SerializeToString()))
-    return handle, codec.kv_from_parts(*await rx.recv(handle))
 
 
 async def _grpc_pair(fn, config=GrpcStreamConfig(chunk_bytes=4096)):
