@@ -31,11 +31,27 @@ def test_presets_are_valid_and_round_trip(name, tmp_path):
 def test_presets_hold_the_baselines():
     knobs = {n: (d.encode[0].flag("batch-mode"), d.encode[0].flag("max-batch"), d.encode[0].flag("remote-fraction"),
                  bool(d.encode[0].flag("colocate-prefill"))) for n, d in PRESETS.items() if d.encode}
-    assert knobs == {"default": ("adaptive", 8, 1.0, False), "colocated": ("adaptive", 8, 0.5, True),
+    assert knobs == {"default": ("continuous", 8, 1.0, False), "colocated": ("continuous", 8, 0.5, True),
                      "dynamo-like": ("request_at_a_time", 1, 1.0, False), "fixed-batch-8": ("fixed", 8, 1.0, False)}
     assert preset("passthrough") == preset("dynamo-like") and preset("fixed8") == preset("fixed-batch-8")
     mono = preset("monolith").monolith[0]
     assert mono.flag("sm-backend") == "timeslice"  # the aggregated baseline shares nothing on purpose
+
+
+@pytest.mark.parametrize("name, stage", [("default", "encode"), ("colocated", "encode"), ("monolith", "monolith")])
+def test_presets_with_an_idle_encoder_dispatch_at_once(name, stage):
+    """The encoder of these presets may sit idle: a lone request leaves the moment it arrives
+    (no gap or cap wait), and arrivals during a busy encode still leave together, up to 8."""
+    from easerve.policy.batcher import AdaptiveBatcher
+    cmd = next(c for c in to_commands(preset(name).with_model(MODEL), "127.0.0.1", _ports(preset(name)))
+               if c.stage == stage)
+    b = AdaptiveBatcher(_parse(stage, list(cmd.argv[3:])).batcher)
+    d = b.add("lone", 0.0)
+    assert d is not None and d.item_ids == ("lone",) and d.oldest_wait_s == 0.0
+    for i in range(10):
+        assert b.add(i, 0.01 * i) is None  # the encoder is busy: they wait together
+    b.on_free(0.2)
+    assert b.poll(0.2).item_ids == tuple(range(8))
 
 
 def test_unknown_preset_lists_the_names():
