@@ -29,7 +29,7 @@ from easerve.policy.batcher import BatchMode, BatcherConfig
 from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
-from easerve.transport import KVTransportKind
+from easerve.transport import EmbedTransportKind, KVTransportKind
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -143,6 +143,9 @@ class EncodeConfig(PrefillFields, StageConfig):
     prefill: Addresses = opt((), "remote prefill instances, host:port,...", wired=True)
     colocate_prefill: bool = opt(False, "run a prefill in this process, on this device")
     remote_fraction: Fraction = opt(1.0, "s: share of requests sent to remote prefill", note="s")
+    embed_transport: EmbedTransportKind = opt("auto", "how embeddings reach remote prefill: auto = by node identity "
+                                              "(shared memory on one host, CUDA IPC on one GPU; inline in the "
+                                              "message where neither reaches), or one of them forced")
     max_batch: int = opt(_BATCHER.max_batch, "B: most requests per encode batch")
     batch_mode: BatchMode = opt(_BATCHER.mode, "encode batching: adaptive (size, arrival gap, cap), fixed (size, "
                                 "cap), request_at_a_time (one at a time), continuous (a free encoder takes all "

@@ -15,6 +15,7 @@ from easerve.stages.common.metrics import PrefillMetrics, new_registry
 from easerve.stages.common.metrics_http import start_metrics_server
 from easerve.stages.prefill.stage import build_prefill_stage
 from easerve.stages.common.warmup import prefill_once
+from easerve.transport.handoff import embedding_receiver
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import prefill_pb2_grpc
 from easerve.stages.prefill.servicer import PrefillServicer
@@ -26,8 +27,10 @@ async def main(cfg: PrefillConfig) -> None:
     node = local_identity(cfg.torch_device)
     registry = new_registry()
     stage = None
+    receiver = embedding_receiver(cfg.torch_device)
     metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0,
-                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0)
+                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0,
+                             embed_received=lambda: receiver.received_bytes)
     stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
                                 metrics=metrics, clock=MonotonicClock())
 
@@ -41,7 +44,7 @@ async def main(cfg: PrefillConfig) -> None:
 
     runner = await start_metrics_server(cfg.metrics_listen, registry)
     try:
-        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage)),
+        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage, receiver)),
                      stage_load.adder(stage_load.StageServicer("prefill", node, load))], cfg.listen,
                     health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
                     on_bound=lambda p: write_port_file(cfg.port_file, p))
