@@ -6,4 +6,4 @@ from typing import Literal, get_args
 
 KVTransportKind = Literal["auto", "inline", "shm", "grpc", "cuda_ipc", "nccl"]
 KINDS: tuple[str, ...] = get_args(KVTransportKind)
-EmbedTransportKind = Literal["auto", "inline", "shm", "cuda_ipc"]
+EmbedTransportKind = Literal["auto", "inline", "shm", "cuda_ipc", "nccl"]

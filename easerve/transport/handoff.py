@@ -33,7 +33,7 @@ from easerve.transport import KINDS
 from easerve.wire.codec import kv_from_parts, kv_to_parts
 from easerve.errors import InvalidRequest, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls
-from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
+from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto, tensor_bytes
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
 from easerve.transport.node import NodeIdentity
@@ -193,10 +193,6 @@ class KVReceiver:
         return header, tensors
 
 
-def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def receivers(device: str, rendezvous: str = "") -> tuple[KVReceiver, list]:
     """Decode side: a receiver for every backend this process can take, plus the
     servicers to mount (the gRPC stream's parking lot). `rendezvous` (host:port): where
@@ -215,12 +211,16 @@ def receivers(device: str, rendezvous: str = "") -> tuple[KVReceiver, list]:
     return KVReceiver(found), [(kv_pb2_grpc.add_KVStreamServicer_to_server, kvs)]
 
 
-def embedding_receiver(device: str) -> KVReceiver:
+def embedding_receiver(device: str, rendezvous: str = "") -> KVReceiver:
     """Prefill side: embeddings from encode over every backend this process can take. Shared
     memory is viewed in place (no copy): the sender's slab region is back once the request's
-    last view of it dies; a one-off segment lives while mapped."""
+    last view of it dies; a one-off segment lives while mapped. `rendezvous` (host:port):
+    where encode instances form NCCL pair groups with this one ("": none)."""
     found: dict[str, KVTransport] = {"shm": ShmTransport(ShmConfig(copy_out=False))}
     if device.startswith("cuda"):
         from easerve.transport.cuda_ipc import CudaIpcTransport
         found["cuda_ipc"] = CudaIpcTransport()
+    if rendezvous:
+        from easerve.transport.nccl_pairs import PairRendezvous
+        found["nccl"] = PairRendezvous(rendezvous, device)
     return KVReceiver(found, what="embeddings")

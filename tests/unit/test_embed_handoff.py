@@ -91,3 +91,25 @@ def test_an_embeddings_payload_is_checked():
     kv_header = codec.make_header(codec.KIND_KV, {"request_id": "r4"}, tensors)
     with pytest.raises(CodecError, match="expected an 'embeddings' payload"):
         codec.embeddings_from_parts(kv_header, tensors, "r4")
+
+
+def test_a_prefill_with_a_rendezvous_takes_them_over_a_pair_group():
+    """Between GPUs without shared memory the pair is NCCL; with a CPU end the same pair group
+    runs over gloo, which is what runs here. The prefill advertises its store like decode."""
+    async def main():
+        recv = embedding_receiver("cpu", "127.0.0.1:0")
+        prefill = NodeIdentity("h2", "cpu", kv_rendezvous=recv.transports["nccl"].address)
+
+        async def reach_of(addr):
+            return prefill, False
+
+        senders = KVSenders(NodeIdentity("h1", "cpu"), reach_of, kind="nccl", byte_stream=False)
+        embeds = _embeds()
+        msg, t = await senders.send_parts("p:1", "r5", *codec.embeddings_to_parts("r5", embeds))
+        assert msg.WhichOneof("location") == "nccl"
+        got = codec.embeddings_from_parts(*await recv.fetch_parts(_wire(msg), timeout=20), "r5")
+        assert all(torch.equal(a, b) for a, b in zip(got, embeds))
+        assert senders.sent_bytes == recv.received_bytes == {"nccl": sum(e.numel() * e.element_size() for e in embeds)}
+        await senders.close()
+        await recv.transports["nccl"].close()
+    asyncio.run(main())
