@@ -137,3 +137,50 @@ def test_nccl_two_ranks_any_order():
             if p.exitcode is None:
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def _embed_receiver(conn) -> None:
+    from easerve.transport.handoff import embedding_receiver
+
+    async def main():
+        recv = embedding_receiver("cuda")
+        msg = kv_pb2.KVTransfer.FromString(conn.recv())
+        got = codec.embeddings_from_parts(*await recv.fetch_parts(msg), "e1")
+        conn.send(([x.is_cuda for x in got], [x.cpu() for x in got], dict(recv.received_bytes)))
+    asyncio.run(main())
+
+
+def test_embeddings_from_a_gpu_encoder_cross_cuda_ipc_without_leaving_the_gpu():
+    """Auto choice on one GPU with shared memory: CUDA IPC; the receiver gets the encoder's own
+    device tensors (no device-to-host copy), counted under cuda_ipc."""
+    from easerve.transport.handoff import KVSenders
+    from easerve.transport.node import local_identity
+
+    me = local_identity("cuda")
+
+    async def reach_of(addr):
+        return me, True
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_embed_receiver, args=(child,), daemon=True)
+    proc.start()
+
+    async def main():
+        senders = KVSenders(me, reach_of, byte_stream=False)
+        embeds = [torch.randn(192, 3584, device="cuda").to(torch.bfloat16), torch.randn(5, 3584, device="cuda")]
+        msg, t = await senders.send_parts("p:1", "e1", *codec.embeddings_to_parts("e1", embeds))
+        assert msg.WhichOneof("location") == "cuda_ipc" and msg.ByteSize() < 4096
+        parent.send(msg.SerializeToString())
+        assert parent.poll(120), "receiver did not answer"
+        on_gpu, got, counted = parent.recv()
+        assert on_gpu == [True, True] and all(torch.equal(a, b.cpu()) for a, b in zip(got, embeds))
+        nbytes = sum(e.numel() * e.element_size() for e in embeds)
+        assert counted == {"cuda_ipc": nbytes} and senders.sent_bytes == {"cuda_ipc": nbytes}
+        senders.release(t, msg)
+        await senders.close()
+    try:
+        asyncio.run(main())
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
