@@ -8,6 +8,7 @@ tensors, so every backend can check them and rebuild them without pickle.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from typing import Sequence
@@ -18,7 +19,8 @@ from easerve.transport.handles import (CudaIpcHandle, CudaTensorRef, GrpcHandle,
                                        InlineHandle, NcclHandle, ShmHandle, handle_from_proto,
                                        handle_to_proto)
 
-__all__ = ["KVTransport", "Handle", "InlineHandle", "ShmHandle", "GrpcHandle", "CudaIpcHandle",
+THREAD_BYTES = 1 << 20  # copies above this size run off the event loop
+__all__ = ["KVTransport", "off_loop", "tensor_bytes", "Handle", "InlineHandle", "ShmHandle", "GrpcHandle", "CudaIpcHandle",
            "CudaTensorRef", "NcclHandle", "handle_to_proto", "handle_from_proto"]
 
 
@@ -55,3 +57,15 @@ class KVTransport(ABC):
     def _expect(self, handle: Handle, kind: type) -> None:
         if not isinstance(handle, kind):
             raise ValueError(f"{self.name} transport cannot receive a {type(handle).__name__}")
+
+
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes of the tensors' data (what a transport moves for them, the header aside)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+async def off_loop(nbytes: int, fn, *args, **kw):
+    """Run fn off the event loop when it copies more than THREAD_BYTES (torch copies drop the GIL)."""
+    if nbytes < THREAD_BYTES:
+        return fn(*args, **kw)
+    return await asyncio.to_thread(fn, *args, **kw)

@@ -1,4 +1,5 @@
-"""KV handoff between prefill and decode through a transport, as KVTransfer messages.
+"""KV handoff (prefill -> decode) and embedding handoff (encode -> remote prefill) through a
+transport, as KVTransfer messages: one set of transports, chosen the same way, for both.
 
 Prefill side: `KVSenders.send(addr, payload) -> (KVTransfer, sender)` picks the transport
 *per decode instance* from where the two processes live (`transport.node`): when the
@@ -10,18 +11,29 @@ the gRPC byte stream to that instance's KVStream service. A forced kind ("shm", 
 `KVReceiver.fetch(msg) -> KVPayload` accepts every backend
 it can. The transport moves the codec parts (typed header + raw tensors, never pickle);
 the message carries only the handle (or the bytes, for inline).
+
+Embeddings (`send_parts` / `fetch_parts` with `codec.embeddings_to_parts`): encode holds a
+KVSenders over its remote prefill instances made with `byte_stream=False` (a prefill serves
+no KVStream: where the choice would be the gRPC byte stream, the payload travels inline in
+the message, the fallback); prefill takes them with `embedding_receiver(device)`, whose
+shared-memory receiver hands out views of the sender's slab (no copy; the region is back
+once the request's last view of it dies). Both ends count the tensor bytes they moved by
+transport (`sent_bytes`, `received_bytes`; "inline": bytes carried inside the message).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+
+import torch
 
 from easerve.transport import KINDS
 from easerve.wire.codec import kv_from_parts, kv_to_parts
 from easerve.errors import InvalidRequest, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls
-from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto
+from easerve.transport.base import KVTransport, handle_from_proto, handle_to_proto, tensor_bytes
 from easerve.transport.grpc_stream import GrpcStreamTransport, KVStreamServicer
 from easerve.transport.inline import InlineTransport
 from easerve.transport.node import NodeIdentity
@@ -57,11 +69,14 @@ class KVSenders:
     one gRPC stream transport or NCCL pair group per remote decode instance."""
 
     def __init__(self, me: NodeIdentity, reach_of: ReachLookup, kind: str = "auto", channel_options=(),
-                 tls: Tls = NO_TLS):
+                 tls: Tls = NO_TLS, byte_stream: bool = True):
+        """`byte_stream=False`: the receivers serve no KVStream; where the choice would be the
+        gRPC byte stream ("grpc"), the payload travels inline in the message instead."""
         if kind not in KINDS:
             raise ValueError(f"--kv-transport {kind!r}: choose one of {', '.join(KINDS)}")
         self.me, self.kind, self._reach_of, self._opts = me, kind, reach_of, list(channel_options)
-        self._tls = tls
+        self._tls, self._byte_stream = tls, byte_stream
+        self.sent_bytes: Counter[str] = Counter()  # tensor bytes handed over so far, by transport
         self._by_addr: dict[str, KVTransport] = {}
         self._shared: dict[str, KVTransport] = {}
         self._choosing: dict[str, asyncio.Lock] = {}  # one choice (and one pair formed) per instance
@@ -82,9 +97,11 @@ class KVSenders:
         peer, shared = await self._reach_of(addr) if self.kind in ("auto", "nccl") else (None, False)
         kind, why = (self.kind, "set by --kv-transport") if self.kind != "auto" else \
             choose_kind(self.me, peer, shared)
+        if kind == "grpc" and not self._byte_stream:
+            kind, why = "inline", f"{why}: inline in the message"
         t = await self._pair(addr, peer) if kind == "nccl" else self._make(kind, addr)
         self._by_addr[addr], self.choices[addr] = t, (kind, why)
-        log.info("KV to %s over %s (%s)", addr, kind, why)
+        log.info("%s to %s over %s (%s)", "KV" if self._byte_stream else "embeddings", addr, kind, why)
         return t
 
     async def _pair(self, addr: str, peer: NodeIdentity | None) -> KVTransport:
@@ -114,10 +131,17 @@ class KVSenders:
                    stream=None) -> tuple[kv_pb2.KVTransfer, KVTransport]:
         """`stream`: the CUDA stream that wrote the payload's KV, for a transport that orders
         the receiver after it (CUDA IPC records its ready event there)."""
-        t = await self.transport_for(addr)
         header, tensors = kv_to_parts(payload)
+        return await self.send_parts(addr, payload.request_id, header, tensors, timeout, stream)
+
+    async def send_parts(self, addr: str, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
+                         timeout: float | None = None, stream=None) -> tuple[kv_pb2.KVTransfer, KVTransport]:
+        """Any codec payload (KV, embeddings) to the instance at `addr`: (its message, the
+        transport to `release` it on once the receiver is done or the call failed)."""
+        t = await self.transport_for(addr)
         extra = {"stream": stream} if stream is not None and t.name == "cuda_ipc" else {}
-        handle = await t.send(payload.request_id, header, tensors, timeout=timeout, **extra)
+        handle = await t.send(request_id, header, tensors, timeout=timeout, **extra)
+        self.sent_bytes[t.name] += tensor_bytes(tensors)
         return handle_to_proto(handle), t
 
     async def forget(self, addr: str) -> None:
@@ -147,19 +171,26 @@ class KVSenders:
 
 
 class KVReceiver:
-    def __init__(self, transports: dict[str, KVTransport] | None = None):
+    def __init__(self, transports: dict[str, KVTransport] | None = None, what: str = "KV"):
         self.transports = {"inline": InlineTransport(), **(transports or {})}
+        self.what = what  # what it takes, for its errors
+        self.received_bytes: Counter[str] = Counter()  # tensor bytes taken in so far, by transport
 
     async def fetch(self, msg: kv_pb2.KVTransfer, timeout: float | None = None) -> KVPayload:
+        return kv_from_parts(*await self.fetch_parts(msg, timeout))
+
+    async def fetch_parts(self, msg: kv_pb2.KVTransfer, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
+        """The codec parts a message points to (once)."""
         where = msg.WhichOneof("location")
         if where is None:
-            raise InvalidRequest("DecodeRequest.kv carries no payload; set inline bytes or a transport handle")
+            raise InvalidRequest(f"the {self.what} transfer carries no payload; set inline bytes or a transport handle")
         transport = self.transports.get(where)
         if transport is None:
-            raise InvalidRequest(f"this decode worker cannot receive KV over {where!r}; "
+            raise InvalidRequest(f"this worker cannot receive {self.what} over {where!r}; "
                                  f"it takes: {', '.join(self.transports)}")
         header, tensors = await transport.recv(handle_from_proto(msg), timeout=timeout)
-        return kv_from_parts(header, tensors)
+        self.received_bytes[where] += tensor_bytes(tensors)
+        return header, tensors
 
 
 def receivers(device: str, rendezvous: str = "") -> tuple[KVReceiver, list]:
@@ -178,3 +209,18 @@ def receivers(device: str, rendezvous: str = "") -> tuple[KVReceiver, list]:
         from easerve.transport.nccl_pairs import PairRendezvous
         found["nccl"] = PairRendezvous(rendezvous, device)
     return KVReceiver(found), [(kv_pb2_grpc.add_KVStreamServicer_to_server, kvs)]
+
+
+def embedding_receiver(device: str, rendezvous: str = "") -> KVReceiver:
+    """Prefill side: embeddings from encode over every backend this process can take. Shared
+    memory is viewed in place (no copy): the sender's slab region is back once the request's
+    last view of it dies; a one-off segment lives while mapped. `rendezvous` (host:port):
+    where encode instances form NCCL pair groups with this one ("": none)."""
+    found: dict[str, KVTransport] = {"shm": ShmTransport(ShmConfig(copy_out=False))}
+    if device.startswith("cuda"):
+        from easerve.transport.cuda_ipc import CudaIpcTransport
+        found["cuda_ipc"] = CudaIpcTransport()
+    if rendezvous:
+        from easerve.transport.nccl_pairs import PairRendezvous
+        found["nccl"] = PairRendezvous(rendezvous, device)
+    return KVReceiver(found, what="embeddings")

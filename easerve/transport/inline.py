@@ -1,4 +1,5 @@
-"""Inline: the whole codec frame travels inside the handle (small payloads, tests)."""
+"""Inline: the whole codec frame travels inside the handle (small payloads, tests, and the
+embeddings' fallback where no other transport reaches); large frames are built off the loop."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from typing import Sequence
 import torch
 
 from easerve.wire import codec
-from easerve.transport.base import KVTransport
+from easerve.transport.base import KVTransport, off_loop, tensor_bytes
 from easerve.transport.handles import Handle, InlineHandle
 
 
@@ -17,13 +18,13 @@ class InlineTransport(KVTransport):
     async def send(self, request_id: str, header: bytes, tensors: Sequence[torch.Tensor],
                    *, timeout: float | None = None) -> InlineHandle:
         t0 = time.perf_counter()
-        h = InlineHandle(request_id, codec.join_parts(header, tensors))
+        h = InlineHandle(request_id, await off_loop(tensor_bytes(tensors), codec.join_parts, header, tensors))
         self._measured(h.nbytes, t0)
         return h
 
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
         self._expect(handle, InlineHandle)
         t0 = time.perf_counter()
-        out = codec.split_parts(handle.data)
+        out = await off_loop(handle.nbytes, codec.split_parts, handle.data)
         self._measured(handle.nbytes, t0)
         return out

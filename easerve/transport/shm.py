@@ -14,7 +14,6 @@ with it, by the next sender or the launcher: `shm_reclaim`). Segments are made w
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import mmap
 import os
@@ -29,13 +28,12 @@ import torch
 
 from easerve.wire import codec
 from easerve.errors import InvalidRequest, NotFound, Overloaded
-from easerve.transport.base import KVTransport
+from easerve.transport.base import KVTransport, off_loop
 from easerve.transport.handles import Handle, ShmHandle
 from easerve.transport.shm_reclaim import claim, reclaim_stale, release_claim, slab_name
 from easerve.transport.shm_slab import SlabReader, SlabWriter
 
 log = logging.getLogger(__name__)
-_THREAD_BYTES = 1 << 20  # copies above this size run off the event loop
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _MAX_REGION = 1 << 48
 
@@ -92,7 +90,7 @@ class ShmTransport(KVTransport):
         if slot is not None:
             offset, gen = slot
             try:
-                await _maybe_thread(size, codec.write_parts, header, tensors, self._slab.buffer(offset, size))
+                await off_loop(size, codec.write_parts, header, tensors, self._slab.buffer(offset, size))
             except BaseException:
                 self._slab.free(offset, gen)
                 raise
@@ -132,7 +130,7 @@ class ShmTransport(KVTransport):
         mm = _create(name, size)
         self._pending[name] = (time.monotonic() + self.config.ttl_s, size)
         try:
-            await _maybe_thread(size, _write, header, tensors, mm)
+            await off_loop(size, _write, header, tensors, mm)
         except BaseException:
             self._unlink(name)
             raise
@@ -147,12 +145,12 @@ class ShmTransport(KVTransport):
         copy = self.config.copy_out
         if handle.slab:
             buf = self._reader.take(handle.name, handle.offset, handle.size, handle.generation)
-            out = await _maybe_thread(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
+            out = await off_loop(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
         else:
             mm = _open_and_unlink(handle.name, handle.offset + handle.size)
             self._pending.pop(handle.name, None)
             buf = memoryview(mm)[handle.offset: handle.offset + handle.size]
-            out = await _maybe_thread(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
+            out = await off_loop(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
             if copy:
                 del buf
                 _close(mm)
@@ -246,10 +244,3 @@ def _close(mm: mmap.mmap) -> None:
 def _write(header: bytes, tensors: Sequence[torch.Tensor], mm: mmap.mmap) -> None:
     with memoryview(mm) as view:
         codec.write_parts(header, tensors, view)
-
-
-async def _maybe_thread(nbytes: int, fn, *args, **kw):
-    """Run fn off the event loop when it copies more than _THREAD_BYTES (torch copies drop the GIL)."""
-    if nbytes < _THREAD_BYTES:
-        return fn(*args, **kw)
-    return await asyncio.to_thread(fn, *args, **kw)

@@ -31,6 +31,7 @@ ALIGN = 64
 _PREAMBLE = struct.Struct("<4sHHI")
 MAX_HEADER_BYTES = 16 << 20
 KIND_KV = "kv"
+KIND_EMBEDDINGS = "embeddings"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -270,3 +271,20 @@ def kv_from_parts(header: bytes, tensors: Sequence[torch.Tensor]) -> KVPayload:
         request_id=m["request_id"], keys=list(tensors[0::2]), values=list(tensors[1::2]),
         prompt_len=m["prompt_len"], rope_delta=m["rope_delta"], first_token=m["first_token"],
         sampling=sampling, prompt_ids_tail=tail, penalty_ids=penalty_ids, first_tokens=firsts)
+
+
+# ---------------------------------------------------------------- embeddings (encode -> prefill)
+def embeddings_to_parts(request_id: str, embeddings: Sequence[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    """Header + one tensor per media item ([num_tokens, hidden]), left on their device."""
+    tensors = list(embeddings)
+    return make_header(KIND_EMBEDDINGS, {"request_id": request_id}, tensors), tensors
+
+
+def embeddings_from_parts(header: bytes, tensors: Sequence[torch.Tensor], request_id: str) -> list[torch.Tensor]:
+    """The item embeddings of an 'embeddings' payload sent for `request_id`."""
+    kind, m, _ = check_parts(header, tensors)
+    if kind != KIND_EMBEDDINGS:
+        raise CodecError(f"expected an '{KIND_EMBEDDINGS}' payload, got '{kind}'")
+    if m.get("request_id") != request_id:
+        raise CodecError(f"the embeddings payload is for request {m.get('request_id')!r}, not {request_id!r}")
+    return list(tensors)

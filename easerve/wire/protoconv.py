@@ -94,11 +94,13 @@ def token_chunk(request_id: str, token_ids, finish_reason: str | None = None, te
     return chunk
 
 
-def prefill_request_from_proto(msg) -> PrefillRequest:
-    """easerve.v1.PrefillRequest -> the domain request (embeddings inline, one per item)."""
+def prefill_request_from_proto(msg, embeds: list[torch.Tensor] | None = None) -> PrefillRequest:
+    """easerve.v1.PrefillRequest -> the domain request: one embedding per item, `embeds` (taken
+    from the transport `embeddings_transfer` names) or else the inline tensors."""
     items = [item_meta_from_proto(m) for m in msg.items]
     hashes = [bytes(m.content_hash) for m in msg.items]
-    embeds = [tensor_from_proto(t) for t in msg.embeddings.tensors]
+    if embeds is None:
+        embeds = [tensor_from_proto(t) for t in msg.embeddings.tensors]
     if len(embeds) != len(items):
         raise InvalidRequest(f"{len(items)} media items but {len(embeds)} embedding tensors; send one per item")
     if not msg.meta.request_id:

@@ -31,11 +31,27 @@ def test_presets_are_valid_and_round_trip(name, tmp_path):
 def test_presets_hold_the_baselines():
     knobs = {n: (d.encode[0].flag("batch-mode"), d.encode[0].flag("max-batch"), d.encode[0].flag("remote-fraction"),
                  bool(d.encode[0].flag("colocate-prefill"))) for n, d in PRESETS.items() if d.encode}
-    assert knobs == {"default": ("adaptive", 8, 1.0, False), "colocated": ("adaptive", 8, 0.5, True),
+    assert knobs == {"default": ("continuous", 8, 1.0, False), "colocated": ("continuous", 8, 0.5, True),
                      "dynamo-like": ("request_at_a_time", 1, 1.0, False), "fixed-batch-8": ("fixed", 8, 1.0, False)}
     assert preset("passthrough") == preset("dynamo-like") and preset("fixed8") == preset("fixed-batch-8")
     mono = preset("monolith").monolith[0]
     assert mono.flag("sm-backend") == "timeslice"  # the aggregated baseline shares nothing on purpose
+
+
+@pytest.mark.parametrize("name, stage", [("default", "encode"), ("colocated", "encode"), ("monolith", "monolith")])
+def test_presets_with_an_idle_encoder_dispatch_at_once(name, stage):
+    """The encoder of these presets may sit idle: a lone request leaves the moment it arrives
+    (no gap or cap wait), and arrivals during a busy encode still leave together, up to 8."""
+    from easerve.policy.batcher import AdaptiveBatcher
+    cmd = next(c for c in to_commands(preset(name).with_model(MODEL), "127.0.0.1", _ports(preset(name)))
+               if c.stage == stage)
+    b = AdaptiveBatcher(_parse(stage, list(cmd.argv[3:])).batcher)
+    d = b.add("lone", 0.0)
+    assert d is not None and d.item_ids == ("lone",) and d.oldest_wait_s == 0.0
+    for i in range(10):
+        assert b.add(i, 0.01 * i) is None  # the encoder is busy: they wait together
+    b.on_free(0.2)
+    assert b.poll(0.2).item_ids == tuple(range(8))
 
 
 def test_unknown_preset_lists_the_names():
@@ -152,7 +168,7 @@ def test_commands_need_a_model_and_every_port():
 
 
 SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32", "max-running": 4, "max-waiting": 8, "num-slots": 4,
-          "max-seq-len": 256, "kv-capacity-tokens": 1024, "block-size": 16, "kv-transport": "auto", "kv-rendezvous": "127.0.0.1:0",
+          "max-seq-len": 256, "kv-capacity-tokens": 1024, "block-size": 16, "kv-transport": "auto", "embed-transport": "shm", "kv-rendezvous": "127.0.0.1:0",
           "colocate-prefill": True, "remote-fraction": 0.5, "max-batch": 4, "batch-mode": "fixed",
           "safety-cap-s": 0.5, "gap-coef": 2.0, "served-model-name": "m", "request-timeout-s": 30.0,
           "default-max-tokens": 16, "max-body-mb": 8.0, "max-gap-s": 0.05, "sm-backend": "auto",
@@ -170,7 +186,8 @@ SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32",
           "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32,
           "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
           "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,
-          "online-instances-file": "/tmp/instances.json", "online-util": "0.3:0.6:0.9"}
+          "online-instances-file": "/tmp/instances.json", "online-util": "0.3:0.6:0.9",
+          "migration-limit": 2, "decode-progress-timeout-s": 10.0}
 
 
 def _parse(stage: str, argv: list[str]):

@@ -11,7 +11,7 @@ import pytest
 
 from easerve.errors import NotFound, Unavailable
 from easerve.stages.common.configs import DecodeConfig
-from easerve.stages.decode.app import rendezvous_listen
+from easerve.stages.common.rendezvous import rendezvous_listen
 from easerve.transport.handoff import KVSenders, choose_kind
 from easerve.transport.nccl import DST, SRC, NcclConfig
 from easerve.transport.nccl_pairs import PairRendezvous, PairTimeouts, _announce, _parse, backend_for, connect_pair

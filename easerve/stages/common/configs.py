@@ -28,7 +28,7 @@ from easerve.policy.batcher import BatchMode, BatcherConfig
 from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
-from easerve.transport import KVTransportKind
+from easerve.transport import EmbedTransportKind, KVTransportKind
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -79,11 +79,18 @@ class StageConfig:
 
 
 @dataclass(frozen=True)
-class DecodeConfig(EngineConfig, StageConfig):
+class RendezvousFields:
+    """A stage that receives over NCCL pair groups (decode: KV from prefill; prefill:
+    embeddings from encode); where its store listens is easerve.stages.common.rendezvous."""
+    kv_rendezvous: str = opt("", "host:port of the store where the senders to this instance (prefill for decode's "
+                                 "KV, encode for prefill's embeddings) form NCCL pair groups with it (default: on a "
+                                 "CUDA device listening beyond loopback, the --listen host, any port; otherwise "
+                                 "none; off: none)")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(EngineConfig, RendezvousFields, StageConfig):
     """The decode stage: its engine flags are EngineConfig's fields; the engine takes it as is."""
-    kv_rendezvous: str = opt("", "host:port of the store where prefill instances form their NCCL KV pair "
-                                 "groups with this one (default: on a CUDA device listening beyond loopback, "
-                                 "the --listen host, any port; otherwise none; off: none)")
 
     def __post_init__(self) -> None:
         StageConfig.__post_init__(self)
@@ -131,7 +138,7 @@ class PrefillFields(PeerFields):
 
 
 @dataclass(frozen=True)
-class PrefillConfig(PrefillFields, StageConfig):
+class PrefillConfig(PrefillFields, RendezvousFields, StageConfig):
     def _check(self) -> None:
         if not self.decode:
             raise ValueError("prefill needs --decode addresses for its KV")
@@ -146,6 +153,10 @@ class EncodeConfig(PrefillFields, StageConfig):
     prefill: Addresses = opt((), "remote prefill instances, host:port,...", wired=True)
     colocate_prefill: bool = opt(False, "run a prefill in this process, on this device")
     remote_fraction: Fraction = opt(1.0, "s: share of requests sent to remote prefill", note="s")
+    embed_transport: EmbedTransportKind = opt("auto", "how embeddings reach remote prefill: auto = by node identity "
+                                              "(shared memory on one host, CUDA IPC on one GPU, NCCL between GPUs "
+                                              "to a prefill with --kv-rendezvous; inline in the message where none "
+                                              "reaches), or one of them forced")
     max_batch: int = opt(_BATCHER.max_batch, "B: most requests per encode batch")
     batch_mode: BatchMode = opt(_BATCHER.mode, "encode batching: adaptive (size, arrival gap, cap), fixed (size, "
                                 "cap), request_at_a_time (one at a time), continuous (a free encoder takes all "

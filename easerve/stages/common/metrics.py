@@ -8,9 +8,10 @@ built for vLLM read ours with the prefix changed.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -26,11 +27,27 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
+class BytesByTransport:
+    """A counter `name{transport}` read at scrape time from a transport's own byte counts
+    (easerve.transport.handoff: KVSenders.sent_bytes, KVReceiver.received_bytes)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, counts: Callable[[], Mapping[str, int]]):
+        self.name, self.doc, self._counts = name, doc, counts
+        registry.register(self)
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=["transport"])
+        for transport, n in sorted(self._counts().items()):
+            family.add_metric([transport], n)
+        yield family
+
+
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry, queued: Callable[[], int] | None = None,
-                 kv_held: Callable[[], int] | None = None):
+                 kv_held: Callable[[], int] | None = None, embed_received: Callable[[], Mapping[str, int]] | None = None):
         """`queued()`: requests waiting for a prefill batch; `kv_held()`: KV bytes the senders
-        still hold for decode (both read when scraped)."""
+        still hold for decode; `embed_received()`: embedding bytes taken in from encode, by
+        transport (all read when scraped)."""
         r = registry
         self.busy_s = 0.0  # seconds of batched forwards so far (Load's busy_s)
         self.batch_size = Histogram("easerve:prefill_batch_size",
@@ -50,6 +67,9 @@ class PrefillMetrics:
         if kv_held is not None:
             Gauge("easerve:kv_sender_held_bytes", "KV bytes held for decode instances that have not let go "
                   "of them yet (shm slab regions, one-off segments)", registry=r).set_function(kv_held)
+        if embed_received is not None:
+            BytesByTransport(r, "easerve:embed_received_bytes", "Embedding tensor bytes taken in from encode, by "
+                             "transport (inline: carried inside the gRPC message)", embed_received)
 
     def on_batch(self, start: float, end: float) -> None:
         self.batch_time.observe(end - start)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -270,7 +271,7 @@ class Peers:
                     raise
                 await asyncio.sleep(self.poll_s)
 
-    async def start_call(self, open_call: Callable[[Peer], object], prefer: str | None = None,
+    async def start_call(self, open_call: Callable[[Peer], object | Awaitable[object]], prefer: str | None = None,
                          failed: set[str] | None = None, retries: int = 1) -> tuple[Peer, object, object]:
         """Open a server-streaming call on the least-loaded instance and read its first
         message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
@@ -278,15 +279,21 @@ class Peers:
         over the size limit is refused everywhere). `failed`: instances not to use (a
         caller's earlier attempts), given to be filled with each instance that failed so;
         a caller whose retry needs more than a new instance passes `retries=0` and retries
-        itself. Returns (peer, call, first message); the caller must `finish(peer)` when
-        done with the call."""
+        itself. `open_call(peer)` returns the call, or an awaitable of it. Returns (peer, call,
+        first message); the caller must `finish(peer)` when done with the call."""
         failed = set() if failed is None else failed
         tries = 0
         while True:
             peer = await self._pick_soon(frozenset(failed), prefer)
             peer.outstanding += 1
             peer.sent_since_poll += 1
-            call = open_call(peer)
+            try:
+                call = open_call(peer)
+                if inspect.isawaitable(call):  # it first hands the instance something (embeddings)
+                    call = await call
+            except BaseException:
+                peer.outstanding -= 1
+                raise
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:

@@ -3,8 +3,6 @@
 Entry point: python -m services.decode --model DIR [--listen 127.0.0.1:50054] [--num-slots 64 --max-seq-len 2048]"""
 from __future__ import annotations
 
-import ipaddress
-import socket
 from dataclasses import replace
 
 
@@ -18,33 +16,12 @@ from easerve.stages.decode.async_engine import AsyncEngine
 from easerve.stages.common.cli import dtype_of, write_port_file
 from easerve.stages.common.configs import DecodeConfig
 from easerve.stages.common.metrics_http import start_metrics_server
+from easerve.stages.common.rendezvous import rendezvous_listen
 from easerve.stages.common.warmup import dummy_payload
 from easerve.transport.handoff import receivers
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import decode_pb2_grpc
 from easerve.stages.decode.servicer import DecodeServicer
-
-
-def rendezvous_listen(cfg: DecodeConfig) -> str:
-    """Where this instance's NCCL pair store listens: --kv-rendezvous host:port; by default, on a
-    CUDA decode that listens beyond loopback, its --listen host (any port), a wildcard host
-    advertised as this host's name; "" (none) otherwise and for "off". torch's TCPStore listens on
-    every interface, so a stage kept on loopback never opens one unless asked."""
-    if cfg.kv_rendezvous == "off":
-        return ""
-    if cfg.kv_rendezvous:
-        return cfg.kv_rendezvous
-    host = cfg.listen.rsplit(":", 1)[0].strip("[]")
-    if not cfg.torch_device.startswith("cuda") or _loopback(host):
-        return ""
-    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:0"
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def build_engine(cfg: EngineConfig, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:

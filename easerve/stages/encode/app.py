@@ -20,6 +20,7 @@ from easerve.stages.common.metrics_http import start_metrics_server
 from easerve.stages.common.peers import peers_of
 from easerve.stages.prefill.stage import build_prefill_stage
 from easerve.stages.common.warmup import prefill_once
+from easerve.transport.handoff import KVSenders
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import encode_pb2_grpc, prefill_pb2_grpc
 from easerve.cache.embeddings import EmbeddingCache, model_fingerprint
@@ -63,9 +64,13 @@ class Encoder:
         self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
                                "easerve.v1.Prefill", tls=self.opts.tls)
         self.cache = self._cache()
+        # embeddings to remote prefill: the KV transports, chosen per instance (no KVStream there)
+        self.embed = KVSenders(self.node, self.remote.reach_of, cfg.embed_transport, self.opts.channel_options(),
+                               tls=self.opts.tls, byte_stream=False)
+        self.metrics.on_embed_senders(self.embed)
         self.servicer = EncodeServicer(self.loop, DeficitRouter(cfg.remote_fraction), self.local,
                                        self.remote, self.metrics, cfg.max_inflight, cache=self.cache,
-                                       route=self._route())
+                                       route=self._route(), embed=self.embed)
         self.online = self._online()
         self.servicer.online = self.online
 
@@ -151,6 +156,7 @@ class Encoder:
             await self.online.stop()
         await self.loop.stop()
         await self.remote.close()
+        await self.embed.close()
         if self.local is not None:
             await self.local.stop()
 

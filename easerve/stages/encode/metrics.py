@@ -5,7 +5,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.stages.encode.trace import UtilizationTrace
-from easerve.stages.common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, new_registry
+from easerve.stages.common.metrics import LATENCY_BUCKETS, SIZE_BUCKETS, BytesByTransport, new_registry
 
 SHARE_BUCKETS = (0.2, 0.4, 0.5, 0.6, 0.8, 1.0)  # 0.5: the static split
 
@@ -67,6 +67,15 @@ class EncodeMetrics:
     def on_partition(self, backend: str, policy: str, degraded: str) -> None:
         self.partition.labels(backend=backend, policy=policy).set(1)
         self.degraded.set(1 if degraded else 0)
+
+    def on_embed_senders(self, senders) -> None:
+        """Export the bytes `senders` (a transport.handoff.KVSenders) handed to remote prefill,
+        and those it still holds."""
+        BytesByTransport(self.registry, "easerve:embed_sent_bytes", "Embedding tensor bytes handed to remote "
+                         "prefill, by transport (inline: carried inside the gRPC message)", lambda: senders.sent_bytes)
+        Gauge("easerve:embed_sender_held_bytes", "Embedding bytes held for remote prefill instances that have not "
+              "let go of them yet (shm slab regions, one-off segments)",
+              registry=self.registry).set_function(lambda: senders.held_bytes)
 
     def on_queue_wait(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)

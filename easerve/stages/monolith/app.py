@@ -16,7 +16,7 @@ from easerve.stages.common import load as stage_load
 from easerve.stages.common.cli import write_port_file
 from easerve.stages.common.configs import MonolithConfig
 from easerve.stages.common.warmup import dummy_payload
-from easerve.transport.handoff import KVReceiver
+from easerve.transport.handoff import KVReceiver, embedding_receiver
 from easerve.wire.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from easerve.stages.decode.app import build_engine
 from easerve.stages.decode.servicer import DecodeServicer
@@ -52,7 +52,7 @@ async def main(cfg: MonolithConfig) -> None:
     runner = await start_metrics_server(cfg.metrics_listen, enc.metrics.registry,
                                         {"/trace": enc.trace, "/partition": enc.partition_info},
                                         before_scrape=refresh)
-    adders = [enc.adders()[0], (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(enc.local)),
+    adders = [enc.adders()[0], (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(enc.local, embedding_receiver(cfg.torch_device))),
               (decode_pb2_grpc.add_DecodeServicer_to_server,
                DecodeServicer(engine, KVReceiver(), cfg.max_waiting, dmetrics)),
               stage_load.adder(stage_load.StageServicer("monolith", enc.node, load))]

@@ -4,6 +4,7 @@ Entry point: python -m services.prefill --model DIR --decode H:P[,H:P] [--listen
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from easerve.models.loader import load_adapter
 from easerve.policy.clock import MonotonicClock
@@ -15,6 +16,8 @@ from easerve.stages.common.metrics import PrefillMetrics, new_registry
 from easerve.stages.common.metrics_http import start_metrics_server
 from easerve.stages.prefill.stage import build_prefill_stage
 from easerve.stages.common.warmup import prefill_once
+from easerve.stages.common.rendezvous import rendezvous_listen
+from easerve.transport.handoff import embedding_receiver
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import prefill_pb2_grpc
 from easerve.stages.prefill.servicer import PrefillServicer
@@ -23,11 +26,14 @@ from easerve.stages.prefill.servicer import PrefillServicer
 async def main(cfg: PrefillConfig) -> None:
     adapter = load_adapter(cfg.model, role="prefill", device=cfg.torch_device, dtype=dtype_of(cfg.dtype))
     opts = ServerOptions.of(cfg)
-    node = local_identity(cfg.torch_device)
     registry = new_registry()
     stage = None
+    receiver = embedding_receiver(cfg.torch_device, rendezvous_listen(cfg))
+    pairs = receiver.transports.get("nccl")  # encode instances form NCCL pair groups here
+    node = replace(local_identity(cfg.torch_device), kv_rendezvous=pairs.address if pairs is not None else "")
     metrics = PrefillMetrics(registry, queued=lambda: stage.loop.queued if stage is not None else 0,
-                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0)
+                             kv_held=lambda: stage.senders.held_bytes if stage is not None else 0,
+                             embed_received=lambda: receiver.received_bytes)
     stage = build_prefill_stage(cfg, adapter, opts.channel_options(), node, on_busy=metrics.on_batch,
                                 metrics=metrics, clock=MonotonicClock())
 
@@ -41,12 +47,14 @@ async def main(cfg: PrefillConfig) -> None:
 
     runner = await start_metrics_server(cfg.metrics_listen, registry)
     try:
-        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage)),
+        await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage, receiver)),
                      stage_load.adder(stage_load.StageServicer("prefill", node, load))], cfg.listen,
                     health_services=["easerve.v1.Prefill"], options=opts, warmup=warmup,
                     on_bound=lambda p: write_port_file(cfg.port_file, p))
     finally:
         await stage.stop()
+        if pairs is not None:
+            await pairs.close()
         if runner is not None:
             await runner.cleanup()
 

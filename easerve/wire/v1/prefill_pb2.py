@@ -23,19 +23,20 @@ _sym_db = _symbol_database.Default()
 
 
 from easerve.wire.v1 import common_pb2 as easerve_dot_v1_dot_common__pb2
+from easerve.wire.v1 import kv_pb2 as easerve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65\x61serve/v1/prefill.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\"6\n\nEmbeddings\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.easerve.v1.TensorProto\"\x8c\x02\n\x0ePrefillRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12#\n\x05items\x18\x03 \x03(\x0b\x32\x14.easerve.v1.ItemMeta\x12*\n\nembeddings\x18\x04 \x01(\x0b\x32\x16.easerve.v1.Embeddings\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.easerve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x18.easerve.v1.DecodeTargetJ\x04\x08\x05\x10\x06R\x11\x65mbeddings_handle2J\n\x07Prefill\x12?\n\x07Prefill\x12\x1a.easerve.v1.PrefillRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65\x61serve/v1/prefill.proto\x12\neaserve.v1\x1a\x17\x65\x61serve/v1/common.proto\x1a\x13\x65\x61serve/v1/kv.proto\"6\n\nEmbeddings\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.easerve.v1.TensorProto\"\xc1\x02\n\x0ePrefillRequest\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.easerve.v1.RequestMeta\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12#\n\x05items\x18\x03 \x03(\x0b\x32\x14.easerve.v1.ItemMeta\x12*\n\nembeddings\x18\x04 \x01(\x0b\x32\x16.easerve.v1.Embeddings\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.easerve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x18.easerve.v1.DecodeTarget\x12\x33\n\x13\x65mbeddings_transfer\x18\x08 \x01(\x0b\x32\x16.easerve.v1.KVTransferJ\x04\x08\x05\x10\x06R\x11\x65mbeddings_handle2J\n\x07Prefill\x12?\n\x07Prefill\x12\x1a.easerve.v1.PrefillRequest\x1a\x16.easerve.v1.TokenChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'easerve.wire.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EMBEDDINGS']._serialized_start=65
-  _globals['_EMBEDDINGS']._serialized_end=119
-  _globals['_PREFILLREQUEST']._serialized_start=122
-  _globals['_PREFILLREQUEST']._serialized_end=390
-  _globals['_PREFILL']._serialized_start=392
-  _globals['_PREFILL']._serialized_end=466
+  _globals['_EMBEDDINGS']._serialized_start=86
+  _globals['_EMBEDDINGS']._serialized_end=140
+  _globals['_PREFILLREQUEST']._serialized_start=143
+  _globals['_PREFILLREQUEST']._serialized_end=464
+  _globals['_PREFILL']._serialized_start=466
+  _globals['_PREFILL']._serialized_end=540
 # @@protoc_insertion_point(module_scope)
