@@ -30,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
-from easerve.rpc.errors import from_rpc_error
-from easerve.errors import MessageTooLarge, Unavailable
+from easerve.rpc.errors import from_peer_error
+from easerve.errors import Overloaded, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel, connected
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
@@ -39,7 +39,6 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 POLL_S = 0.25
 READY_S = 3.0  # how long reach_of waits for a channel to an instance to connect
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -273,8 +272,9 @@ class Peers:
     async def start_call(self, open_call: Callable[[Peer], object], prefer: str | None = None,
                          failed: set[str] | None = None, retries: int = 1) -> tuple[Peer, object, object]:
         """Open a server-streaming call on the least-loaded instance and read its first
-        message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
-        up to `retries` more times on other instances (not for MessageTooLarge: a message
+        message; if the call fails before that with UNAVAILABLE (a CANCELLED from the
+        instance is one: it stopped with the call open) / RESOURCE_EXHAUSTED, try up to
+        `retries` more times on other instances (not for MessageTooLarge: a message
         over the size limit is refused everywhere). `failed`: instances not to use (a
         caller's earlier attempts), given to be filled with each instance that failed so;
         a caller whose retry needs more than a new instance passes `retries=0` and retries
@@ -291,10 +291,10 @@ class Peers:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
                 peer.outstanding -= 1
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                err = from_peer_error(e)
+                if isinstance(err, Unavailable):
                     peer.up = False
-                err = from_rpc_error(e)
-                retryable = e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge)
+                retryable = isinstance(err, (Unavailable, Overloaded))  # not MessageTooLarge: an InvalidRequest
                 if retryable:
                     failed.add(peer.addr)
                 tries += 1
@@ -337,6 +337,6 @@ async def relay(call) -> AsyncIterator:
         while (msg := await call.read()) is not grpc.aio.EOF:
             yield msg
     except grpc.aio.AioRpcError as e:
-        raise from_rpc_error(e) from None
+        raise from_peer_error(e) from None
     finally:
         call.cancel()
