@@ -13,8 +13,9 @@ reservation, so it retries under a new one).
 The set of instances may change while running (`easerve.stages.common.peer_sources`: DNS names
 looked up again, the launcher's peers file): the poll loop applies each new list. A new
 instance is a candidate once a poll finds it SERVING; one that left the list (or drains:
-NOT_SERVING) gets no new calls, its open calls finish, and its channel is closed once
-this caller has none open on it.
+NOT_SERVING) gets no new calls, its open calls finish, and its channel is closed once a poll
+finds it gone and this caller has none open on it (until then the work it holds may need
+calls: a draining decode instance takes the KV of the reservations it holds).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class Peer:
     capacity: int = 0
     node: NodeIdentity | None = None
     outstanding: int = 0     # calls this caller has open on it
+    gone: bool = False       # the last poll could not reach it
     sent_since_poll: int = 0
     polled_at: float = 0.0
     queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
@@ -147,7 +149,7 @@ class Peers:
             log.info("%s instance %s removed; it gets no new calls", self.service or "peer", a)
 
     async def _close_retired(self) -> None:
-        for a in [a for a, p in self._retired.items() if p.outstanding <= 0]:
+        for a in [a for a, p in self._retired.items() if p.outstanding <= 0 and p.gone]:
             p = self._retired.pop(a)
             await p.channel.close()
             log.info("closed the channel to %s", a)
@@ -188,8 +190,9 @@ class Peers:
         except grpc.aio.AioRpcError as e:
             if p.up:
                 log.warning("%s is down (%s)", p.addr, e.code().name)
-            p.up = False
+            p.up, p.gone = False, True
             return
+        p.gone = False
         serving = h.status == health_pb2.HealthCheckResponse.SERVING
         if p.up != serving:
             log.info("%s is %s", p.addr, "serving" if serving else "not serving")
