@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from easerve.models.hub import parse_hub_id
-from hasctl.deployment import STAGES, Command, Deployment, Worker, preset, to_commands
+from hasctl.deployment import STAGES, Command, Deployment, Worker, preset, stop_s, to_commands
 from hasctl.tensor_parallel import check_launchable
 
 MODEL_DIR = "/models"          # where every container sees the checkpoint
@@ -190,13 +190,6 @@ def _depends(stage: str, w: Worker | None, names: dict[str, list[str]]) -> list[
     return [n for s in deps for n in names[s]]
 
 
-def grace_s(flags) -> float:
-    """The drain grace a stage gets from its flags (the stage parser's default otherwise)."""
-    from easerve.stages.common.configs import StageConfig
-    value = dict(flags).get("grace-s")
-    return float(StageConfig.__dataclass_fields__["grace_s"].default if value is None else value)
-
-
 def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict:
     """The compose file (as a mapping) that runs `d` on one host."""
     check_launchable(d)  # before GPUs are renumbered
@@ -218,7 +211,7 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
     services = {}
     for cmd in cmds:
         stage, w = workers.get(cmd.name, ("gateway", None))
-        svc = _service(cmd, w, opts, model_src, port_vars, grace_s(w.flags if w else d.gateway.flags))
+        svc = _service(cmd, w, opts, model_src, port_vars, stop_s(w.flags if w else d.gateway.flags))
         deps = _depends(stage, w, names)
         if deps:
             svc["depends_on"] = {n: {"condition": "service_healthy"} for n in deps}
@@ -240,8 +233,9 @@ def compose_dict(d: Deployment, opts: ComposeOptions = ComposeOptions()) -> dict
 
 
 def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: str, port_vars: dict[int, str],
-             grace: float) -> dict[str, Any]:
-    """What every service has: image, host network and /dev/shm, the model, argv, health, grace."""
+             stop: float) -> dict[str, Any]:
+    """What every service has: image, host network and /dev/shm, the model, argv, health, and
+    the time `docker compose stop` gives it (`stop`: its drain, see `stop_s`)."""
     argv = list(cmd.argv)
     if w is None:  # the gateway: the one public listener
         for flag in ("--listen", "--http-listen"):
@@ -261,7 +255,7 @@ def _service(cmd: Command, w: Worker | None, opts: ComposeOptions, model_src: st
         "command": _interpolated(tuple(argv), port_vars),
         "healthcheck": _health(cmd, port_vars),
         "restart": "unless-stopped",
-        "stop_grace_period": f"{math.ceil(grace) + 5}s",   # SIGKILL only after the stage's drain
+        "stop_grace_period": f"{math.ceil(stop) + 5}s",   # SIGKILL only after the stage's drain
     })
     return svc
 

@@ -287,6 +287,32 @@ class Command:
     env: tuple[tuple[str, str], ...] = ()  # defaults for its environment (the caller's own win)
 
 
+def _stage_flag(flags, name: str) -> float:
+    """A stage's numeric flag from its flags (the stage parser's default otherwise)."""
+    from easerve.stages.common.configs import GatewayConfig
+    value = dict(flags).get(name.replace("_", "-"))
+    return float(GatewayConfig.__dataclass_fields__[name].default if value is None else value)
+
+
+def stop_s(flags) -> float:
+    """The longest a stage takes to exit after SIGTERM: its drain's bound (--drain-timeout-s:
+    the calls it accepted finish, each by its own deadline) plus --grace-s after it."""
+    return _stage_flag(flags, "drain_timeout_s") + _stage_flag(flags, "grace_s")
+
+
+def command_stop_s(cmd: Command) -> float:
+    """`stop_s` of a process from its argv."""
+    argv = cmd.argv
+    return stop_s({a[2:]: v for a, v in zip(argv, argv[1:]) if a in ("--drain-timeout-s", "--grace-s")})
+
+
+def notice_s(d: Deployment) -> float:
+    """How long the callers of an instance take to stop sending to it once it left the DNS
+    records or the peers file: they look them up every --peer-refresh-s, then one poll."""
+    flags = [d.gateway.flags, *(w.flags for s in STAGES for w in getattr(d, s))]
+    return max(_stage_flag(f, "peer_refresh_s") for f in flags) + 1.0
+
+
 def process_names(d: Deployment) -> list[str]:
     """Keys of the `ports` mapping `to_commands` takes, in launch order (+ "gateway-http")."""
     return [f"{s}-{i}" for s in STAGES for i in range(len(getattr(d, s)))] + ["gateway", "gateway-http"]

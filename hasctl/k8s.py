@@ -19,8 +19,12 @@ Each container runs exactly the argv `hasctl.deployment.to_commands` gives the l
 for addresses: it binds 0.0.0.0 and names peers by DNS. Devices: cuda:N -> one
 `nvidia.com/gpu` (the pod sees it as cuda:0); cpu -> a CPU request (the core count of a
 `cpu:0-3` device, else --threads, else 1). Probes are grpc.health.v1: startup and liveness on
-the server (""), readiness on the stage's service; terminationGracePeriodSeconds exceeds the
-stage's drain (--grace-s) by a margin. An init container waits until each downstream stage has
+the server (""), readiness on the stage's service. Removal (scale-down, rollout, eviction): a
+preStop hook sleeps while the pod leaves the Service's records and its callers look them up
+again (`notice_s`: --peer-refresh-s and a poll), then SIGTERM starts the stage's drain (new
+calls refused UNAVAILABLE, every accepted one finished, easerve.rpc.drain);
+terminationGracePeriodSeconds covers the preStop sleep plus the whole drain (`stop_s`:
+--drain-timeout-s + --grace-s) plus a margin, so the kubelet's SIGKILL never cuts a drain. An init container waits until each downstream stage has
 an instance SERVING (what depends_on: service_healthy does in compose). With no model in the
 deployment the pods serve the tiny checkpoint the image carries; otherwise the model comes
 from a PersistentVolumeClaim (`--model-claim`, default easerve-model) mounted at /models, or, for a hub
@@ -41,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from easerve.models.hub import parse_hub_id
-from hasctl.compose import (HF_HOME_DIR, MODEL_DIR, core_count, cpu_cores, dump, flag_value, grace_s, is_gpu, load_deployment,
+from hasctl.compose import (HF_HOME_DIR, MODEL_DIR, core_count, cpu_cores, dump, flag_value, is_gpu, load_deployment,
                             replace_flag, scrape_labels, served_name)
 from hasctl.autoscale import parse_min_max
-from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, to_commands
+from hasctl.deployment import HEALTH_SERVICES, STAGES, Deployment, Worker, notice_s, stop_s, to_commands
 from hasctl.tensor_parallel import check_launchable
 
 STAGE_PORTS = {"encode": 50052, "prefill": 50053, "decode": 50054, "monolith": 50055}  # a worker's port when its port is 0
@@ -195,7 +199,7 @@ def _wait_for(deps: dict[str, list[str]]) -> str:
 
 
 def _pod_spec(d: Deployment, opts: K8sOptions, g: Group | None, argv: list[str], stage: str,
-              ports: list[dict], grace: float, model_claim: bool) -> dict:
+              ports: list[dict], flags, model_claim: bool) -> dict:
     port = ports[0]["containerPort"]
     health = HEALTH_SERVICES[stage]
     mounts = [{"name": "deployment", "mountPath": "/etc/easerve", "readOnly": True},
@@ -222,9 +226,10 @@ def _pod_spec(d: Deployment, opts: K8sOptions, g: Group | None, argv: list[str],
         "livenessProbe": _probe(port, "", 10, 3),
         "readinessProbe": _probe(port, health, 5, 2),
         "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(math.ceil(notice_s(d)))]}}},
     }
-    spec: dict[str, Any] = {"enableServiceLinks": False,
-                            "terminationGracePeriodSeconds": math.ceil(grace) + GRACE_MARGIN_S,
+    termination = math.ceil(notice_s(d)) + math.ceil(stop_s(flags)) + GRACE_MARGIN_S
+    spec: dict[str, Any] = {"enableServiceLinks": False, "terminationGracePeriodSeconds": termination,
                             "containers": [container], "volumes": volumes}
     deps = _peer_addrs(argv)
     if deps:
@@ -257,7 +262,7 @@ def manifests(d: Deployment, opts: K8sOptions = K8sOptions()) -> list[dict]:
         mport = int(flag_value(argv, "--metrics-listen").rpartition(":")[2])
         pod = _pod_spec(d, opts, g, argv, g.stage, [{"name": "grpc", "containerPort": port},
                                                     {"name": "metrics", "containerPort": mport}],
-                        grace_s(g.worker.flags), claim)
+                        g.worker.flags, claim)
         out.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(g.name, opts, labels),
                     "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": labels,
                              "ports": [{"name": "grpc", "port": port, "targetPort": port}]}})
@@ -295,7 +300,7 @@ def _gateway(d: Deployment, opts: K8sOptions, argv: list[str], digest: str, clai
     grpc_port = int(flag_value(argv, "--listen").rpartition(":")[2])
     http_port = int(flag_value(argv, "--http-listen").rpartition(":")[2])
     ports = [{"name": "grpc", "containerPort": grpc_port}, {"name": "http", "containerPort": http_port}]
-    pod = _pod_spec(d, opts, None, argv, "gateway", ports, grace_s(d.gateway.flags), claim)
+    pod = _pod_spec(d, opts, None, argv, "gateway", ports, d.gateway.flags, claim)
     return [
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, opts, labels),
          "spec": {"type": opts.gateway_service_type, "selector": labels,

@@ -40,8 +40,8 @@ from easerve.healthcheck import check
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.stages.common.peer_sources import write_peers_file
 from easerve.transport.shm_reclaim import reclaim_stale
-from hasctl.deployment import (STAGES, Command, Deployment, Worker, peer_roles, peer_lists, process_names,
-                               stage_command, to_commands)
+from hasctl.deployment import (STAGES, Command, Deployment, Worker, command_stop_s, peer_roles, peer_lists,
+                               process_names, stage_command, to_commands)
 
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
@@ -301,10 +301,12 @@ class Stack:
         log.info("added %s on port %d", name, port)
         return name
 
-    def remove_instance(self, name: str, notice_s: float = 1.0, timeout: float = 60.0) -> int:
+    def remove_instance(self, name: str, notice_s: float = 1.0, timeout: float | None = None) -> int:
         """Unlist `name` from its callers' peers files, wait `notice_s` (they read them again
-        every poll), then drain it: SIGTERM (the stage turns NOT_SERVING, lets its open calls
-        finish and exits), SIGKILL past `timeout`. Returns its exit code (0: drained)."""
+        every poll), then drain it: SIGTERM (the stage turns NOT_SERVING, refuses new calls
+        UNAVAILABLE, lets every accepted call finish and exits), SIGKILL past `timeout`
+        (default: its drain's own bound, `command_stop_s`, and a margin). Returns its exit
+        code (0: drained)."""
         with self._lock:
             p = self._procs.get(name)
             if p is None or name == "gateway":
@@ -321,6 +323,7 @@ class Stack:
             self.ports.pop(name, None)
             self._drop_spare(p)  # its standby (standby=True) goes with it
         _signal_group(p.popen, signal.SIGTERM)
+        timeout = command_stop_s(p.cmd) + 10.0 if timeout is None else timeout
         try:
             rc = p.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

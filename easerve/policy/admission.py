@@ -71,7 +71,8 @@ class Admission:
         if not miss:
             return Decision("admit", tier, priority, pred, deadline)
         retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, req.max_tokens)
-        if self.mode == "reject":
+        if self.mode == "reject":  # no actual will come back: the calibration scores its shadow
+            self.predictor.refused(pred, tier.ttft_s)
             return Decision("reject", tier, priority, pred, deadline, retry)
         if self.mode == "best-effort":
             return Decision("best_effort", tier, priority, pred, deadline, retry)

@@ -12,6 +12,11 @@ its raw prediction by exp(the fast one):
 - the fast one (`alpha`) follows the load of the moment, and between samples it relaxes
   toward the slow one with a half-life of `half_life_s`, so a factor learned in a past
   overload cannot keep refusing requests once no admitted request reports back.
+- a request refused for the correction alone (`refused`: its raw prediction met the limit) is
+  scored against a shadow estimate of what it would have taken, its raw prediction times the
+  lasting bias: the fast average moves toward the slow one as if it had come back so. The
+  calibration does not learn only from the requests it let in: a factor a burst inflated
+  stops refusing a light load after a refusal or two, not after seconds of refusals.
 Both stay within [1 / `max_factor`, `max_factor`]. Pure, with an injected clock."""
 from __future__ import annotations
 
@@ -58,6 +63,14 @@ class Calibration:
 
     def observe_tpot(self, raw_predicted_s: float, actual_s: float, uncongested: bool = True) -> None:
         self._observe(self._tpot, raw_predicted_s, actual_s, uncongested)
+
+    def refused(self) -> None:
+        """A request refused only because of the TTFT correction (its raw prediction fit): the
+        shadow sample, its raw prediction x the lasting bias, pulls the fast average by `alpha`."""
+        r = self._ttft
+        if r.samples:
+            current = self._relaxed(r)
+            r.value, r.at = current + self.alpha * (r.base - current), self.clock.now()
 
     # ---------------------------------------------------------------------------------------------
     def _relaxed(self, r: _LogRatio) -> float:

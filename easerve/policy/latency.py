@@ -203,6 +203,12 @@ class LatencyPredictor:
         if self.calibration is not None and not (pred.demoted and actual_s >= pred.ttft_s):
             self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s)
 
+    def refused(self, pred: Prediction, ttft_limit_s: float) -> None:
+        """`pred`'s request was refused: when its raw TTFT met `ttft_limit_s` (the correction
+        alone refused it), the calibration scores it against its shadow estimate."""
+        if self.calibration is not None and pred.raw_ttft_s <= ttft_limit_s < pred.ttft_s:
+            self.calibration.refused()
+
     def observe_tpot(self, pred: Prediction, actual_s: float) -> None:
         if self.calibration is not None:
             self.calibration.observe_tpot(pred.raw_tpot_s, actual_s, pred.decode_wait_s == 0.0)

@@ -109,6 +109,16 @@ def from_rpc_error(err: grpc.RpcError) -> EAServeError:
     return cls(details or code.name, retry_after_s=_retry_after_s(meta))
 
 
+def from_peer_error(err: grpc.RpcError) -> EAServeError:
+    """`from_rpc_error` of a call this process made to another stage over grpc.aio, where a
+    call it cancels itself raises asyncio.CancelledError: a CANCELLED status came from the peer
+    (it stopped, or was stopped, with the call open), so it is Unavailable, to retry elsewhere."""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    if code == grpc.StatusCode.CANCELLED:
+        return Unavailable(f"the call was cut at the peer ({err.details() or 'CANCELLED'}); retry it elsewhere")
+    return from_rpc_error(err)
+
+
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     err = domain_error(exc)
     if is_unexpected(exc):

@@ -2,12 +2,14 @@
 
 Life of a server:
   bind + start, health NOT_SERVING  ->  await warmup()  ->  SERVING
-  SIGTERM / SIGINT (or `stop` set)  ->  NOT_SERVING  ->  server.stop(grace_s): new calls are
-  refused, in-flight calls get grace_s to finish  ->  return (the process exits 0).
+  SIGTERM / SIGINT (or `stop` set)  ->  the drain (easerve.rpc.drain): NOT_SERVING, new calls
+  refused UNAVAILABLE, every accepted call finishes (up to `drain_timeout_s`; past it those
+  left end UNAVAILABLE)  ->  server.stop(grace_s)  ->  return (the process exits 0).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from easerve.rpc import malformed
+from easerve.rpc.drain import Drain
 from easerve.rpc.tls import NO_TLS, Tls, add_port, tls_of
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,8 @@ class ServerOptions:
     on long idle streams; servers accept pings down to `min_ping_interval_ms` apart
     (gRPC's default, 5 minutes, answers a 30 s keepalive with GOAWAY too_many_pings)."""
     max_message_bytes: int = 256 << 20
-    grace_s: float = 10.0
+    grace_s: float = 10.0          # after the drain: for streams that are not work (health watches)
+    drain_timeout_s: float = 600.0  # the drain's hard bound (requests end by their deadline before it)
     keepalive_time_ms: int = 5_000  # a peer whose link went silent is UNAVAILABLE within ~10 s,
     keepalive_timeout_ms: int = 5_000  # inside a request's deadline (tests/reliability/test_netns.py)
     min_ping_interval_ms: int = 500
@@ -46,8 +50,9 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if self.max_message_bytes < 4 << 20:
             raise ValueError(f"max_message_bytes must be >= 4 MiB, got {self.max_message_bytes}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        if self.grace_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError(f"grace_s and drain_timeout_s must be >= 0 seconds, got {self.grace_s}, "
+                             f"{self.drain_timeout_s}")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError(f"keepalive_time_ms and keepalive_timeout_ms must be > 0, got "
                              f"{self.keepalive_time_ms}, {self.keepalive_timeout_ms}")
@@ -57,8 +62,9 @@ class ServerOptions:
 
     @classmethod
     def of(cls, cfg) -> ServerOptions:
-        """From a stage config: --grace-s, --max-message-mb, --tls-*."""
-        return cls(max_message_bytes=int(cfg.max_message_mb * (1 << 20)), grace_s=cfg.grace_s, tls=tls_of(cfg))
+        """From a stage config: --grace-s, --drain-timeout-s, --max-message-mb, --tls-*."""
+        return cls(max_message_bytes=int(cfg.max_message_mb * (1 << 20)), grace_s=cfg.grace_s,
+                   drain_timeout_s=cfg.drain_timeout_s, tls=tls_of(cfg))
 
     def channel_options(self) -> list[tuple[str, int]]:
         """Options for the channels that talk to peers (servers add `server_options`).
@@ -121,6 +127,7 @@ async def serve(
     health_state: HealthState | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     settle: Callable[[], Awaitable[None]] | None = None,
+    drain_allows: Sequence[str] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT or `stop` is set, then drain. `addr` like "0.0.0.0:50051"
     (port 0 picks a free one, reported through `on_bound`). Health of "" and each name in
@@ -128,12 +135,15 @@ async def serve(
     stops and the error propagates. TLS when `options.tls` serves it; `interceptors` see
     every call (the health service's too).
 
-    Drain: health turns NOT_SERVING; then `settle()`, when given, is awaited within the grace
-    time while the server still takes calls (a stage whose accepted work needs more calls to
-    finish, e.g. decode's reservations still waiting for their KV); then the server refuses
-    new calls and lets open ones finish for what is left of the grace time."""
+    Drain (easerve.rpc.drain, the same for every stage): health turns NOT_SERVING and new calls
+    are refused UNAVAILABLE, but those to the methods in `drain_allows` (calls that finish work
+    accepted before, e.g. decode's Submit of a reservation it holds); every accepted call is
+    waited for, and `settle()` too when given (work that is not a gRPC call here, e.g. the
+    gateway's HTTP requests), up to `options.drain_timeout_s`; calls still open then end
+    UNAVAILABLE. Then the server stops, `grace_s` (default: options.grace_s) for the rest."""
     grace = options.grace_s if grace_s is None else grace_s
-    server = grpc.aio.server(options=options.server_options(), interceptors=list(interceptors))
+    drain = Drain(drain_allows)
+    server = grpc.aio.server(options=options.server_options(), interceptors=[drain, *interceptors])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for adder in adders:
@@ -161,7 +171,7 @@ async def serve(
         await stop.wait()
     finally:
         restore()
-        await _drain(server, health_servicer, grace, settle)
+        await _drain(server, health_servicer, drain, options.drain_timeout_s, grace, settle)
 
 
 def _register(adder: Adder, server: grpc.aio.Server) -> None:
@@ -188,18 +198,27 @@ async def _warm(warmup: Callable[[], Awaitable[None]] | None, stop: asyncio.Even
     task.result()
 
 
-async def _drain(server: grpc.aio.Server, health_servicer, grace_s: float,
+async def _drain(server: grpc.aio.Server, health_servicer, drain: Drain, bound_s: float, grace_s: float,
                  settle: Callable[[], Awaitable[None]] | None = None) -> None:
-    log.info("draining: NOT_SERVING, up to %.1fs for in-flight calls", grace_s)
+    log.info("draining: NOT_SERVING, new calls refused; waiting for %d accepted call(s), up to %.0f s",
+             drain.inflight, bound_s)
     await health_servicer.enter_graceful_shutdown()
-    end = asyncio.get_running_loop().time() + grace_s
-    if settle is not None:
-        try:
-            await asyncio.wait_for(settle(), grace_s)
-            log.info("settled: the work accepted before the drain is done")
-        except asyncio.TimeoutError:
-            log.warning("the grace time ran out before the accepted work was done")
-    await server.stop(max(0.0, end - asyncio.get_running_loop().time()))
+    drain.begin()
+
+    async def settled() -> None:
+        if settle is not None:
+            await settle()
+        await drain.idle()
+    try:
+        await asyncio.wait_for(settled(), bound_s)
+        log.info("settled: the work accepted before the drain is done")
+    except asyncio.TimeoutError:
+        n = drain.cut(f"this instance stopped after draining for {bound_s:.0f} s (--drain-timeout-s); "
+                      "retry the call on another instance")
+        log.warning("the drain's bound of %.0f s passed: %d call(s) still open end UNAVAILABLE", bound_s, n)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(drain.idle(), 5.0)
+    await server.stop(grace_s)
     log.info("stopped")
 
 

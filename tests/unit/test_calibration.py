@@ -97,3 +97,31 @@ def test_time_spent_before_the_prediction_is_counted_once_and_never_learned_as_a
     p = pred.predict(IMAGE, LiveState(clock.now()), elapsed_s=2.0)
     assert p.ttft_factor == pytest.approx(2.0, rel=0.05)
     assert p.ttft_s == pytest.approx(2.0 + p.ttft_factor * (later.ttft_s - 2.0))
+
+
+def test_after_a_burst_inflated_the_correction_a_light_load_is_refused_under_one_percent():
+    """A burst (first tokens 6x the raw prediction, behind queues) inflates the fast factor; then
+    a light load whose requests take what the raw model says arrives 10 a second. Refusals are
+    scored against their shadow estimate, so the factor comes down after a refusal or two: under
+    1 % of 600 requests refused (relaxation alone, half-life 3 s: 27 of them, 4.5 %)."""
+    from easerve.policy.admission import Admission, TierLimits
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    predictor = LatencyPredictor(SVC, clock, cal)
+    raw = LatencyPredictor(SVC, clock).predict(IMAGE, LiveState(0.0))
+    adm = Admission("reject", predictor, clock)
+    tier = TierLimits(2.5 * raw.ttft_s, 10.0)
+    for _ in range(20):
+        clock.advance(0.05)
+        p = predictor.predict(IMAGE, LiveState(clock.now()))
+        cal.observe_ttft(p.remaining_raw_s, 6.0 * p.remaining_raw_s, raw_queue_s=p.remaining_raw_s)
+    assert cal.ttft_factor() > 5.0
+    refused = 0
+    for _ in range(600):
+        clock.advance(0.1)
+        d = adm.decide(IMAGE, LiveState(clock.now()), tier, "interactive", clock.now())
+        if d.action == "reject":
+            refused += 1
+        else:
+            predictor.observe_ttft(d.prediction, d.prediction.raw_ttft_s)
+    assert refused < 6, refused

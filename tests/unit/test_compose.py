@@ -257,3 +257,12 @@ def test_every_service_serves_metrics_where_its_scrape_labels_and_config_say(nam
             assert listen.startswith("127.0.0.1:")
     ports = [int(s["labels"]["prometheus.io/port"]) for s in doc["services"].values()]
     assert len(set(ports)) == len(ports)
+
+
+def test_stop_grace_covers_the_whole_drain():
+    """`docker compose stop` SIGKILLs only after a stage's drain could end: its bound
+    (--drain-timeout-s, default 600 s) plus --grace-s (default 10 s), and a margin."""
+    d = Deployment(name="drains", prefill=(Worker(flags={"drain-timeout-s": 120, "grace-s": 2}),))
+    services = compose_dict(d)["services"]
+    assert services["prefill-0"]["stop_grace_period"] == "127s"
+    assert services["decode-0"]["stop_grace_period"] == services["gateway"]["stop_grace_period"] == "615s"

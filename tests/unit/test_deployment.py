@@ -167,7 +167,7 @@ def test_commands_need_a_model_and_every_port():
         to_commands(d, "127.0.0.1", {})
 
 
-SAMPLE = {"grace-s": 1.0, "threads": 1, "log-level": "INFO", "dtype": "float32", "max-running": 4, "max-waiting": 8, "num-slots": 4,
+SAMPLE = {"grace-s": 1.0, "drain-timeout-s": 30.0, "threads": 1, "log-level": "INFO", "dtype": "float32", "max-running": 4, "max-waiting": 8, "num-slots": 4,
           "max-seq-len": 256, "kv-capacity-tokens": 1024, "block-size": 16, "kv-transport": "auto", "embed-transport": "shm", "kv-rendezvous": "127.0.0.1:0",
           "colocate-prefill": True, "remote-fraction": 0.5, "max-batch": 4, "batch-mode": "fixed",
           "safety-cap-s": 0.5, "gap-coef": 2.0, "served-model-name": "m", "request-timeout-s": 30.0,

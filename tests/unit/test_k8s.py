@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from hasctl.cli import main as hasctl_main
-from hasctl.compose import grace_s
+from hasctl.deployment import stop_s
 from hasctl.deployment import HEALTH_SERVICES, PRESETS, STAGES, Deployment, Worker, to_commands
 from hasctl.k8s import DESIRED_METRIC, METRICS_PORT, STAGE_PORTS, K8sOptions, manifests
 
@@ -20,7 +20,7 @@ ADDR_FLAGS = ("--listen", "--http-listen", "--decode", "--prefill", "--encode")
 def tuned_2x3x3() -> Deployment:
     """2 encode (different B, one co-locating prefill), 3 prefill, 3 decode on 8 GPUs."""
     enc = (Worker(device="cuda:0", flags={"max-batch": 4, "remote-fraction": 0.7, "colocate-prefill": True,
-                                          "grace-s": 30}),
+                                          "grace-s": 30, "drain-timeout-s": 90}),
            Worker(device="cuda:1", flags={"max-batch": 16, "batch-mode": "adaptive"}))
     pre = tuple(Worker(device=f"cuda:{i}", flags={"max-inflight": 64}) for i in (2, 3, 4))
     dec = tuple(Worker(device=f"cuda:{i}", flags={"max-running": 128}) for i in (5, 6, 7))
@@ -137,8 +137,13 @@ def test_headless_services_probes_grace_and_resources(name):
         assert svc["spec"]["ports"][0]["port"] == c["ports"][0]["containerPort"] == port
         assert c["readinessProbe"]["grpc"] == {"port": port, "service": HEALTH_SERVICES[stage]}
         assert c["livenessProbe"]["grpc"]["port"] == c["startupProbe"]["grpc"]["port"] == port
-        grace = float(c["command"][c["command"].index("--grace-s") + 1]) if "--grace-s" in c["command"] else 10.0
-        assert pod["terminationGracePeriodSeconds"] > grace
+        # removal: preStop sleeps while callers drop the pod (--peer-refresh-s 5 + a poll), then
+        # SIGTERM starts the drain; the kubelet's SIGKILL comes only after its bound and the grace
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "6"]
+        argv = c["command"]
+        drain = float(argv[argv.index("--drain-timeout-s") + 1]) if "--drain-timeout-s" in argv else 600.0
+        grace = float(argv[argv.index("--grace-s") + 1]) if "--grace-s" in argv else 10.0
+        assert pod["terminationGracePeriodSeconds"] > 6 + drain + grace
         gpu = any(w.device.startswith("cuda") for w in workers[stage])
         if gpu:
             assert c["resources"]["limits"] == {"nvidia.com/gpu": 1}
@@ -178,8 +183,8 @@ def test_grace_follows_the_stage_flag_and_the_configmap_holds_the_deployment():
     objs = manifests(d, K8sOptions())
     colocated = next(o for o in _by_kind(objs, "StatefulSet")
                      if "--colocate-prefill" in o["spec"]["template"]["spec"]["containers"][0]["command"])
-    assert grace_s(d.encode[0].flags) == 30.0
-    assert colocated["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30
+    assert stop_s(d.encode[0].flags) == 120.0 and stop_s(d.encode[1].flags) == 610.0
+    assert 126 < colocated["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] < 610
     (cm,) = _by_kind(objs, "ConfigMap")
     assert Deployment.from_dict(yaml.safe_load(cm["data"]["deployment.yaml"])) == d
     # two encode workers with different flags: two StatefulSets; 3 equal prefill: one of 3 replicas

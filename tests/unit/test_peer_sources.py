@@ -190,6 +190,10 @@ def test_peers_follow_the_file_added_gets_calls_removed_finishes_then_is_closed(
             with pytest.raises(Unavailable, match="no .* instance left to try"):
                 peers.pick(exclude=frozenset({a1}))
             peers.finish(old)
+            await peers.poll_once()  # still reachable: it may hold work that needs calls (a drain)
+            assert peers.retired == [a0] and closed == [] and peers.get(a0) is old
+            stops[0].set()  # it exits
+            await asyncio.wait_for(tasks[0], 10)
             await peers.poll_once()
             assert peers.retired == [] and closed == [a0] and peers.get(a0) is None
 

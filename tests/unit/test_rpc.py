@@ -221,29 +221,57 @@ def test_an_encoder_cache_miss_is_known_by_its_reason_code_not_its_words():
     asyncio.run(with_decode_server(call))
 
 
-def test_the_drain_settles_first_taking_calls_while_not_serving_then_refuses_them():
-    async def main():
-        servicer, stop, ports, release = FakeDecode(), asyncio.Event(), [], asyncio.Event()
-        settling = asyncio.Event()
+class Queued(decode_pb2_grpc.DecodeServicer):
+    """Open streams 4 tokens `step_s` apart (a call accepted behind a queue); Stats answers."""
 
-        async def settle():
-            settling.set()
-            await release.wait()
-        task = asyncio.create_task(serve(
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], "127.0.0.1:0",
-            health_services=["easerve.v1.Decode"], stop=stop, grace_s=5.0, on_bound=ports.append,
-            settle=settle))
-        while not ports:
-            await asyncio.sleep(0.01)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as ch:
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+
+    async def Open(self, request, context):
+        for i in range(4):
+            await asyncio.sleep(self.step_s)
+            yield common_pb2.TokenChunk(request_id=request.meta.request_id, token_ids=[i])
+
+    async def Stats(self, request, context):
+        return decode_pb2.StatsResponse(running=1)
+
+
+async def _draining_server(servicer, options=ServerOptions(), **kw):
+    stop, ports = asyncio.Event(), []
+    task = asyncio.create_task(serve([(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], "127.0.0.1:0",
+                                     health_services=["easerve.v1.Decode"], stop=stop, on_bound=ports.append,
+                                     options=options, **kw))
+    while not ports:
+        await asyncio.sleep(0.01)
+    return task, stop, ports[0]
+
+
+def test_the_drain_refuses_new_calls_unavailable_and_lets_accepted_ones_finish_past_the_grace_time():
+    """grace 0.1 s, three streams accepted that need ~1.2 s more: all three finish whole;
+    meanwhile health is NOT_SERVING, a new Open is refused UNAVAILABLE (its caller retries
+    elsewhere), an allowed method is still answered, and serve() returns only after them."""
+    async def main():
+        task, stop, port = await _draining_server(Queued(0.3), grace_s=0.1,
+                                                  drain_allows=["/easerve.v1.Decode/Stats"])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
-            assert (await stub.Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1
+
+            async def tokens(rid):
+                req = decode_pb2.ReserveRequest(meta=common_pb2.RequestMeta(request_id=rid))
+                return [t async for c in stub.Open(req, timeout=30) for t in c.token_ids]
+            calls = [asyncio.ensure_future(tokens(f"r{i}")) for i in range(3)]
+            await asyncio.sleep(0.2)  # accepted, none finished
             stop.set()
-            await asyncio.wait_for(settling.wait(), 5)
+            await asyncio.sleep(0.1)
             assert await _health(ch, "easerve.v1.Decode") == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert (await stub.Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1  # still taken
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Open(decode_pb2.ReserveRequest(meta=common_pb2.RequestMeta(request_id="late")),
+                                timeout=5).read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert "draining" in refused.value.details()
+            assert (await stub.Stats(decode_pb2.StatsRequest(), timeout=5)).running == 1  # allowed
             assert not task.done()
-            release.set()
+            assert await asyncio.wait_for(asyncio.gather(*calls), 10) == [[0, 1, 2, 3]] * 3
             await asyncio.wait_for(task, 10)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Stats(decode_pb2.StatsRequest(), timeout=2)
@@ -251,19 +279,51 @@ def test_the_drain_settles_first_taking_calls_while_not_serving_then_refuses_the
     asyncio.run(main())
 
 
-def test_a_settle_that_outlasts_the_grace_time_is_cut_short():
+def test_a_call_still_open_at_the_drains_bound_ends_unavailable_not_cancelled():
     async def main():
-        stop, ports = asyncio.Event(), []
+        task, stop, port = await _draining_server(Queued(60.0), options=ServerOptions(drain_timeout_s=0.5),
+                                                  grace_s=5.0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Open(
+                decode_pb2.ReserveRequest(meta=common_pb2.RequestMeta(request_id="r")), timeout=30)
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            stop.set()
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await call.read()
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+            assert "--drain-timeout-s" in cut.value.details()
+            await asyncio.wait_for(task, 10)
+            assert time.monotonic() - t0 < 4  # the bound, not the 60 s call nor the 5 s grace
+    asyncio.run(main())
+
+
+def test_the_drain_waits_for_settle_and_a_settle_past_the_bound_is_cut_short():
+    async def main():
+        release = asyncio.Event()
 
         async def settle():
-            await asyncio.sleep(60)
-        task = asyncio.create_task(serve(
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode())], "127.0.0.1:0", stop=stop,
-            grace_s=0.3, on_bound=ports.append, settle=settle))
-        while not ports:
-            await asyncio.sleep(0.01)
+            await release.wait()
+        task, stop, _ = await _draining_server(FakeDecode(), settle=settle)
+        stop.set()
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        release.set()
+        await asyncio.wait_for(task, 5)
+
+        task, stop, _ = await _draining_server(FakeDecode(), options=ServerOptions(drain_timeout_s=0.3),
+                                               settle=lambda: asyncio.sleep(60))
         t0 = time.monotonic()
         stop.set()
         await asyncio.wait_for(task, 10)
         assert time.monotonic() - t0 < 5
     asyncio.run(main())
+
+
+def test_a_cancelled_status_from_a_peer_is_unavailable_to_its_caller():
+    class Cut(grpc.aio.AioRpcError):
+        def __init__(self):
+            super().__init__(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Cancelled")
+    err = errors.from_peer_error(Cut())
+    assert type(err) is Unavailable and "retry it elsewhere" in str(err)
+    assert type(errors.from_rpc_error(Cut())) is Cancelled

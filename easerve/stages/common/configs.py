@@ -42,7 +42,10 @@ class StageConfig:
     device: Device = opt("cpu", DEVICE_HELP, wired=True)
     listen: HostPort = opt("127.0.0.1:0", "gRPC address to bind, host:port (port 0 = any)", wired=True)
     port_file: str = opt("", "write the bound gRPC port to this file", wired=True)
-    grace_s: NonNegFloat = opt(10.0, "drain time on SIGTERM, seconds")
+    drain_timeout_s: NonNegFloat = opt(600.0, "on SIGTERM: the longest wait for the calls accepted before it (each "
+                                       "ends by its own deadline first); calls still open then end UNAVAILABLE")
+    grace_s: NonNegFloat = opt(10.0, "after the drain: seconds for the streams that are not work (health "
+                               "watches) before the server closes")
     threads: NonNegInt = opt(0, "torch intra-op threads (0: one per core of --device, else torch's default)",
                              note="0 = automatic")
     dtype: Dtype = opt("auto", "weights dtype; auto = float32 on CPU, bfloat16 on GPU")

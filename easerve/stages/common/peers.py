@@ -13,8 +13,9 @@ reservation, so it retries under a new one).
 The set of instances may change while running (`easerve.stages.common.peer_sources`: DNS names
 looked up again, the launcher's peers file): the poll loop applies each new list. A new
 instance is a candidate once a poll finds it SERVING; one that left the list (or drains:
-NOT_SERVING) gets no new calls, its open calls finish, and its channel is closed once
-this caller has none open on it.
+NOT_SERVING) gets no new calls, its open calls finish, and its channel is closed once a poll
+finds it gone and this caller has none open on it (until then the work it holds may need
+calls: a draining decode instance takes the KV of the reservations it holds).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
-from easerve.rpc.errors import from_rpc_error
-from easerve.errors import MessageTooLarge, Unavailable
+from easerve.rpc.errors import from_peer_error
+from easerve.errors import Overloaded, Unavailable
 from easerve.rpc.tls import NO_TLS, Tls, aio_channel, connected
 from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
@@ -40,7 +41,6 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 POLL_S = 0.25
 READY_S = 3.0  # how long reach_of waits for a channel to an instance to connect
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Peer:
     capacity: int = 0
     node: NodeIdentity | None = None
     outstanding: int = 0     # calls this caller has open on it
+    gone: bool = False       # the last poll could not reach it
     sent_since_poll: int = 0
     polled_at: float = 0.0
     queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
@@ -149,7 +150,7 @@ class Peers:
             log.info("%s instance %s removed; it gets no new calls", self.service or "peer", a)
 
     async def _close_retired(self) -> None:
-        for a in [a for a, p in self._retired.items() if p.outstanding <= 0]:
+        for a in [a for a, p in self._retired.items() if p.outstanding <= 0 and p.gone]:
             p = self._retired.pop(a)
             await p.channel.close()
             log.info("closed the channel to %s", a)
@@ -190,8 +191,9 @@ class Peers:
         except grpc.aio.AioRpcError as e:
             if p.up:
                 log.warning("%s is down (%s)", p.addr, e.code().name)
-            p.up = False
+            p.up, p.gone = False, True
             return
+        p.gone = False
         serving = h.status == health_pb2.HealthCheckResponse.SERVING
         if p.up != serving:
             log.info("%s is %s", p.addr, "serving" if serving else "not serving")
@@ -274,8 +276,9 @@ class Peers:
     async def start_call(self, open_call: Callable[[Peer], object | Awaitable[object]], prefer: str | None = None,
                          failed: set[str] | None = None, retries: int = 1) -> tuple[Peer, object, object]:
         """Open a server-streaming call on the least-loaded instance and read its first
-        message; if the call fails before that with UNAVAILABLE / RESOURCE_EXHAUSTED, try
-        up to `retries` more times on other instances (not for MessageTooLarge: a message
+        message; if the call fails before that with UNAVAILABLE (a CANCELLED from the
+        instance is one: it stopped with the call open) / RESOURCE_EXHAUSTED, try up to
+        `retries` more times on other instances (not for MessageTooLarge: a message
         over the size limit is refused everywhere). `failed`: instances not to use (a
         caller's earlier attempts), given to be filled with each instance that failed so;
         a caller whose retry needs more than a new instance passes `retries=0` and retries
@@ -298,10 +301,10 @@ class Peers:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
                 peer.outstanding -= 1
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                err = from_peer_error(e)
+                if isinstance(err, Unavailable):
                     peer.up = False
-                err = from_rpc_error(e)
-                retryable = e.code() in _RETRYABLE and not isinstance(err, MessageTooLarge)
+                retryable = isinstance(err, (Unavailable, Overloaded))  # not MessageTooLarge: an InvalidRequest
                 if retryable:
                     failed.add(peer.addr)
                 tries += 1
@@ -344,6 +347,6 @@ async def relay(call) -> AsyncIterator:
         while (msg := await call.read()) is not grpc.aio.EOF:
             yield msg
     except grpc.aio.AioRpcError as e:
-        raise from_rpc_error(e) from None
+        raise from_peer_error(e) from None
     finally:
         call.cancel()

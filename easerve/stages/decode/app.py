@@ -21,7 +21,7 @@ from easerve.stages.common.warmup import dummy_payload
 from easerve.transport.handoff import receivers
 from easerve.transport.node import local_identity
 from easerve.wire.v1 import decode_pb2_grpc
-from easerve.stages.decode.servicer import DecodeServicer
+from easerve.stages.decode.servicer import DRAIN_ALLOWS, DecodeServicer
 
 
 def build_engine(cfg: EngineConfig, adapter, health: HealthState, metrics: DecodeMetrics | None = None) -> AsyncEngine:
@@ -60,7 +60,7 @@ async def main(cfg: DecodeConfig) -> None:
         await serve([(decode_pb2_grpc.add_DecodeServicer_to_server, servicer), *extra,
                      stage_load.adder(stage_load.StageServicer("decode", node, load))], cfg.listen,
                     health_services=["easerve.v1.Decode"], warmup=warmup, options=opts, health_state=health,
-                    on_bound=lambda p: write_port_file(cfg.port_file, p), settle=servicer.settle)
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), drain_allows=DRAIN_ALLOWS)
     finally:
         await engine.stop()
         if pairs is not None:

@@ -1,47 +1,38 @@
 """easerve.v1.Decode <-> the async engine front (thin).
 
 Open holds the reservation and streams the request's tokens after the first (prefill sent
-that one) straight to the gateway; Submit takes the KV prefill hands over. On SIGTERM,
-`settle` keeps Submit open for the reservations already held (and refuses new ones) until
-their streams end, so removing a decode instance under load loses no accepted request.
+that one) straight to the gateway; Submit takes the KV prefill hands over. While the stage
+drains (easerve.rpc.drain), new reservations (Open) are refused UNAVAILABLE, but Submit is
+still taken (`DRAIN_ALLOWS`) for the reservations held, whose streams the drain waits for:
+removing a decode instance under load loses no accepted request.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import grpc_errors
-from easerve.errors import InvalidRequest, Unavailable
+from easerve.errors import InvalidRequest
 from easerve.types import MAX_N
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
 
 MAX_HOLD_S = 600.0  # a reservation lapses at the request's deadline, at the latest after this
+# while draining: the KV (and cancels) of the reservations already held still come in
+DRAIN_ALLOWS = ("/easerve.v1.Decode/Submit", "/easerve.v1.Decode/Cancel", "/easerve.v1.Decode/Stats")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None):
         self.engine, self.kv, self.max_waiting, self.m = engine, kv_receiver, max_waiting, metrics
         self._kv_ms: dict[str, float] = {}
-        self.draining = False
-
-    async def settle(self, poll_s: float = 0.05) -> None:
-        """The drain's first phase: refuse new reservations, keep taking the KV of the ones
-        held (their prefill is on its way), return once every held stream has ended."""
-        self.draining = True
-        while self.engine.num_streams:
-            await asyncio.sleep(poll_s)
 
     @grpc_errors
     async def Open(self, request, context):
         rid = request.meta.request_id
         if not rid:
             raise InvalidRequest("meta.request_id is required")
-        if self.draining:
-            raise Unavailable("this decode instance is draining: it takes no new reservations; "
-                              "place the request on another instance")
         if request.num_tokens < 1 or request.max_new_tokens < 1:
             raise InvalidRequest(f"a reservation needs num_tokens >= 1 (the prompt) and max_new_tokens >= 1, got "
                                  f"{request.num_tokens} and {request.max_new_tokens}")

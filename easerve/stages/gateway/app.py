@@ -52,25 +52,21 @@ async def main(cfg: GatewayConfig) -> None:
 
     stop = asyncio.Event()  # set on SIGTERM / SIGINT by serve(): the HTTP side refuses new work at once
     http_drain = asyncio.ensure_future(_drain_on(stop, http))
+
+    async def settle() -> None:  # the drain also waits for the HTTP requests in flight (new ones get 503)
+        while core.limit.inflight:
+            await asyncio.sleep(0.05)
     try:
         await serve([(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(core))], cfg.listen,
-                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts, grace_s=cfg.grace_s,
+                    health_services=["easerve.v1.Gateway"], warmup=warmup, options=opts,
                     interceptors=[GrpcAuth(keys)] if keys.enabled else [],
-                    on_bound=lambda p: write_port_file(cfg.port_file, p), stop=stop)
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), stop=stop, settle=settle)
     finally:
         http_drain.cancel()
         http.drain()
-        await _settled(core, cfg.grace_s)  # the listener stays up meanwhile: new requests get 503
         ready.clear()
         await runner.cleanup()
         await core.stop()
-
-
-async def _settled(core: GatewayCore, grace_s: float) -> None:
-    """Wait (up to grace_s) until no request is in flight at the gateway."""
-    end = asyncio.get_running_loop().time() + grace_s
-    while core.limit.inflight and asyncio.get_running_loop().time() < end:
-        await asyncio.sleep(0.05)
 
 
 async def _drain_on(stop: asyncio.Event, http: HttpApi) -> None:

@@ -19,9 +19,13 @@ from easerve.stages.common.warmup import dummy_payload
 from easerve.transport.handoff import KVReceiver, embedding_receiver
 from easerve.wire.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from easerve.stages.decode.app import build_engine
-from easerve.stages.decode.servicer import DecodeServicer
+from easerve.stages.decode.servicer import DRAIN_ALLOWS, DecodeServicer
 from easerve.stages.encode.app import Encoder
 from easerve.stages.prefill.servicer import PrefillServicer
+
+
+# while draining: a request whose reservation this process holds still gets encoded and prefilled here
+MONOLITH_DRAIN_ALLOWS = ("/easerve.v1.Encode/", "/easerve.v1.Prefill/", *DRAIN_ALLOWS)
 
 
 async def main(cfg: MonolithConfig) -> None:
@@ -60,7 +64,7 @@ async def main(cfg: MonolithConfig) -> None:
         await serve(adders, cfg.listen, health_services=["easerve.v1.Encode", "easerve.v1.Prefill",
                                                           "easerve.v1.Decode"],
                     warmup=warmup, options=enc.opts, health_state=health,
-                    on_bound=lambda p: write_port_file(cfg.port_file, p))
+                    on_bound=lambda p: write_port_file(cfg.port_file, p), drain_allows=MONOLITH_DRAIN_ALLOWS)
     finally:
         await enc.stop()
         await engine.stop()

@@ -22,7 +22,7 @@ from easerve.engine.stops import StopRules
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
-from easerve.rpc.errors import from_rpc_error
+from easerve.rpc.errors import from_peer_error
 from easerve.errors import InvalidRequest, Unavailable
 from easerve.stages.common.limits import InflightLimit
 from easerve.stages.common.peers import READY_S, Peers, peers_of
@@ -121,7 +121,7 @@ class PrefillStage:
         try:
             await peer.stub.Submit(decode_pb2.DecodeRequest(meta=meta, kv=msg), timeout=deadline.timeout())
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_peer_error(e) from None
         finally:
             self.senders.release(transport, msg)
         if self.m is not None:
