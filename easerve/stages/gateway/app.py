@@ -9,6 +9,7 @@ import logging
 from aiohttp import web
 
 from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
+from easerve.media.pool import DecodePool
 from easerve.models.registry import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common.cli import write_port_file
@@ -28,7 +29,7 @@ def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
                         allowed_local_path=cfg.allowed_local_media_path or None,
                         max_bytes=int(cfg.media_max_mb * (1 << 20)), timeout_s=cfg.media_timeout_s)
     limits = MediaLimits(max_request_pixels=int(cfg.media_max_mpixels * 1e6))
-    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch))
+    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch), DecodePool(cfg.media_workers, cfg.media_queue))
 
 
 async def main(cfg: GatewayConfig) -> None:
@@ -36,6 +37,7 @@ async def main(cfg: GatewayConfig) -> None:
     warn_if_open(cfg, keys)
     adapter = load_adapter(cfg.model, role="processor", device="cpu")
     core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(cfg, adapter))
+    await asyncio.to_thread(core.media.pool.start)
     core.start()
     ready = asyncio.Event()
     http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set,
@@ -64,6 +66,7 @@ async def main(cfg: GatewayConfig) -> None:
         ready.clear()
         await runner.cleanup()
         await core.stop()
+        core.media.pool.close()
 
 
 async def _settled(core: GatewayCore, grace_s: float) -> None:
