@@ -31,6 +31,7 @@ from easerve.errors import Overloaded
 log = logging.getLogger("easerve.media")
 THREAD_TYPES = ("NONE", "SLICE", "FRAME", "AUTO")
 _KEY_TAG = b"easerve.media.pool/v1"
+WORKER_NICE = 5
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ _THREAD_TYPE = "AUTO"
 def _init_worker(thread_type: str) -> None:
     global _THREAD_TYPE
     _THREAD_TYPE = thread_type
+    os.nice(WORKER_NICE)  # the gateway's event loop comes first on a busy host
     import av  # noqa: F401  (loaded once per worker, not per item)
     import PIL.Image  # noqa: F401
 
@@ -140,9 +142,9 @@ def gateway_cores() -> int:
 # ---- in the gateway -----------------------------------------------------------------------
 class DecodePool:
     def __init__(self, workers: int = 0, max_pending: int = 0, cache_mb: float = 256.0):
-        """`workers` 0: one per core given to the gateway; `max_pending` 0: 4 per worker."""
+        """`workers` 0: one per core given to the gateway; `max_pending` 0: 16 per worker, at least 64."""
         self.workers = workers or gateway_cores()
-        self.max_pending = max_pending or 4 * self.workers
+        self.max_pending = max_pending or max(64, 16 * self.workers)
         self.cache_bytes = int(cache_mb * (1 << 20))
         self.decoder = "AUTO"
         self._exec: concurrent.futures.ProcessPoolExecutor | None = None

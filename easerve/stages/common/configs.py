@@ -285,7 +285,7 @@ class GatewayConfig(PeerFields, StageConfig):
     media_max_mpixels: float = opt(256.0, "decoded pixels per request (all images and video frames), millions")
     media_workers: NonNegInt = opt(0, "worker processes decoding media files (0: one per core the gateway may run on)")
     media_queue: NonNegInt = opt(0, "media files decoding or waiting at once; past it: 429 / RESOURCE_EXHAUSTED "
-                                 "(0: 4 per media worker)")
+                                 "(0: 16 per media worker, at least 64)")
     media_hash_entries: NonNegInt = opt(65536, "media content hashes remembered (hash -> the encode instance sent it, "
                                   "and the item's prompt metadata) for encoder-cache-aware placement and "
                                   "pixel-free requests that skip preprocessing; 0: no hashing")
