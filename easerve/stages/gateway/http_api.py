@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP front of the gateway (aiohttp).
 
 POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
-[DONE]), GET /v1/models, GET /health, GET /metrics, GET /trace (with --profile: each request's predicted
-and actual TTFT and its admission decision). Errors: 400 with what to change, 429 on overload,
+[DONE]), GET /v1/models, GET /health, GET /metrics, GET /trace (each request's host CPU milliseconds
+by phase; with --profile also its predicted and actual TTFT and its admission decision). Errors: 400 with what to change, 429 on overload,
 503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
 deadline, 502 when the pipeline's stream ends without a finish reason (an error event when
 the SSE headers are out); the server keeps serving.
