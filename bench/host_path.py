@@ -117,7 +117,7 @@ def framework(args, model: str) -> dict:
     for name in ("default", "monolith", "dynamo-like"):
         d = preset(name).with_model(model).with_gateway_ports(0, 0)
         with Stack(d, env={"EASERVE_LOG_LEVEL": "WARNING"}) as stack:
-            url, pids = stack.endpoints.http, [p for p in stack.pids().values() if p]
+            url, pids = stack.endpoints.http, [p for p in stack.pids.values() if p]
             bench_once(url, image, 2, 1, pids)  # warm-up
             out[f"{name}_c1"] = bench_once(url, image, n1, 1, pids)
             if name != "dynamo-like":
