@@ -79,11 +79,11 @@ def bench_once(url: str, spec, n: int, conc: int, pids: list[int]) -> dict:
             "median_ttft_ms": round(m["median_ttft_ms"] or 0, 1), "failed": m["failed"]}
 
 
-def health_p99_ms(http: str, run) -> float:
+def health_p99_ms(base: str, run) -> float:
     """p99 of GET /health round trips, every ~20 ms, while `run()` runs."""
     import http.client
 
-    host, port = http.removeprefix("http://").split(":")
+    host, port = base.removeprefix("http://").split(":")
     lat, stop = [], threading.Event()
 
     def poll():
