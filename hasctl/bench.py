@@ -7,7 +7,9 @@ process. The client records, per request, the send time, the arrival of every co
 the end and any error; `easerve.slo.compute_metrics` turns those records into the result
 (field names of `vllm bench serve` where they overlap: `median_ttft_ms`, `p99_tpot_ms`,
 `request_throughput`, `request_goodput`, ...). Request bodies are built before the clock starts,
-so the sending loop only sleeps, posts and reads.
+so the sending loop only sleeps, posts and reads. With `max_concurrency` N (`--max-concurrency`, as
+in `vllm bench serve`) at most N requests are in flight: a request due while N are open waits
+for one to end (its send time is when it goes out); with a high rate that is a closed loop of N.
 
 From Python (what `hasctl tune` calls):
 
@@ -56,6 +58,7 @@ class BenchConfig:
     timeout_s: float = 3600.0
     label: str = ""                    # deployment name for reports
     progress: bool = True
+    max_concurrency: int | None = None  # at most this many requests in flight (None: no limit)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -67,6 +70,8 @@ class BenchConfig:
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0 seconds, got {v!r}")
         arrival_times(self.rate, self.burstiness, n=1)  # validates rate and burstiness
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency (--max-concurrency) must be >= 1, got {self.max_concurrency}")
 
     @property
     def endpoint(self) -> str:
@@ -176,13 +181,19 @@ async def _open_loop(session, config: BenchConfig, bodies: list[bytes], records:
     t0 = time.monotonic()
     clock = lambda: time.monotonic() - t0  # noqa: E731 - the run's clock
     tasks: list[asyncio.Task] = []
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+
+    async def limited(body: bytes, rec: RequestRecord) -> None:
+        async with limit:
+            await _one(session, config.endpoint, body, rec, clock, bar)
 
     async def schedule() -> None:
         for body, rec in zip(bodies, records):
             delay = rec.scheduled_s - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, config.endpoint, body, rec, clock, bar)))
+            one = _one(session, config.endpoint, body, rec, clock, bar) if limit is None else limited(body, rec)
+            tasks.append(asyncio.create_task(one))
         await asyncio.gather(*tasks)
 
     try:
@@ -259,6 +270,8 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--timeout", type=float, default=3600.0, help="hard limit for the whole run (s)")
     p.add_argument("--label", default="", help="deployment name recorded for hasctl report")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most N requests in flight (as vllm bench serve's); with a high --rate, a closed loop")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="result JSON")
     p.set_defaults(func=run)
@@ -331,7 +344,7 @@ def config_from_args(args) -> BenchConfig:
                        duration_s=args.duration, seed=args.seed, workload=spec, dataset=args.dataset,
                        content_seed=args.content_seed, model=args.model, ignore_eos=args.ignore_eos, slo=slo_from_args(args),
                        request_timeout_s=args.request_timeout, timeout_s=args.timeout, label=args.label,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, max_concurrency=getattr(args, "max_concurrency", None))
 
 
 def run(args) -> int:

@@ -53,7 +53,7 @@ class Fake:
         body = await req.json()
         text = _last_text(body)
         kind = request_class(text)
-        rec = {"text": text, "class": kind}
+        rec = {"text": text, "class": kind, "recv_s": t_recv, "end_s": t_recv}
         self.truth.append(rec)
         if kind == "reject":
             return web.json_response({"error": {"message": "queue full", "code": 429}}, status=429)
@@ -73,7 +73,7 @@ class Fake:
                  "usage": {"prompt_tokens": len(text.split()), "completion_tokens": n, "total_tokens": n}}
         await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
         rec |= {"ttft_s": writes[0] - t_recv, "tpot_s": (writes[-1] - writes[0]) / (n - 1) if n > 1 else None,
-                "tokens": n}
+                "tokens": n, "end_s": time.monotonic()}
         return resp
 
 

@@ -2,13 +2,16 @@
 
 The API fronts turn content parts into `MediaPart`s holding `MediaRef`s (pure parsing);
 `MediaResolver.resolve` then fetches the URLs among them concurrently (async, `MediaFetcher`) and
-decodes everything in one worker thread, charging one `PixelBudget` per request. `fetch` alone
+decodes them, charging one `PixelBudget` per request: files (image, video, audio bytes) in the
+`DecodePool`'s worker processes when the resolver has one (once per content hash), the rest
+(frame lists, arrays, or every item without a pool) in a worker thread. `fetch` alone
 fetches without decoding (the gateway hashes media as received, and may then need no decoding at
 all). Both return new parts; the ones given are left as they are.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from easerve.media.audio import decode_audio
@@ -16,6 +19,8 @@ from easerve.media.common import MediaLimits, PixelBudget, is_url, to_bytes
 from easerve.errors import MediaError
 from easerve.media.fetch import FetchConfig, MediaFetcher
 from easerve.media.image import decode_image
+from easerve.media.pool import DecodePool
+from easerve.stages.common.host_time import cpu_timed
 from easerve.media.video import VideoSampling, decode_video, decode_video_file, is_video_file
 from easerve.types import ChatMessage, MediaPart, MediaRef, media_parts, with_media
 
@@ -38,21 +43,63 @@ class MediaConfig:
 
 
 class MediaResolver:
-    def __init__(self, cfg: MediaConfig, fetcher: MediaFetcher | None = None):
+    def __init__(self, cfg: MediaConfig, fetcher: MediaFetcher | None = None, pool: DecodePool | None = None):
         self.cfg = cfg
         self.fetcher = fetcher or MediaFetcher(FetchConfig())
+        self.pool = pool  # started by its owner
 
-    async def resolve(self, parts: list[MediaPart]) -> list[MediaPart]:
+    async def resolve(self, parts: list[MediaPart], on_cpu: Callable[[float], None] | None = None) -> list[MediaPart]:
         """`parts` with every undecoded one decoded (a new part; a video's also says the rate
-        of its frames when known). Raises MediaError (a ValueError) naming what to change."""
+        of its frames when known). Raises MediaError (a ValueError) naming what to change.
+        `on_cpu(seconds)` is told the CPU time spent decoding for this request (threads and workers)."""
         todo = [i for i, p in enumerate(parts) if not p.decoded]
         out = list(parts)
         if not todo:
             return out
         refs = [p.ref for p in await self.fetch([parts[i] for i in todo])]
-        for i, part in zip(todo, await asyncio.to_thread(self.decode_all, refs)):
+        on_cpu = on_cpu or (lambda s: None)
+        if self.pool is None:
+            decoded = await asyncio.to_thread(cpu_timed(self.decode_all, on_cpu), refs)
+        else:
+            budget = PixelBudget(self.cfg.limits.max_request_pixels)
+            decoded = await asyncio.gather(*(self._decode_one(r, budget, on_cpu) for r in refs))
+        for i, part in zip(todo, decoded):
             out[i] = part
         return out
+
+    async def _decode_one(self, ref: MediaRef, budget: PixelBudget, on_cpu: Callable[[float], None]) -> MediaPart:
+        """One item: a file in the pool (its pixels charged to `budget` after), the rest in a thread."""
+        if not isinstance(ref.source, (bytes, bytearray, memoryview, str)):
+            return await asyncio.to_thread(cpu_timed(self.decode, on_cpu), ref, budget)
+        kind, opts = ref.kind, self._pool_opts(ref)
+        raw, key = await asyncio.to_thread(cpu_timed(self._keyed, on_cpu), ref, opts)
+        d, ran = await self.pool.decode(kind, raw, opts, key)
+        if ran:
+            on_cpu(d.cpu_s)
+        if d.pixels:
+            budget.take(d.pixels, f"{kind} ({'x'.join(map(str, d.array.shape[:-1]))} pixels)")
+        if kind == "image":
+            from PIL import Image
+            return MediaPart("image", ref, Image.fromarray(d.array))
+        if kind == "video":
+            return MediaPart("video", ref, d.array, d.fps if d.fps is not None else (float(ref.fps) if ref.fps else None))
+        return MediaPart("audio", ref, d.array)
+
+    def _keyed(self, ref: MediaRef, opts: tuple) -> tuple[bytes, bytes]:
+        raw = to_bytes(ref.source, ref.kind)
+        return raw, self.pool.key(ref.kind, raw, opts)
+
+    def _pool_opts(self, ref: MediaRef) -> tuple:
+        """The plain settings a worker decodes `ref` with (no object of the request's)."""
+        lim, s = self.cfg.limits, self.cfg.sampling
+        if ref.kind == "image":
+            return (lim.max_side, lim.max_request_pixels)
+        if ref.kind == "video":
+            return (lim.max_side, lim.max_frames, lim.max_request_pixels, lim.max_source_frames,
+                    float(ref.fps) if ref.fps else s.fps, s.min_frames, s.max_frames, s.frame_multiple)
+        self._check_audio()
+        max_s, why = self._audio_window()
+        return (int(self.cfg.audio_rate), float(max_s), why)
 
     async def resolve_messages(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
         return with_media(messages, await self.resolve(media_parts(messages)))
@@ -98,18 +145,26 @@ class MediaResolver:
         frames = decode_video(src, lim.max_side, lim.max_frames, budget=budget)
         return MediaPart("video", ref, frames, float(ref.fps) if ref.fps else None)
 
-    def _audio(self, ref: MediaRef):
-        lim = self.cfg.limits
+    def _check_audio(self) -> None:
         if self.cfg.audio_rate is None:
             raise MediaError("this model does not take audio; remove the audio part")
+
+    def _audio_window(self) -> tuple[float, str]:
+        """(the longest clip accepted, seconds; why, for the error message)."""
+        lim = self.cfg.limits
         max_s = min(lim.max_audio_seconds, self.cfg.audio_max_seconds or lim.max_audio_seconds)
+        return max_s, self.cfg.audio_window_note if max_s < lim.max_audio_seconds else ""
+
+    def _audio(self, ref: MediaRef):
+        self._check_audio()
+        max_s, why = self._audio_window()
         return decode_audio(ref.source, sample_rate=ref.sample_rate, target_rate=self.cfg.audio_rate,
-                            max_seconds=max_s, why=self.cfg.audio_window_note if max_s < lim.max_audio_seconds
-                            else "")
+                            max_seconds=max_s, why=why)
 
 
 async def _same(x):
     return x
+
 
 
 # Families whose processor pads or *truncates* every clip to the encoder window (Ultravox's splits it).

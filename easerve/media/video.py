@@ -9,6 +9,7 @@ before anything is decoded.
 """
 from __future__ import annotations
 
+import bisect
 import io
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ class DecodedVideo:
     indices: list[int]      # which source frames they are
     source_fps: float
     source_frames: int
+    decoded_frames: int = 0  # frames the decoder produced to get them (kept ones included)
 
     @property
     def sampled_fps(self) -> float:
@@ -151,38 +153,102 @@ def _open_container(raw: bytes):
     return container
 
 
-def _count_frames(raw: bytes) -> tuple[int, float]:
-    """(frames, frames per second) from the packets alone (one frame per packet), no decoding."""
+@dataclass(frozen=True)
+class _Index:
+    """A video stream's frames from its packets alone: how many, at what rate, the
+    presentation timestamps in display order and which frames (display indices) are keyframes."""
+
+    frames: int
+    fps: float
+    pts: list[int] | None        # sorted; None when some packet has none (then no seeking)
+    keyframes: list[int]
+
+
+def _count_frames(raw: bytes) -> _Index:
+    """The stream's `_Index` from the packets alone (one frame per packet), no decoding."""
     import av
 
     with _open_container(raw) as c:
         stream = c.streams.video[0]
-        pts, n = [], 0
+        pts, keys, n, no_pts = [], [], 0, False
         try:
             for packet in c.demux(stream):
                 if packet.size:
                     n += 1
-                    if packet.pts is not None:
+                    if packet.pts is None:
+                        no_pts = True
+                    else:
                         pts.append(packet.pts)
+                        if packet.is_keyframe:
+                            keys.append(packet.pts)
         except av.FFmpegError as e:
             raise MediaError(f"video file is corrupt ({e}); send a complete file") from None
+        pts.sort()
+        ordered = None if no_pts or len(set(pts)) != n else pts
+        rank = {p: i for i, p in enumerate(pts)}
+        keyframes = sorted(rank[p] for p in keys) if ordered else []
         rate = stream.average_rate or stream.guessed_rate
         if rate:
-            return n, float(rate)
+            return _Index(n, float(rate), ordered, keyframes)
         if len(pts) > 1 and stream.time_base:
             span = (max(pts) - min(pts)) * float(stream.time_base)
             if span > 0:
-                return n, (len(pts) - 1) / span
+                return _Index(n, (len(pts) - 1) / span, ordered, keyframes)
         raise MediaError("the video file states no frame rate and its timestamps give none; "
                          "re-encode it, or send the frames as a list")
 
 
+def _decode_all_until(c, stream, keep: list[int]) -> tuple[list[np.ndarray], int]:
+    """(the kept frames, frames decoded) decoding every frame up to the last kept one (no
+    timestamps to seek by)."""
+    wanted, frames, n = set(keep), [], 0
+    for i, frame in enumerate(c.decode(stream)):
+        n += 1
+        if i in wanted:
+            frames.append(frame.to_ndarray(format="rgb24"))
+        if i >= keep[-1]:
+            break
+    return frames, n
+
+
+def _decode_seeking(c, stream, keep: list[int], index: _Index) -> tuple[list[np.ndarray], int]:
+    """The kept frames, seeking to the keyframe before a kept frame whenever that skips frames
+    not yet decoded: only the GOPs holding kept frames are decoded, each up to its last kept frame."""
+    pts, keys = index.pts, index.keyframes
+    rank = {p: i for i, p in enumerate(pts)}
+    wanted, got, pos, frames_it, n = set(keep), {}, -1, None, 0
+    for k in keep:
+        if k in got:
+            continue
+        j = bisect.bisect_right(keys, k) - 1
+        key = keys[j] if j >= 0 else 0
+        if frames_it is None or key > pos + 1:
+            if key > 0:
+                c.seek(pts[key], stream=stream, backward=True, any_frame=False)
+            frames_it = c.decode(stream)
+        for frame in frames_it:
+            n += 1
+            i = rank.get(frame.pts)
+            if i is None:
+                continue
+            pos = max(pos, i)
+            if i in wanted and i not in got:
+                got[i] = frame.to_ndarray(format="rgb24")
+            if i >= k:
+                break
+    return [got[i] for i in keep if i in got], n
+
+
 def decode_video_file(raw: bytes, sampling: VideoSampling, max_side: int = 8192, max_frames: int = 1024,
-                      budget: PixelBudget | None = None, max_source_frames: int = 108_000) -> DecodedVideo:
-    """A container file -> the frames `sampling` keeps, as RGB uint8 [T, H, W, 3]."""
+                      budget: PixelBudget | None = None, max_source_frames: int = 108_000,
+                      thread_type: str = "AUTO") -> DecodedVideo:
+    """A container file -> the frames `sampling` keeps, as RGB uint8 [T, H, W, 3]; only the
+    GOPs holding kept frames are decoded (seeking by keyframe). `thread_type`: FFmpeg's decoder
+    threading (AUTO, FRAME, SLICE or NONE; the media pool picks the fastest at start)."""
     import av
 
-    total, fps = _count_frames(raw)
+    index = _count_frames(raw)
+    total, fps = index.frames, index.fps
     if total == 0:
         raise MediaError(f"video has 0 frames; send {VIDEO_ACCEPTS}")
     if total > max_source_frames:
@@ -192,17 +258,13 @@ def decode_video_file(raw: bytes, sampling: VideoSampling, max_side: int = 8192,
     check_frames(len(keep), max_frames)
     with _open_container(raw) as c:
         stream = c.streams.video[0]
+        stream.thread_type = thread_type
         w, h = stream.codec_context.width, stream.codec_context.height
         check_size(w, h, "video frame", max_side)
         if budget is not None:
             budget.take(len(keep) * w * h, f"video ({len(keep)} sampled frames of {w}x{h})")
-        wanted, frames = set(keep), []
         try:
-            for i, frame in enumerate(c.decode(stream)):
-                if i in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                if i >= keep[-1]:
-                    break
+            frames, n = _decode_seeking(c, stream, keep, index) if index.pts else _decode_all_until(c, stream, keep)
         except av.FFmpegError as e:
             raise MediaError(f"video file could not be decoded ({e}); send a complete, supported file") from None
     if not frames:
@@ -212,5 +274,5 @@ def decode_video_file(raw: bytes, sampling: VideoSampling, max_side: int = 8192,
     shapes = {f.shape for f in frames}
     if len(shapes) != 1:
         raise MediaError(f"video frames change size mid-stream ({sorted(shapes)}); re-encode at one size")
-    return DecodedVideo(np.stack(frames), keep, fps, total)
+    return DecodedVideo(np.stack(frames), keep, fps, total, n)
 

@@ -121,3 +121,24 @@ def test_dataset_replay_sends_each_line_once(fake_server, tmp_path):
     assert res["num_prompts"] == 7 and res["completed"] == len(ok)
     assert [res["output_lens"][k] for k in ok] == [3 + k % 2 for k in ok]  # each line's own max_tokens
     assert all(res["ttfts"][k] > 0.04 for k in ok) and len(res["itls"]) == 7 and res["modality"] == "dataset"
+
+
+@pytest.mark.slow
+def test_max_concurrency_keeps_at_most_n_in_flight_on_the_server(fake_server):
+    """--max-concurrency 3 at a rate far above what 3 can serve: a closed loop of 3 (server's clock)."""
+    import asyncio
+
+    from hasctl.bench import BenchConfig, run_bench
+    cfg = BenchConfig(url=fake_server, rate=1000.0, num_requests=15, seed=5, progress=False, max_concurrency=3,
+                      workload=WorkloadSpec(modality="text", input_tokens=12, output_tokens=4))
+    res = asyncio.run(run_bench(cfg))
+    truth = json.load(urllib.request.urlopen(fake_server + "/truth"))
+    assert len(truth) == 15 and res.metrics["completed"] + res.metrics["failed"] == 15
+    events = sorted([(t["recv_s"], 1) for t in truth] + [(t["end_s"], -1) for t in truth], key=lambda e: (e[0], e[1]))
+    open_now, most = 0, 0
+    for _, step in events:
+        open_now += step
+        most = max(most, open_now)
+    assert most == 3
+    with pytest.raises(ValueError, match="max_concurrency"):
+        BenchConfig(url=fake_server, max_concurrency=0)

@@ -21,7 +21,7 @@ from easerve import Client
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Worker, preset
 from hasctl.launch import Stack, free_port
-from tests.integration.conftest import png_bytes
+from tests.support.media import png_bytes
 from tests.prom import metric
 
 pytestmark = pytest.mark.slow

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from aiohttp import web
 
 from easerve.media import FetchConfig, MediaFetcher, MediaLimits, MediaResolver, config_for
+from easerve.media.pool import DecodePool
 from easerve.models.loader import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common.cli import write_port_file
@@ -21,6 +23,9 @@ from easerve.stages.gateway.metrics import GatewayMetrics
 from easerve.stages.gateway.servicer import GatewayServicer
 
 log = logging.getLogger("easerve.gateway")
+# the GIL hand-over interval: preprocessing threads yield to the event loop within 1 ms (Python's
+# default 5 ms, paid at each of the loop's GIL acquisitions, delays /health and token streaming)
+LOOP_SWITCH_S = 0.001
 
 
 def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
@@ -28,14 +33,16 @@ def media_resolver(cfg: GatewayConfig, adapter) -> MediaResolver:
                         allowed_local_path=cfg.allowed_local_media_path or None,
                         max_bytes=int(cfg.media_max_mb * (1 << 20)), timeout_s=cfg.media_timeout_s)
     limits = MediaLimits(max_request_pixels=int(cfg.media_max_mpixels * 1e6))
-    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch))
+    return MediaResolver(config_for(adapter, limits), MediaFetcher(fetch), DecodePool(cfg.media_workers, cfg.media_queue))
 
 
 async def main(cfg: GatewayConfig) -> None:
     keys, opts = ApiKeys.of(cfg), ServerOptions.of(cfg)
+    sys.setswitchinterval(LOOP_SWITCH_S)
     warn_if_open(cfg, keys)
     adapter = load_adapter(cfg.model, role="processor", device="cpu")
     core = GatewayCore(cfg, adapter, GatewayMetrics(), media=media_resolver(cfg, adapter))
+    await asyncio.to_thread(core.media.pool.start)
     core.start()
     ready = asyncio.Event()
     http = HttpApi(core, int(cfg.max_body_mb * (1 << 20)), ready.is_set,
@@ -67,6 +74,7 @@ async def main(cfg: GatewayConfig) -> None:
         ready.clear()
         await runner.cleanup()
         await core.stop()
+        core.media.pool.close()
 
 
 async def _drain_on(stop: asyncio.Event, http: HttpApi) -> None:

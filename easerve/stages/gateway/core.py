@@ -24,6 +24,7 @@ Leaving early (client gone, deadline) cancels both calls, which frees every stag
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -66,6 +67,8 @@ class GatewayCore:
         self.limit = InflightLimit(cfg.max_inflight, "the gateway")
         self.max_model_len = cfg.max_model_len or default_max_len(adapter.text_config)
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.preprocess_threads, thread_name_prefix="preprocess")
+        self.host = metrics.host
+        self.host_records: collections.deque[Job] = collections.deque(maxlen=1000)  # /trace's host_cpu_ms
         so = ServerOptions.of(cfg)
         opts, tls = so.channel_options(), so.tls
         self._enc = peers_of(cfg, "encode", encode_pb2_grpc.EncodeStub, opts, "easerve.v1.Encode", tls=tls)
@@ -103,9 +106,10 @@ class GatewayCore:
 
     async def _processed(self, job: Job) -> ProcessedPrompt:
         """Full preprocessing: fetch and decode the media, run the HF processor."""
-        messages, media = job.with_media(await self.media.resolve(job.media_parts()))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess_sync, job,
-                                                                messages, media)
+        parts = await self.media.resolve(job.media_parts(), lambda s: self.host.add("media", s, job.host))
+        messages, media = job.with_media(parts)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.host.timed("tokenize", self._preprocess_sync, job.host), job, messages, media)
 
     async def _prepare(self, job: Job) -> ProcessedPrompt:
         """Hash the media as received, plan the encode (easerve.cache.gateway), and skip
@@ -116,11 +120,12 @@ class GatewayCore:
         loop = asyncio.get_running_loop()
         parts = await self.media.fetch(parts)
         job.messages, job.media = job.with_media(parts)  # fetched once, for a full preprocess too
-        pairs = await loop.run_in_executor(self._pool, self.cache.hash_parts, parts)
+        pairs = await loop.run_in_executor(self._pool, self.host.timed("media", self.cache.hash_parts, job.host), parts)
         job.media_plan = plan = await self.cache.plan(pairs, self._deadline(job).timeout())
         known = self.cache.known_items(plan) if plan.all_held else None
         if known is not None:
-            prompt = await loop.run_in_executor(self._pool, self._preprocess_known, job, known)
+            prompt = await loop.run_in_executor(self._pool, self.host.timed("tokenize", self._preprocess_known,
+                                                                            job.host), job, known)
             plan.skipped = True
             return prompt
         prompt = await self._processed(job)
@@ -131,7 +136,8 @@ class GatewayCore:
         t0 = time.monotonic()
         if job.sampling.structured is not None:  # an invalid schema, regex or grammar is the client's (400)
             from easerve.engine import grammar  # xgrammar loads only once a structured output comes
-            grammar.parse(job.sampling.structured)
+            with self.host.phase("parse", job.host):
+                grammar.parse(job.sampling.structured)
         # MediaError and the adapter's InvalidRequests are the client's (400); any other error is ours (500)
         prompt = await self._prepare(job)
         job.preprocess_ms = (time.monotonic() - t0) * 1000
@@ -176,9 +182,12 @@ class GatewayCore:
             return (self._enc, *await self._encode_call(job, prompt, deadline, decode_addr, failed,
                                                         dict(meta=meta, input_ids=prompt.input_ids, sampling=sp,
                                                              decode=target)))
-        req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
-        hashes = self.prefix_route.hashes(prompt.input_ids)
-        prefer = decode_addr if decode_addr in self._pre.addrs else self.prefix_route.prefer(hashes, up_loads(self._pre))
+        with self.host.phase("serialize", job.host):
+            req = prefill_pb2.PrefillRequest(meta=meta, input_ids=prompt.input_ids, sampling=sp, decode=target)
+        with self.host.phase("schedule", job.host):
+            hashes = self.prefix_route.hashes(prompt.input_ids)
+            prefer = decode_addr if decode_addr in self._pre.addrs else self.prefix_route.prefer(hashes,
+                                                                                                 up_loads(self._pre))
         started = await self._pre.start_call(lambda p: p.stub.Prefill(req, timeout=deadline.timeout()), prefer=prefer,
                                              failed=failed, retries=0)
         self.prefix_route.sent(hashes, started[0].addr)
@@ -196,7 +205,7 @@ class GatewayCore:
         target = decode_addr if decode_addr in self._enc.addrs else (plan.target if plan else None)
         held = self.cache.held_items(plan, prompt, target) if plan else [False] * len(prompt.items)
         if any(held):
-            req = await self._encode_request(prompt, fields, held)
+            req = await self._encode_request(job, prompt, fields, held)
             try:
                 return await self._started(plan, req, deadline, target, failed)
             except CacheMiss as e:  # its reason code, not its words (the peer's name is in front)
@@ -206,7 +215,7 @@ class GatewayCore:
                 self.m.cache_late_misses.inc()
             if plan.skipped:
                 prompt = await self._reprocess(job, prompt)
-        req = await self._encode_request(prompt, fields, [False] * len(prompt.items))
+        req = await self._encode_request(job, prompt, fields, [False] * len(prompt.items))
         return await self._started(plan, req, deadline, target or decode_addr, failed)
 
     async def _reprocess(self, job: Job, skipped: ProcessedPrompt) -> ProcessedPrompt:
@@ -221,10 +230,12 @@ class GatewayCore:
                            "from the processor's; this is a bug, please report it")
         return replace(prompt, input_ids=list(skipped.input_ids))  # a migrated request's: + its resumed tokens
 
-    async def _encode_request(self, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
-        items = await asyncio.get_running_loop().run_in_executor(  # pixel copies: off the loop
-            self._pool, lambda: [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)])
-        return encode_pb2.EncodeRequest(items=items, **fields)
+    async def _encode_request(self, job: Job, prompt: ProcessedPrompt, fields: dict, held: list[bool]):
+        def build():  # pixel copies: off the loop
+            items = [media_item_to_proto(it, with_inputs=not h) for it, h in zip(prompt.items, held)]
+            return encode_pb2.EncodeRequest(items=items, **fields)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.host.timed("serialize", build,
+                                                                                            job.host))
 
     async def _started(self, plan: MediaPlan | None, req, deadline: Deadline, prefer: str | None,
                        failed: set[str]):
@@ -243,11 +254,14 @@ class GatewayCore:
     async def _generate(self, job: Job) -> AsyncIterator[Delta]:
         self.m.requests_running.inc()
         self.m.requests_waiting.inc()
+        self.host_records.append(job)
         waiting = True
         try:
             prompt = await self.preprocess(job)
             if self.admission is not None:  # text only too: it skips encode, not admission
-                self.admission.admit(job, prompt.items[0].modality if prompt.items else "text", len(prompt.input_ids))
+                with self.host.phase("schedule", job.host):
+                    self.admission.admit(job, prompt.items[0].modality if prompt.items else "text",
+                                         len(prompt.input_ids))
             async for d in self._stream(job, prompt):
                 if waiting:
                     waiting = False
@@ -294,6 +308,19 @@ class GatewayCore:
                 self._dec.finish(dpeer)
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def trace(self, last: int) -> dict:
+        """GET /trace: the latest requests' records (admission's, with --profile), each with its
+        host CPU milliseconds by phase (`host_cpu_ms`)."""
+        jobs = list(self.host_records)[-last:] if last > 0 else []
+        if self.admission is None:
+            recs = [{"request_id": j.request_id, "host_cpu_ms": j.host.as_ms()} for j in jobs]
+            return {"admission": "off", "requests": recs}
+        out = self.admission.trace(last)
+        host = {j.request_id: j.host for j in jobs}
+        out["requests"] = [{**r, "host_cpu_ms": host[r["request_id"]].as_ms()} if r["request_id"] in host else r
+                           for r in out["requests"]]
+        return out
 
     async def _stream(self, job: Job, prompt: ProcessedPrompt) -> AsyncIterator[Delta]:
         deadline = self._deadline(job)

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP front of the gateway (aiohttp).
 
 POST /v1/chat/completions and POST /v1/completions (stream: true -> SSE ending in
-[DONE]), GET /v1/models, GET /health, GET /metrics, GET /trace (with --profile: each request's predicted
-and actual TTFT and its admission decision). Errors: 400 with what to change, 429 on overload,
+[DONE]), GET /v1/models, GET /health, GET /metrics, GET /trace (each request's host CPU milliseconds
+by phase; with --profile also its predicted and actual TTFT and its admission decision). Errors: 400 with what to change, 429 on overload,
 503 when a stage is unavailable or the gateway drains (both with Retry-After), 504 past the
 deadline, 502 when the pipeline's stream ends without a finish reason (an error event when
 the SSE headers are out); the server keeps serving.
@@ -19,6 +19,7 @@ from aiohttp import web
 
 from easerve.errors import BadRequest, BadUpstream
 from easerve.rpc.errors import domain_error, is_unexpected
+from easerve.stages.common.host_time import HostAccount
 from easerve.stages.gateway import openai_api as oa
 from easerve.stages.gateway.admission import PRIORITY_HEADER, TIER_HEADER, checked_priority, checked_tier
 from easerve.stages.gateway.choices import Delta, ended
@@ -94,24 +95,25 @@ class HttpApi:
         return web.Response(text=self.core.m.render(), content_type="text/plain", charset="utf-8")
 
     async def trace(self, req: web.Request) -> web.Response:
-        """The latest requests' predicted and actual TTFT / TPOT and admission decisions (?last=N)."""
-        adm = self.core.admission
-        if adm is None:
-            return _error(404, "no latency predictions here: start the gateway with --profile")
+        """The latest requests' host CPU by phase and (with --profile) predicted and actual TTFT /
+        TPOT and admission decisions (?last=N)."""
         try:
             last = int(req.query.get("last", "500"))
         except ValueError:
             return _error(400, f"last must be an integer, got {req.query.get('last')!r}")
-        return web.json_response(adm.trace(last))
+        return web.json_response(self.core.trace(last))
 
     async def models(self, _req: web.Request) -> web.Response:
         return web.json_response(oa.models_json(self.core.cfg.served_model, self.core.max_model_len, self.core.started))
 
-    async def _body(self, req: web.Request) -> dict:
+    async def _body(self, req: web.Request) -> bytes:
         try:
-            raw = await req.read()
+            return await req.read()
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
+
+    @staticmethod
+    def _json(raw: bytes) -> dict:
         try:
             return json.loads(raw)
         except RecursionError:
@@ -124,29 +126,33 @@ class HttpApi:
         return _error(400, str(e))
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
+        acc = HostAccount()
         try:
-            body = await self._body(req)
-            a = self.core.adapter
-            chat = oa.parse_chat_request(body, self.core.cfg.served_model, a.modalities, a.sampling_rate,
-                                         self.core.cfg.default_max_tokens)
-            job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s)
-            _classify(job, req, chat)
+            raw = await self._body(req)
+            with self.core.host.phase("parse", acc):
+                a = self.core.adapter
+                chat = oa.parse_chat_request(self._json(raw), self.core.cfg.served_model, a.modalities,
+                                             a.sampling_rate, self.core.cfg.default_max_tokens)
+                job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s, host=acc)
+                _classify(job, req, chat)
         except BadRequest as e:
             return self._bad(e)
         tok = self.core.adapter.tokenizer
         return await self._answer(req, job, lambda i: _ChatShape(chat, tok, i), chat.stream, chat.include_usage)
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
+        acc = HostAccount()
         try:
-            body = await self._body(req)
-            comp = oa.parse_completion_request(body, self.core.cfg.served_model, self._vocab_size())
-            job = Job(comp.sampling, comp.request_id, timeout_s=comp.timeout_s)
-            if isinstance(comp.prompt, str):
-                job.prompt = comp.prompt
-            else:
-                self._check_ids(comp.prompt)
-                job.prompt_ids = comp.prompt
-            _classify(job, req, comp)
+            raw = await self._body(req)
+            with self.core.host.phase("parse", acc):
+                comp = oa.parse_completion_request(self._json(raw), self.core.cfg.served_model, self._vocab_size())
+                job = Job(comp.sampling, comp.request_id, timeout_s=comp.timeout_s, host=acc)
+                if isinstance(comp.prompt, str):
+                    job.prompt = comp.prompt
+                else:
+                    self._check_ids(comp.prompt)
+                    job.prompt_ids = comp.prompt
+                _classify(job, req, comp)
         except BadRequest as e:
             return self._bad(e)
         tok = self.core.adapter.tokenizer
@@ -181,9 +187,10 @@ class HttpApi:
         except Exception as e:  # noqa: BLE001 - mapped to a status, server keeps serving
             return self._fail(e)
         self.core.m.requests.inc(api="http", code="200")
-        usage = oa.usage_json(last)
-        bodies = [sh.whole("".join(text[i]), finish[i], usage, lps[i]) for i, sh in enumerate(shapes)]
-        return web.json_response({**bodies[0], "choices": [b["choices"][0] for b in bodies]})
+        with self.core.host.phase("detokenize", job.host):
+            usage = oa.usage_json(last)
+            bodies = [sh.whole("".join(text[i]), finish[i], usage, lps[i]) for i, sh in enumerate(shapes)]
+            return web.json_response({**bodies[0], "choices": [b["choices"][0] for b in bodies]})
 
     def _fail(self, e: Exception) -> web.Response:
         err = domain_error(e)
@@ -205,8 +212,10 @@ class HttpApi:
         try:
             d, finished = first, 0
             while True:
-                lps = list(zip(d.token_ids, d.logprobs))
-                await self._sse(resp, shapes[d.index].chunk(created, d.text, d.finish_reason, lps))
+                with self.core.host.phase("detokenize", job.host):
+                    event = _event(shapes[d.index].chunk(created, d.text, d.finish_reason,
+                                                         list(zip(d.token_ids, d.logprobs))))
+                await resp.write(event)
                 finished += d.finish_reason is not None
                 if ended(finished, len(shapes)):
                     break
@@ -229,7 +238,12 @@ class HttpApi:
 
     @staticmethod
     async def _sse(resp: web.StreamResponse, obj: dict) -> None:
-        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        await resp.write(_event(obj))
+
+
+def _event(obj: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def _classify(job: Job, req: web.Request, parsed) -> None:

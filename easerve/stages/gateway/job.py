@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from easerve.cache.gateway import MediaPlan
 from easerve.policy.admission import Decision
+from easerve.stages.common.host_time import HostAccount
 from easerve.types import ChatMessage, MediaPart, SamplingParams, media_parts, with_media
 
 
@@ -40,6 +41,7 @@ class Job:
     trace: dict | None = None            # its /trace record
     cached_tokens: int = 0               # set from prefill's first chunk (its prefix cache's hit)
     migrations: int = 0                  # times its stream moved to another decode instance
+    host: HostAccount = field(default_factory=HostAccount)  # its host CPU seconds by phase (/trace)
 
     def media_parts(self) -> list[MediaPart]:
         """Every media part, in request order."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from easerve.stages.common.host_time import HostTime
 from easerve.stages.common.metrics import LATENCY_BUCKETS, new_registry, render
 
 REL_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -64,6 +65,7 @@ class GatewayMetrics:
         self.ttft_prediction_error = Histogram(
             "easerve:ttft_prediction_relative_error", "|predicted - actual| / actual TTFT per request",
             buckets=REL_ERROR_BUCKETS, registry=r)
+        self.host = HostTime(r, "gateway")
 
     def render(self) -> str:
         return render(self.registry).decode()

@@ -9,6 +9,7 @@ import numpy as np
 from easerve.rpc.deadline import remaining_from_context
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest
+from easerve.stages.common.host_time import HostAccount
 from easerve.wire.protoconv import FINISH_TO_PROTO
 from easerve.types import ChatMessage, ContentPart, MediaPart, MediaRef, TextPart
 from easerve.wire.sampling_proto import sampling_from_proto, timings_to_proto
@@ -106,24 +107,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        job = self._job(request, remaining_from_context(context))
+        acc = HostAccount()
+        with self.core.host.phase("parse", acc):
+            job = self._job(request, remaining_from_context(context))
+        job.host = acc
         meta = dict(context.invocation_metadata() or ())
         job.slo_tier = checked_tier(meta.get(TIER_HEADER), f"metadata {TIER_HEADER}")
         job.priority = checked_priority(meta.get(PRIORITY_HEADER), f"metadata {PRIORITY_HEADER}")
         finished = 0
         async for d in self.core.generate(job):
-            msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
-                                               finish_reason=FINISH_TO_PROTO[d.finish_reason], index=d.index)
-            if d.timings is not None:
-                timings_to_proto(d.timings, msg.timings)
-            for lp in d.logprobs:
-                lp.to_proto(msg.logprobs.add())
             finished += d.finish_reason is not None
-            if ended(finished, job.sampling.n):  # the last choice's end: usage summed over the choices
-                msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
-                msg.usage.cached_tokens, msg.usage.migrations = d.cached_tokens, d.migrations
+            with self.core.host.phase("detokenize", job.host):
+                msg = self._response(job, d, finished)
             yield msg
         self.core.m.requests.inc(api="grpc", code="OK")
+
+    @staticmethod
+    def _response(job: Job, d, finished: int) -> gateway_pb2.GenerateResponse:
+        """One delta as a GenerateResponse; `finished`: choices ended so far, this one included."""
+        msg = gateway_pb2.GenerateResponse(request_id=job.request_id, token_ids=d.token_ids, text=d.text,
+                                           finish_reason=FINISH_TO_PROTO[d.finish_reason], index=d.index)
+        if d.timings is not None:
+            timings_to_proto(d.timings, msg.timings)
+        for lp in d.logprobs:
+            lp.to_proto(msg.logprobs.add())
+        if ended(finished, job.sampling.n):  # the last choice's end: usage summed over the choices
+            msg.usage.prompt_tokens, msg.usage.completion_tokens = d.prompt_tokens, d.completion_tokens
+            msg.usage.cached_tokens, msg.usage.migrations = d.cached_tokens, d.migrations
+        return msg
 
     @grpc_errors
     async def ListModels(self, request, context):

@@ -1,0 +1,99 @@
+"""The gateway's media decode pool (easerve.media.pool) with real worker processes: decodes
+match the in-process decoders, one decode per content hash, a full queue is Overloaded, and a
+video file's kept frames come from seeking (only the GOPs holding them are decoded)."""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+
+from easerve.errors import MediaError, Overloaded
+from easerve.media.pool import DecodePool
+from easerve.media.video import VideoSampling, decode_video_file
+from tests.support.media import png_bytes
+from tests.models.media_clips import decode_all_frames, smooth_frames
+
+pytestmark = pytest.mark.slow  # starts worker processes
+
+
+def h264(n: int, fps: int = 30, gop: int = 15, h: int = 64, w: int = 96) -> bytes:
+    """An MP4 of `n` frames with a keyframe every `gop` frames."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=fps, options={"g": str(gop), "preset": "ultrafast", "crf": "20"})
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        for arr in smooth_frames(n, h, w):
+            for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
+VIDEO_OPTS = (8192, 1024, 10**9, 108_000, 2.0, 4, 768, 1)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DecodePool(workers=2, max_pending=2)
+    p.start()
+    assert p.decoder in ("NONE", "SLICE", "FRAME", "AUTO")
+    yield p
+    p.close()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_video_decodes_only_the_gops_of_kept_frames():
+    raw = h264(120, gop=15)  # 4 s at 30 fps; 2 fps keeps frames 0, 15, ..., 105: each a keyframe
+    v = decode_video_file(raw, VideoSampling(fps=2.0))
+    assert v.indices == list(range(0, 120, 15))
+    assert v.decoded_frames == 8  # decode-all up to the last kept frame would be 106
+    assert np.array_equal(v.frames, decode_all_frames(raw)[v.indices])
+    mid = decode_video_file(h264(120, gop=40), VideoSampling(fps=2.0))  # kept frames inside GOPs
+    assert np.array_equal(mid.frames, decode_all_frames(h264(120, gop=40))[mid.indices])
+    assert mid.decoded_frames < 106
+
+
+def test_worker_decodes_match_in_process_and_same_content_decodes_once(pool):
+    raw = h264(60, gop=15)
+
+    async def both():
+        key = pool.key("video", raw, VIDEO_OPTS)
+        return await asyncio.gather(pool.decode("video", raw, VIDEO_OPTS, key),
+                                     pool.decode("video", raw, VIDEO_OPTS, key))
+
+    before = pool.decodes
+    (a, ran_a), (b, ran_b) = _run(both())
+    assert pool.decodes - before == 1 and [ran_a, ran_b] == [True, False]
+    ref = decode_video_file(raw, VideoSampling(fps=2.0))
+    assert np.array_equal(a.array, ref.frames) and a.array is b.array and a.fps == ref.sampled_fps
+    assert a.cpu_s > 0
+
+
+def test_image_decodes_in_a_worker_and_bad_bytes_are_a_media_error(pool):
+    raw = png_bytes(40, 30, seed=3)
+    opts = (8192, 10**9)
+    d, _ = _run(pool.decode("image", raw, opts, pool.key("image", raw, opts)))
+    from PIL import Image
+    assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))) and d.pixels == 1200
+    with pytest.raises(MediaError, match="could not be decoded"):
+        _run(pool.decode("image", b"not an image", opts, pool.key("image", b"not an image", opts)))
+
+
+def test_a_full_queue_is_overloaded(pool):
+    raws = [h264(60, gop=15, w=128 + 16 * i) for i in range(3)]  # three contents not decoded before; max_pending 2
+
+    async def three():
+        return await asyncio.gather(*(pool.decode("video", r, VIDEO_OPTS, pool.key("video", r, VIDEO_OPTS))
+                                      for r in raws), return_exceptions=True)
+
+    out = _run(three())
+    assert [type(o).__name__ for o in out] == ["tuple", "tuple", "Overloaded"]
+    assert isinstance(out[2], Overloaded) and "media decode queue is full (2 items" in str(out[2])
