@@ -3,8 +3,8 @@
 One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the tiny Qwen2.5-VL
 checkpoint, each with a standby (`standby=True`), the gateway with `--admission reject` on a
 `hasctl profile` of the checkpoint (its --tier SLO is the goodput target). Steps:
-1. capacity C: the completion rate of an overloaded open-loop probe (--probe-rate for --probe-s),
-   the first and last 15 % of its finish times dropped;
+1. capacity C: the completion rate of an overloaded open-loop probe (--probe-rate for --probe-s, the rate
+   doubled while the stack keeps up with 70 % of it), the first and last 15 % of finish times dropped;
 2. the clean run: seeded Poisson arrivals at --mult x C for --minutes, no faults;
 3. the fault run: the same arrivals and bodies, with `bench/chaos_faults.py`'s schedule applied
    (kill -9 of a stage instance's process group, SIGSTOP/SIGCONT, `remove_instance` then
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.admission import profile_of  # noqa: E402
 from bench.chaos_faults import STAGES, Fault, schedule  # noqa: E402
 from easerve.slo import SLO, RequestRecord  # noqa: E402
+from hasctl.launch import StageExited  # noqa: E402
 from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E402
 
 LINK_CUT = ("skipped: Stack runs every stage in the host's network namespace and this machine has no "
@@ -176,7 +177,8 @@ async def _read_stream(resp, p: Planned, rec: RequestRecord, res: dict, clock) -
             res["tokens"] = rec.output_tokens = event["usage"]["completion_tokens"]
         if p.cancel_after and len(rec.chunk_s) >= p.cancel_after:
             res["outcome"] = "cancelled"
-            return  # leaving the context closes the connection: the client went away
+            resp.close()  # the client goes away mid-stream: its connection closes
+            return
     res["outcome"], res["detail"] = "lost", "the stream ended without [DONE]"
 
 
@@ -203,6 +205,20 @@ def capacity(results: list[dict], recs: list[RequestRecord]) -> float:
     if len(mid) < 4 or mid[-1] <= mid[0]:
         raise RuntimeError(f"the capacity probe completed only {len(ends)} requests; raise --probe-s")
     return (len(mid) - 1) / (mid[-1] - mid[0])
+
+
+def measure_capacity(url: str, model: str, args, log) -> float:
+    """`capacity` of an open-loop probe from --probe-rate; the rate doubles (up to 3 times) while
+    the stack completes more than 70 % of it, i.e. while the probe does not overload it."""
+    rate = args.probe_rate
+    for attempt in range(4):
+        plans = plan(rate, args.probe_s, args.seed + 2 + attempt, model, args, False)
+        cap = capacity(*asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic())))
+        if cap < 0.7 * rate:
+            return cap
+        log(f"probe at {rate:.1f} req/s completed {cap:.2f} req/s: not overloaded, doubling")
+        rate *= 2
+    return cap
 
 
 # ---- faults --------------------------------------------------------------------------------------
@@ -237,10 +253,20 @@ def apply(stack, f: Fault, events: list) -> None:
             time.sleep(f.hold_s)
             os.killpg(pid, signal.SIGCONT)
         elif f.kind == "drain":
-            rc = stack.remove_instance(name)
-            ev["result"] = f"exit code {rc}; added {stack.add_instance(f.stage)}"
+            ev["result"] = f"exit code {stack.remove_instance(name)}; added {_add(stack, f.stage)}"
     except (ValueError, KeyError, ProcessLookupError, RuntimeError, TimeoutError) as e:
         ev["result"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def _add(stack, stage: str, tries: int = 3) -> str:
+    """Scale back up: add an instance, again when a kill hits the new one while it starts."""
+    for i in range(tries):
+        try:
+            return stack.add_instance(stage)
+        except StageExited:
+            if i == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def inject(stack, faults: list[Fault], t0: float, events: list) -> tuple[threading.Thread, list[threading.Thread]]:
@@ -374,9 +400,7 @@ def main(argv=None) -> int:
         url, name = stack.endpoints.http, Path(model).name
         log(f"stack up in {stack.run_dir}")
         asyncio.run(run_load(url, plan(1.0, 3.0, args.seed + 1, name, args, False), args.deadline_s, time.monotonic()))
-        probe = asyncio.run(run_load(url, plan(args.probe_rate, args.probe_s, args.seed + 2, name, args, False),
-                                     args.deadline_s, time.monotonic()))
-        cap = capacity(*probe)
+        cap = measure_capacity(url, name, args, log)
         rate = args.mult * cap
         log(f"capacity {cap:.2f} req/s; runs at {rate:.2f} req/s for {duration:.0f} s")
         plans = plan(rate, duration, args.seed, name, args)

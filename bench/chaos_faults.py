@@ -1,8 +1,8 @@
 """The fault schedule of bench/chaos.py: a pure function of (run length, seed).
 
-Every `kill_every_s` a kill -9, every `stop_every_s` a SIGSTOP held `stop_s`, every
-`drain_every_s` a drain (the instance is removed, then one is added back), each of a stage drawn
-at random; and one `link_cut_s` window cutting a stage's link, placed at random in the middle
+Every `kill_every_s` a kill -9, every `stop_every_s` a SIGSTOP held `stop_s` (STOP_PHASE_S
+later in each period), every `drain_every_s` a drain (DRAIN_PHASE_S later; the instance is
+removed, then one is added back), each of a stage drawn at random; and one `link_cut_s` window cutting a stage's link, placed at random in the middle
 half of the run. A fault names its stage and `pick`, an integer that chooses among the stage's
 instances running when it fires (`target`): names change as instances are drained and added,
 so the schedule cannot name them in advance. Each kind draws from its own seeded stream, so the
@@ -16,6 +16,7 @@ from typing import Sequence
 
 STAGES = ("encode", "prefill", "decode")
 KINDS = ("kill", "stop", "drain", "link_cut")
+STOP_PHASE_S, DRAIN_PHASE_S = 5.0, 15.0  # stops and drains fire between kills, not on the same tick
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,10 @@ def schedule(duration_s: float, seed: int, *, kill_every_s: float = 10.0, stop_e
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     out: list[Fault] = []
-    for kind, every, hold in (("kill", kill_every_s, 0.0), ("stop", stop_every_s, stop_s),
-                              ("drain", drain_every_s, 0.0)):
+    for kind, every, hold, phase in (("kill", kill_every_s, 0.0, 0.0), ("stop", stop_every_s, stop_s, STOP_PHASE_S),
+                                     ("drain", drain_every_s, 0.0, DRAIN_PHASE_S)):
         rng = random.Random(f"{seed}-{kind}")
-        t = every
+        t = every + phase
         while t < duration_s:
             out.append(Fault(t, kind, rng.choice(STAGES), rng.randrange(1 << 16), hold))
             t += every

@@ -10,8 +10,9 @@ def test_ten_minutes_has_the_issues_periods():
     faults = schedule(600, seed=7)
     by = {k: [f.at_s for f in faults if f.kind == k] for k in ("kill", "stop", "drain", "link_cut")}
     assert by["kill"] == [10.0 * i for i in range(1, 60)]
-    assert by["stop"] == [30.0 * i for i in range(1, 20)]
-    assert by["drain"] == [60.0 * i for i in range(1, 10)]
+    assert by["stop"] == [30.0 * i + 5 for i in range(1, 20)]
+    assert by["drain"] == [60.0 * i + 15 for i in range(1, 10)]
+    assert not {f.at_s for f in faults if f.kind == "kill"} & {f.at_s for f in faults if f.kind != "kill"}
     assert len(by["link_cut"]) == 1 and 150 <= by["link_cut"][0] <= 450 - 20
     assert all(f.hold_s == 5.0 for f in faults if f.kind == "stop")
     assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
