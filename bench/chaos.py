@@ -209,16 +209,24 @@ def capacity(results: list[dict], recs: list[RequestRecord]) -> float:
 
 def measure_capacity(url: str, model: str, args, log) -> float:
     """`capacity` of an open-loop probe from --probe-rate; the rate doubles (up to 3 times) while
-    the stack completes more than 70 % of it, i.e. while the probe does not overload it."""
-    rate = args.probe_rate
+    the stack completes more than 70 % of it, i.e. while the probe does not overload it. The best
+    probe's figure (a probe far past capacity can complete nothing at all)."""
+    rate, best = args.probe_rate, 0.0
     for attempt in range(4):
         plans = plan(rate, args.probe_s, args.seed + 2 + attempt, model, args, False)
-        cap = capacity(*asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic())))
+        try:
+            cap = capacity(*asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic())))
+        except RuntimeError as e:  # collapsed: nothing completed in the probe's middle
+            cap = 0.0
+            log(f"probe at {rate:.1f} req/s: {e}")
+        best = max(best, cap)
         if cap < 0.7 * rate:
-            return cap
+            break
         log(f"probe at {rate:.1f} req/s completed {cap:.2f} req/s: not overloaded, doubling")
         rate *= 2
-    return cap
+    if not best:
+        raise RuntimeError("no capacity probe completed enough requests; see the stage logs")
+    return best
 
 
 # ---- faults --------------------------------------------------------------------------------------
