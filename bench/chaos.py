@@ -1,0 +1,460 @@
+"""Chaos soak: nothing lost under faults at 2x load (issue 34, item 4).
+
+One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the tiny Qwen2.5-VL
+checkpoint, each with a standby (`standby=True`), the gateway with `--admission reject` on a
+`hasctl profile` of the checkpoint (its --tier SLO is the goodput target). Steps:
+1. capacity C: the completion rate of an overloaded open-loop probe (--probe-rate for --probe-s, the rate
+   doubled while the stack keeps up with 70 % of it), the first and last 15 % of finish times dropped;
+2. the clean run: seeded Poisson arrivals at --mult x C for --minutes, no faults;
+3. the fault run: the same arrivals and bodies, with `bench/chaos_faults.py`'s schedule applied
+   (kill -9 of a stage instance's process group, SIGSTOP/SIGCONT, `remove_instance` then
+   `add_instance`; the link cut is reported as skipped, see LINK_CUT).
+Requests: mixed image / video / text (the tiny default family serves no audio), every one greedy,
+seeded, `ignore_eos`, with a deadline (`timeout`, --deadline-s); 5 % malformed (must get 400),
+10 % streamed and closed by the client after a few chunks, of the rest 60 % streamed.
+An outcome per request: completed, cancelled (by the client), refused_retryable (429),
+failed_retryable (503, or an in-band error with code 429/503), hung (no byte for deadline + 5 s),
+lost (anything else after sending: 499/500/504, a reset, a stream without [DONE]).
+duplicated_or_missing_tokens: fault-run answers that differ from the clean run's answer of the
+same request (both completed). recovery_s: after each kill, seconds until the goodput of the
+last --window-s is back within 10 % of the clean run's mean goodput (the run's end when never).
+leaks: how many of the resources in `leak_detail` (gateway and stage in-flight gauges, KV usage
+and KV bytes held for decode, open client connections, unheld /dev/shm segments, open fds of
+the stage processes) are higher after the fault run, once the stack is idle and SERVING again,
+than before it.
+
+  python bench/chaos.py --quick            # 90 s per run (the CI test)
+  python bench/chaos.py --minutes 10       # the soak; last stdout line: JSON
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.admission import profile_of  # noqa: E402
+from bench.chaos_faults import STAGES, Fault, schedule  # noqa: E402
+from easerve.slo import SLO, RequestRecord  # noqa: E402
+from hasctl.launch import StageExited  # noqa: E402
+from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E402
+
+LINK_CUT = ("skipped: Stack runs every stage in the host's network namespace and this machine has no "
+            "iptables/nft to cut one port (tests/reliability/test_netns.py cuts links in its own namespaces)")
+RETRYABLE = {429: "refused_retryable", 503: "failed_retryable"}
+OUTCOMES = ("completed", "cancelled", "refused_retryable", "failed_retryable", "lost", "hung",
+            "rejected_invalid", "malformed_not_400")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of each run (clean, faults)")
+    ap.add_argument("--quick", action="store_true", help="90 s runs (the CI test)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the tiny qwen2.5-vl)")
+    ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
+    ap.add_argument("--profile", default=None, help="hasctl profile of the checkpoint (default: made once)")
+    ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
+    ap.add_argument("--mult", type=float, default=2.0, help="load = this x the measured capacity")
+    ap.add_argument("--probe-rate", type=float, default=6.0, help="arrival rate of the capacity probe")
+    ap.add_argument("--probe-s", type=float, default=20.0)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--deadline-s", type=float, default=30.0, help="each request's `timeout`")
+    ap.add_argument("--window-s", type=float, default=5.0, help="goodput window of the recovery time")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "chaos" / "last.json"), help="per-request records")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.minutes = 1.5
+    return args
+
+
+# ---- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Planned:
+    index: int
+    at_s: float
+    modality: str
+    body: bytes
+    stream: bool
+    cancel_after: int = 0        # chunks after which the client closes the stream (0: never)
+    malformed: bool = False
+
+
+def _malform(body: dict, rng: random.Random) -> bytes:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return json.dumps(body).encode()[: rng.randrange(5, 40)]           # cut JSON
+    if kind == 1:
+        return json.dumps({**body, "max_tokens": -3}).encode()
+    if kind == 2:
+        return json.dumps({**body, "messages": "not a list"}).encode()
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAAAAAA"}}
+    return json.dumps({**body, "messages": [{"role": "user", "content": [bad]}]}).encode()
+
+
+def plan(rate: float, duration_s: float, seed: int, model: str, args, faults_mix: bool = True) -> list[Planned]:
+    """Seeded arrivals and bodies; `faults_mix` False: every request well-formed and read to its end."""
+    times = arrival_times(rate, 1.0, seed, duration_s=duration_s)
+    spec = WorkloadSpec(modality="mixed", mix=("image", "video", "text"), image_size=(112, 112),
+                        video_frames=4, video_size=(56, 56), input_tokens=16, output_tokens=args.max_tokens)
+    rng, out = random.Random(seed), []
+    for req, at in zip(synthesize(spec, len(times), seed), times):
+        u, coin = rng.random(), rng.random()
+        malformed, cancel = faults_mix and u < 0.05, faults_mix and 0.05 <= u < 0.15
+        stream = cancel or coin < 0.6
+        body = {**req.body(model, ignore_eos=True), "seed": req.index, "timeout": args.deadline_s, "stream": stream}
+        if not stream:
+            body.pop("stream_options")
+        raw = _malform(body, rng) if malformed else json.dumps(body).encode()
+        out.append(Planned(req.index, at, req.modality, raw, stream,
+                           rng.randrange(1, args.max_tokens) if cancel else 0, malformed))
+    return out
+
+
+async def _one(session, url: str, p: Planned, rec: RequestRecord, clock) -> dict:
+    import aiohttp
+
+    res = {"index": p.index, "outcome": "", "detail": "", "text": "", "tokens": None}
+    rec.sent_s = clock()
+    try:
+        async with session.post(url, data=p.body, headers={"Content-Type": "application/json"}) as resp:
+            if p.malformed:
+                res["outcome"] = "rejected_invalid" if resp.status == 400 else "malformed_not_400"
+                res["detail"] = f"HTTP {resp.status}"
+            elif resp.status != 200:
+                res["outcome"] = RETRYABLE.get(resp.status, "lost")
+                res["detail"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            elif p.stream:
+                await _read_stream(resp, p, rec, res, clock)
+            else:
+                data = await resp.json()
+                rec.chunk_s.append(clock())
+                res["text"] = data["choices"][0]["message"]["content"] or ""
+                res["tokens"] = rec.output_tokens = data["usage"]["completion_tokens"]
+                res["outcome"] = "completed"
+    except asyncio.TimeoutError:
+        res["outcome"], res["detail"] = "hung", "no byte for deadline + 5 s"
+    except (aiohttp.ClientError, json.JSONDecodeError, KeyError, TypeError) as e:
+        res["outcome"], res["detail"] = "lost", f"{type(e).__name__}: {e}"
+    rec.end_s = clock()
+    if res["outcome"] != "completed":
+        rec.error, rec.error_kind = res["detail"] or res["outcome"], res["outcome"]
+    return res
+
+
+async def _read_stream(resp, p: Planned, rec: RequestRecord, res: dict, clock) -> None:
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            res["outcome"] = "completed"
+            return
+        event = json.loads(data)
+        if "error" in event:
+            code = event["error"].get("code")
+            res["outcome"], res["detail"] = RETRYABLE.get(code, "lost"), f"in-band {code}: {event['error']}"[:300]
+            return
+        for choice in event.get("choices") or ():
+            if text := (choice.get("delta") or {}).get("content"):
+                rec.chunk_s.append(clock())
+                res["text"] += text
+        if event.get("usage"):
+            res["tokens"] = rec.output_tokens = event["usage"]["completion_tokens"]
+        if p.cancel_after and len(rec.chunk_s) >= p.cancel_after:
+            res["outcome"] = "cancelled"
+            resp.close()  # the client goes away mid-stream: its connection closes
+            return
+    res["outcome"], res["detail"] = "lost", "the stream ended without [DONE]"
+
+
+async def run_load(url: str, plans: list[Planned], deadline_s: float, t0: float) -> tuple[list[dict], list[RequestRecord]]:
+    """Open loop: each request at t0 + its at_s, whatever the earlier ones are doing."""
+    import aiohttp
+
+    clock = lambda: time.monotonic() - t0  # noqa: E731
+    recs = [RequestRecord(p.index, p.modality, p.at_s) for p in plans]
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=deadline_s + 5)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        tasks = []
+        for p, rec in zip(plans, recs):
+            await asyncio.sleep(max(0.0, p.at_s - clock()))
+            tasks.append(asyncio.create_task(_one(session, url + "/v1/chat/completions", p, rec, clock)))
+        return list(await asyncio.gather(*tasks)), recs
+
+
+def capacity(results: list[dict], recs: list[RequestRecord]) -> float:
+    """Completions per second of an overloaded run, first and last 15 % of finish times dropped."""
+    ends = sorted(r.end_s for x, r in zip(results, recs) if x["outcome"] == "completed")
+    k = int(len(ends) * 0.15)
+    mid = ends[k: len(ends) - k]
+    if len(mid) < 4 or mid[-1] <= mid[0]:
+        raise RuntimeError(f"the capacity probe completed only {len(ends)} requests; raise --probe-s")
+    return (len(mid) - 1) / (mid[-1] - mid[0])
+
+
+def measure_capacity(url: str, model: str, args, log) -> float:
+    """`capacity` of an open-loop probe from --probe-rate; the rate doubles (up to 3 times) while
+    the stack completes more than 70 % of it, i.e. while the probe does not overload it. The best
+    probe's figure (a probe far past capacity can complete nothing at all)."""
+    rate, best = args.probe_rate, 0.0
+    for attempt in range(4):
+        plans = plan(rate, args.probe_s, args.seed + 2 + attempt, model, args, False)
+        try:
+            cap = capacity(*asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic())))
+        except RuntimeError as e:  # collapsed: nothing completed in the probe's middle
+            cap = 0.0
+            log(f"probe at {rate:.1f} req/s: {e}")
+        best = max(best, cap)
+        if cap < 0.7 * rate:
+            break
+        log(f"probe at {rate:.1f} req/s completed {cap:.2f} req/s: not overloaded, doubling")
+        rate *= 2
+    if not best:
+        raise RuntimeError("no capacity probe completed enough requests; see the stage logs")
+    return best
+
+
+# ---- faults --------------------------------------------------------------------------------------
+def _instances(stack, stage: str) -> list[str]:
+    for _ in range(5):
+        try:
+            return [n for n in stack.pids if n.rpartition("-")[0] == stage]
+        except RuntimeError:  # the launcher changed its process table meanwhile
+            time.sleep(0.01)
+    return []
+
+
+def _signal(stack, name: str, sig: int) -> int:
+    pid = stack.pids[name]
+    os.killpg(pid, sig)
+    return pid
+
+
+def apply(stack, f: Fault, events: list) -> None:
+    name = f.target(_instances(stack, f.stage))
+    ev = {"at_s": f.at_s, "kind": f.kind, "target": name, "result": "ok"}
+    events.append(ev)
+    try:
+        if f.kind == "link_cut":
+            ev["result"] = LINK_CUT
+        elif name is None:
+            ev["result"] = "skipped: no instance running"
+        elif f.kind == "kill":
+            _signal(stack, name, signal.SIGKILL)
+        elif f.kind == "stop":
+            pid = _signal(stack, name, signal.SIGSTOP)
+            time.sleep(f.hold_s)
+            os.killpg(pid, signal.SIGCONT)
+        elif f.kind == "drain":
+            ev["result"] = f"exit code {stack.remove_instance(name)}; added {_add(stack, f.stage)}"
+    except (ValueError, KeyError, ProcessLookupError, RuntimeError, TimeoutError) as e:
+        ev["result"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def _add(stack, stage: str, tries: int = 3) -> str:
+    """Scale back up: add an instance, again when a kill hits the new one while it starts."""
+    for i in range(tries):
+        try:
+            return stack.add_instance(stage)
+        except StageExited:
+            if i == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def inject(stack, faults: list[Fault], t0: float, events: list) -> tuple[threading.Thread, list[threading.Thread]]:
+    """Start a thread that fires each fault at t0 + at_s (each in its own thread: a drain blocks)."""
+    threads: list[threading.Thread] = []
+
+    def loop() -> None:
+        for f in faults:
+            time.sleep(max(0.0, t0 + f.at_s - time.monotonic()))
+            t = threading.Thread(target=apply, args=(stack, f, events), daemon=True)
+            t.start()
+            threads.append(t)
+    main = threading.Thread(target=loop, daemon=True)
+    main.start()
+    return main, threads
+
+
+# ---- leaks ---------------------------------------------------------------------------------------
+GAUGES = {"in_flight": ("easerve:num_requests_running", "easerve:num_requests_waiting", "easerve:prefill_queue_depth"),
+          "kv_usage_perc": ("easerve:kv_cache_usage_perc",), "kv_sender_held_bytes": ("easerve:kv_sender_held_bytes",)}
+
+
+def _gauges(url: str) -> dict[str, float]:
+    out = dict.fromkeys(GAUGES, 0.0)
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[-1]
+        for key, names in GAUGES.items():
+            if name in names:
+                out[key] += float(value)
+    return out
+
+
+def _established(port: int) -> int:
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            n += state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+    return n
+
+
+def _unheld_shm() -> int:
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            held.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+            held.update(line.split()[-1] for line in open(f"/proc/{pid}/maps") if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return sum(f"/dev/shm/{n}" not in held for n in os.listdir("/dev/shm") if n.startswith("easerve"))
+
+
+def snapshot(stack) -> dict:
+    out = dict.fromkeys(GAUGES, 0.0)
+    for url in stack.endpoints.metrics.values():
+        for k, v in _gauges(url).items():
+            out[k] += v
+    fds = 0
+    for name, pid in stack.pids.items():
+        if name != "gateway" and pid:
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+    gw_port = int(stack.endpoints.http.rsplit(":", 1)[1])
+    return {**out, "open_streams": _established(gw_port), "shm_segments_unheld": _unheld_shm(), "fds": fds}
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+def counts(results: list[dict]) -> dict:
+    c = {k: 0 for k in OUTCOMES}
+    for r in results:
+        c[r["outcome"]] += 1
+    return {"sent": len(results), **c}
+
+
+def goodput_series(recs: list[RequestRecord], slo: SLO, duration_s: float, window_s: float) -> np.ndarray:
+    """Requests meeting the SLO per second, over the window_s ending at each whole second."""
+    per_s = np.zeros(int(duration_s + 3 * window_s) + 1)
+    for r in recs:
+        if slo.met(r) and r.end_s is not None:
+            per_s[min(int(r.end_s), len(per_s) - 1)] += 1
+    return np.convolve(per_s, np.ones(int(window_s)) / window_s)[: len(per_s)]
+
+
+def recovery_s(series: np.ndarray, target: float, kills: list[float]) -> list[float]:
+    out = []
+    for k in kills:
+        after = [t for t in range(int(k) + 1, len(series)) if series[t] >= 0.9 * target]
+        out.append(float(after[0] - k if after else len(series) - k))
+    return out
+
+
+def token_mismatches(clean: list[dict], faulty: list[dict]) -> tuple[int, int]:
+    ref = {r["index"]: r for r in clean if r["outcome"] == "completed"}
+    both = [(ref[r["index"]], r) for r in faulty if r["outcome"] == "completed" and r["index"] in ref]
+    return sum((a["text"], a["tokens"]) != (b["text"], b["tokens"]) for a, b in both), len(both)
+
+
+# ---- the flow ------------------------------------------------------------------------------------
+def start_stack(model: str, profile: str, tier: str):
+    from hasctl.deployment import Deployment, Worker
+    from hasctl.launch import Stack
+    one = {"threads": 1}
+    d = Deployment(model=model, name="chaos",
+                   encode=(Worker(flags={"max-batch": 8, "remote-fraction": 1.0, **one}),) * 2,
+                   prefill=(Worker(flags=one),) * 2, decode=(Worker(flags=one),) * 2)
+    d = d.with_gateway_ports(0, 0).with_flags("gateway", profile=profile, admission="reject", slo_tier=tier)
+    return Stack(d, standby=True, metrics=True,
+                 env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=900)
+
+
+def settle(stack, timeout_s: float = 60.0) -> dict:
+    """Wait until every process is SERVING and the in-flight gauges read 0 (or timeout_s); a snapshot."""
+    stack.wait_healthy(timeout_s * 2)
+    deadline = time.monotonic() + timeout_s
+    while (snap := snapshot(stack))["in_flight"] > 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return snap
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from easerve import profile_format
+    from easerve.models.tiny import cached_tiny
+    model = args.model or str(cached_tiny("qwen2.5-vl", args.cache_dir))
+    profile = profile_of(SimpleNamespace(profile=args.profile, quick=True), model)
+    slo = profile_format.load(profile).slo(args.tier)
+    duration = args.minutes * 60.0
+    log = lambda msg: print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    stack = start_stack(model, profile, args.tier)
+    try:
+        url, name = stack.endpoints.http, Path(model).name
+        log(f"stack up in {stack.run_dir}")
+        asyncio.run(run_load(url, plan(1.0, 3.0, args.seed + 1, name, args, False), args.deadline_s, time.monotonic()))
+        cap = measure_capacity(url, name, args, log)
+        rate = args.mult * cap
+        log(f"capacity {cap:.2f} req/s; runs at {rate:.2f} req/s for {duration:.0f} s")
+        plans = plan(rate, duration, args.seed, name, args)
+        settle(stack)
+        clean, clean_recs = asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic()))
+        log(f"clean run: {counts(clean)}")
+        before = settle(stack)
+        faults, events = schedule(duration, args.seed), []
+        t0 = time.monotonic() + 0.5
+        main_thread, fired = inject(stack, faults, t0, events)
+        faulty, faulty_recs = asyncio.run(run_load(url, plans, args.deadline_s, t0))
+        main_thread.join()
+        for t in fired:
+            t.join()
+        after = settle(stack)
+        log(f"fault run: {counts(faulty)}")
+    finally:
+        stack.stop(grace_s=5.0)
+    wanted = [r for p, r in zip(plans, clean_recs) if not p.malformed and not p.cancel_after]
+    good_clean = sum(slo.met(r) for r in wanted)
+    good_faults = sum(slo.met(r) for p, r in zip(plans, faulty_recs) if not p.malformed and not p.cancel_after)
+    series = goodput_series([r for p, r in zip(plans, faulty_recs) if not p.cancel_after], slo, duration, args.window_s)
+    rec_s = recovery_s(series, good_clean / duration, [f.at_s for f in faults if f.kind == "kill"])
+    mism, checked = token_mismatches(clean, faulty)
+    leak_detail = {k: [before[k], after[k]] for k in before}
+    c = counts(faulty)
+    out = {**{k: c[k] for k in ("sent", "completed", "refused_retryable", "failed_retryable", "lost", "hung")},
+           "duplicated_or_missing_tokens": mism,
+           "goodput_faults_over_clean": round(good_faults / good_clean, 3) if good_clean else None,
+           "recovery_s_p99": round(float(np.percentile(rec_s, 99)), 2) if rec_s else None,
+           "leaks": sum(a > b for b, a in leak_detail.values()),
+           "cancelled": c["cancelled"], "rejected_invalid": c["rejected_invalid"],
+           "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,
+           "lost_details": sorted({r["detail"][:120] for r in faulty if r["outcome"] in ("lost", "hung")})[:10],
+           "clean": counts(clean), "capacity_rps": round(cap, 3), "rate_rps": round(rate, 3), "minutes": args.minutes,
+           "seed": args.seed, "slo": slo.to_dict(), "modalities": ["image", "video", "text"],
+           "faults": {k: sum(e["kind"] == k for e in events) for k in ("kill", "stop", "drain")},
+           "fault_errors": [e for e in events if e["result"] != "ok" and not e["result"].startswith("exit code 0")
+                            and e["kind"] != "link_cut"][:10],
+           "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean,
+                                          "fault_results": faulty}, indent=1) + "\n")
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
