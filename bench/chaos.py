@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.admission import profile_of  # noqa: E402
-from bench.chaos_faults import STAGES, Fault, schedule  # noqa: E402
+from bench.chaos_faults import Fault, schedule  # noqa: E402
 from easerve.slo import SLO, RequestRecord  # noqa: E402
 from hasctl.launch import StageExited  # noqa: E402
 from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E402
