@@ -5,7 +5,6 @@ had accepted finish there however long its queue, the calls that reach it meanwh
 refused UNAVAILABLE and placed on the other instance, and the process exits by itself."""
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -17,19 +16,12 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.prom import metric, scrape
+from tests.support.procs import gone
 
 pytestmark = pytest.mark.slow
 GRACE_S = 0.2
 CLIENTS = 40
 QUEUED = 16  # prefill-0's queue when it is removed
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _queue_s(port: int) -> float:
@@ -76,7 +68,7 @@ def test_a_prefill_instance_whose_queue_outlasts_its_grace_is_removed_under_load
         for t in threads:
             t.join(timeout=120)
         assert errors == [] and len(done) == CLIENTS, (errors, len(done))
-        assert _gone(pid)
+        assert gone(pid)
         log = (stack.run_dir / "prefill-0.log").read_text()
         accepted = re.search(r"draining: .* waiting for (\d+) accepted call", log)
         assert accepted and int(accepted[1]) >= QUEUED // 2, log[-3000:]  # a queue at SIGTERM...

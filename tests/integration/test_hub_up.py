@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from easerve.models.tiny import cached_tiny
 from tests.hub_cache import ENCODER_SHARD, populate_hub
+from tests.support.procs import stop_process
 
 READ = re.compile(r"read (\d+) of (\d+) tensors \(\d+ parameters\) from (\S+): (.*)$")
 
@@ -75,9 +75,4 @@ def test_hasctl_up_serves_a_hub_id_from_the_offline_cache(tiny_root, tmp_path):
             assert [(int(m[1]), int(m[2]), m[3], m[4]) for m in reads] == \
                 [(encoder_keys, encoder_keys, str(snap), "model.visual")], name
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

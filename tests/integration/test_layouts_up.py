@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from easerve.models.tiny import cached_tiny
 from tests.support.media import data_uri, png_bytes, wav_bytes
+from tests.support.procs import stop_process
 
 pytestmark = pytest.mark.slow
 ROLE_MODULES = {  # family -> (encode's modules, prefill's / decode's modules)
@@ -51,15 +51,6 @@ def start_up(model: str, run_dir) -> tuple[subprocess.Popen, str]:
     raise AssertionError("hasctl up did not come up:\n" + "".join(seen[-40:]))
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def reads(log_path) -> list[tuple[int, int, set[str]]]:
     out = []
     for line in log_path.read_text().splitlines():
@@ -87,7 +78,7 @@ def test_hasctl_up_serves_the_published_layout(tiny_root, tmp_path, family):
         assert answer["choices"][0]["finish_reason"] == "length"
         assert answer["usage"]["completion_tokens"] == 4 and answer["usage"]["prompt_tokens"] > 4
     finally:
-        stop(proc)
+        stop_process(proc)
     enc_modules, lm_modules = ROLE_MODULES[family]
     nonzero = lambda r: [x for x in r if x[0]]  # noqa: E731 - a referenced folder may have nothing left to give
     enc = nonzero(reads(tmp_path / "encode-0.log"))

@@ -23,3 +23,15 @@ def group_gone(pgid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def stop_process(proc, timeout: float = 60) -> None:
+    """SIGTERM a started command (a `subprocess.Popen`), then SIGKILL it if it is still up after `timeout`."""
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
