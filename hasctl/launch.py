@@ -46,6 +46,7 @@ from hasctl.deployment import (STAGES, Command, Deployment, Worker, command_stop
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
 _SPARE_AFTER_S = 10.0  # a standby is started this long after the process it stands by for
+GROUP_REAP_S = 5.0     # how long stop() waits for init to reap what a killed process group leaves
 
 
 class StageExited(RuntimeError):
@@ -263,6 +264,10 @@ class Stack:
             for p in procs:
                 _signal_group(p.popen, signal.SIGKILL)  # the leader's leftovers too
                 p.popen.wait()
+            reap_by = time.monotonic() + GROUP_REAP_S  # children of a leader (a media pool's workers) are
+            for p in procs:                            # reaped by init once orphaned: stop returns after that
+                while _group_alive(p.popen.pid) and time.monotonic() < reap_by:
+                    time.sleep(0.02)
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -455,6 +460,16 @@ class Stack:
 
 def _flag(argv: tuple[str, ...], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -170,7 +170,7 @@ class DecodePool:
 
     def close(self) -> None:
         if self._exec is not None:
-            self._exec.shutdown(wait=False, cancel_futures=True)
+            self._exec.shutdown(wait=True, cancel_futures=True)
             self._exec = None
 
     def key(self, kind: str, raw: bytes, opts: tuple) -> bytes:
