@@ -81,9 +81,13 @@ class UltravoxConfig(PreTrainedConfig):
 def referenced_folder(model_id: str, kind: str, weights: bool = False) -> str:
     """The local folder an Ultravox config's `audio_model_id` / `text_model_id` names: a folder, or
     a hub id fetched (its config files, and with `weights` its safetensors) by easerve.models.hub."""
-    from easerve.models.hub import parse_hub_id, resolve_model
+    from easerve.models.hub import HubModelError, parse_hub_id, resolve_model
     if parse_hub_id(model_id):
-        return str(resolve_model(model_id, ("full",) if weights else ("processor",)))
+        try:
+            return str(resolve_model(model_id, ("full",) if weights else ("processor",)))
+        except HubModelError as e:
+            raise HubModelError(f"this Ultravox config names {kind}_model_id={model_id!r}, which is not a local "
+                                f"checkpoint folder: {e}") from e
     if not Path(model_id, "config.json").is_file():
         raise ValueError(
             f"this Ultravox config names {kind}_model_id={model_id!r}, which is neither a local checkpoint folder "
