@@ -37,7 +37,7 @@ random start-up draws, in this order, as they exist in the space: the baselines 
 deploy instead (the vLLM-like `monolith-dp`; the Dynamo-like layout: request-at-a-time encode,
 every prefill remote, on `dynamo_alloc`), the screen's best allocation (`screened_best`, at the
 largest B), then the `default` preset (remote prefill), the `colocated` preset and the monolith,
-each at B = 8 with `adaptive` batching. A study of at least that many trials so ends at a
+each at B = 8 with the presets' batching mode (`default`'s `--batch-mode`). A study of at least that many trials so ends at a
 deployment as good as each of those on its own objective; each is scored like any other trial.
 """
 from __future__ import annotations
@@ -187,7 +187,8 @@ def warm_starts(space: Space) -> list[dict[str, Any]]:
     """The baselines', the screen's and the presets' points in `space` (see the module docstring),
     without repeats."""
     b = max([x for x in space.batch_sizes if x <= WARM_B] or [min(space.batch_sizes)])
-    base = {"B": b, "mode": "adaptive", "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
+    mode = dict(PRESETS["default"].encode[0].flags).get("batch-mode", "adaptive")  # the presets' batching
+    base = {"B": b, "mode": mode, "place": "shared", "decode_threads": 1, "sm": "dynamic", "s": 0.5}
     plain = next((a.name for a in space.allocations if not a.colocated and a.encode), None)
     coloc = next((a.name for a in space.allocations if a.colocated), None)
     dynamo = space.dynamo_alloc or plain

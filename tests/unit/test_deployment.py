@@ -187,7 +187,7 @@ SAMPLE = {"grace-s": 1.0, "drain-timeout-s": 30.0, "threads": 1, "log-level": "I
           "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
           "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,
           "online-instances-file": "/tmp/instances.json", "online-util": "0.3:0.6:0.9",
-          "migration-limit": 2, "decode-progress-timeout-s": 10.0}
+          "migration-limit": 2, "decode-progress-timeout-s": 10.0, "media-workers": 2, "media-queue": 32}
 
 
 def _parse(stage: str, argv: list[str]):

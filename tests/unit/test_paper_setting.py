@@ -35,7 +35,7 @@ def test_vllm_like_takes_what_waits_up_to_the_encoder_budget(modality, batch):
 def test_the_table_runs_at_each_overhead_and_reports_the_closest_to_the_paper(tmp_path, capsys):
     argv = ["--modalities", "audio", "--encode-overhead-s", "0,0.3", "--trials", "2", "--requests", "20",
             "--rates", "2,8", "--min-duration-s", "0", "--tune-rate-multiples", "1", "--refine", "1",
-            "--out-dir", str(tmp_path)]
+            "--out-dir", str(tmp_path), "--no-save"]
     assert ps.main(argv) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     worst = {x: v["paper_ratio_rel_err_max"] for x, v in last["by_overhead"].items()}

@@ -77,9 +77,9 @@ def test_on_several_gpus_the_vllm_like_layout_is_a_point_of_the_space_and_tried_
     assert not d.encode and not d.prefill and not d.decode
     assert [w.device for w in deployment_for(space, {"alloc": MONOLITH, "B": 8}, "/m").monolith] == ["cuda:0"]
     warm = warm_starts(space)
-    assert warm[:3] == [{"alloc": MONOLITH_DP, "mode": "adaptive", "B": 8},
+    assert warm[:3] == [{"alloc": MONOLITH_DP, "mode": "continuous", "B": 8},
                         {"alloc": "E1-P1-D2", "mode": "request_at_a_time"},
-                        {"alloc": "E2-P1-D1+coloc", "mode": "adaptive", "B": 16, "s": 0.5}]
+                        {"alloc": "E2-P1-D1+coloc", "mode": "continuous", "B": 16, "s": 0.5}]
     assert len(warm) == len({str(p) for p in warm})  # no point twice
     # one device, or CPU cores: no data-parallel point (the monolith already takes every core)
     assert MONOLITH_DP not in Space((), ("cuda:0",)).choices and MONOLITH_DP not in Space((), DEVS).choices
