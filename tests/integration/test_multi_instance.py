@@ -47,9 +47,10 @@ def test_mixed_load_on_2x2_equals_one_instance(vl_multi, vl_stack):
     # both decode instances took work, through both transports; nothing is left held anywhere
     names = ("decode-0", "decode-1", "prefill-0", "prefill-1", "encode-0")
     end = time.monotonic() + 10  # a call's bookkeeping ends just after its last message reached the client
-    while any(s.inflight for s in (served := {n: _load(vl_multi, n) for n in names}).values()) \
-            and time.monotonic() < end:
+    served = {n: _load(vl_multi, n) for n in names}
+    while any(s.inflight for s in served.values()) and time.monotonic() < end:
         time.sleep(0.1)
+        served = {n: _load(vl_multi, n) for n in names}
     assert all(s.inflight == 0 for s in served.values()), served
     assert {s.node.host_id for s in served.values()} == {served["encode-0"].node.host_id}
     received = {n: kv_received(vl_multi, n) for n in ("decode-0", "decode-1")}
