@@ -125,8 +125,8 @@ def test_killed_process_group_leaves_no_slab_after_the_restart(stacks):
     stack.wait_healthy(120)
     asyncio.run(_some_requests(stack.endpoints.http, 3))  # prefill has sent KV: its slab exists
     pid = stack.pids["prefill-0"]
-    slabs = _slabs_mapped_by(pid)
-    assert slabs, "prefill-0 maps no owned shm slab (is the KV transport shm?)"
+    slabs = _slabs_owned_by(pid)
+    assert slabs, "prefill-0 owns no shm slab (is the KV transport shm?)"
     young = max(os.stat(s).st_ctime for s in slabs) + 11 - time.time()
     time.sleep(max(0.0, young))  # past reclaim_stale's min_age_s: only the owner's lock protects it
     restarts = stack.restarts["prefill-0"]
@@ -148,10 +148,16 @@ async def _some_requests(url: str, n: int) -> None:
     assert drv.tally().completed == n, drv.tally()
 
 
-def _slabs_mapped_by(pid: int) -> list[str]:
+def _slabs_owned_by(pid: int) -> list[str]:
+    """The slabs `pid` maps and holds the owner's flock on: it also maps slabs other stages own
+    (encode's embedding slab, read over the same transport), which must outlive its death."""
     with open(f"/proc/{pid}/maps") as f:
         paths = {line.split()[-1] for line in f if "/dev/shm/" in line}
-    return sorted(p for p in paths if p.endswith("-owned") and "-slab-" in p)
+    slabs = [p for p in paths if p.endswith("-owned") and "-slab-" in p]
+    with open("/proc/locks") as f:  # "1: FLOCK  ADVISORY  WRITE <pid> <maj>:<min>:<inode> 0 EOF"
+        locked = {int(parts[5].rsplit(":", 1)[1]) for parts in (line.split() for line in f)
+                  if len(parts) > 5 and parts[1] == "FLOCK" and parts[4] == str(pid)}
+    return sorted(p for p in slabs if os.stat(p).st_ino in locked)
 
 
 @pytest.mark.parametrize("layout,n,stage", SCENARIOS, ids=[f"{l}-x{n}-kill-{s}" for l, n, s in SCENARIOS])
