@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     res["kv_mb_per_request"] = round(kv / 1e6, 1)
     res["nic_req_s"] = {f"{g:g}": round(g / 8 * 1e9 / kv, 2) for g in args.network_gbps}
     res["quick"] = args.quick
-    finish("scaling", args, res, argv)
+    finish("scaling", args, res, argv, folder=f"scaling-{args.modality}")  # one stored run per modality
     return 0
 
 

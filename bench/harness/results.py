@@ -96,11 +96,12 @@ def report_plots(rows: list[dict], trace: dict | None = None) -> dict:
 
 
 def finish(bench: str, args: argparse.Namespace, result: dict, argv: list[str] | None = None,
-           plots=None) -> None:
+           plots=None, folder: str | None = None) -> None:
     """The end of every bench: print the result as the last stdout line and, when `args` asks
-    for it (should_save), store it. `plots`: figures, or a call that makes them (only called when saving)."""
+    for it (should_save), store it. `plots`: figures, or a call that makes them (only called when saving);
+    `folder`: the results folder when one bench keeps several runs (default: the bench's name)."""
     if should_save(args):
         figs = plots() if callable(plots) else plots
-        path = save_result(bench, result, argv, figs)
+        path = save_result(bench, result, argv, figs, None if folder is None else RESULTS / folder)
         print(f"saved {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", file=sys.stderr)
     print(json.dumps(result), flush=True)

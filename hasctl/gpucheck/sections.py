@@ -231,7 +231,7 @@ def decode(dry: bool) -> dict:
     for model, extra in (("bench", bench), ("7b_shaped_4_layers", ["--text-lm-spec", json.dumps(seven_b)])):
         for layout in ("slots", "paged"):
             argv = [sys.executable, str(ROOT / "bench" / "decode_batching.py"), *extra, "--device", dev,
-                    "--batches", batches, "--steps", steps, "--layout", layout, "--prompt-len", "32"]
+                    "--batches", batches, "--steps", steps, "--layout", layout, "--prompt-len", "32", "--no-save"]
             p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
             last = (p.stdout.strip().splitlines() or [""])[-1]
             try:

@@ -1,7 +1,8 @@
 """The docs stay true to the code and the stored results: the generated pages (configuration,
 metrics, the Grafana dashboard, benchmarks, the README's table) equal what scripts/gen_docs.py
 makes now, every page is linked from docs/index.md, every relative link resolves, the README
-stays a landing page, every figure in the benchmark tables is a value of a stored result file,
+stays a landing page, every figure in the benchmark tables, and every measurement the README and
+the docs quote outside docs/history/, is a value of a stored result file,
 every `easerve:` metric the library defines is documented, and the troubleshooting page quotes
 messages the code emits."""
 from __future__ import annotations
@@ -86,6 +87,39 @@ def test_every_benchmark_figure_comes_from_a_stored_result():
         unsourced = sorted(set(NUMBER.findall(text)) - stored)
         assert unsourced == [], f"{name} quotes figures no file under bench/results/ holds: {unsourced}"
     assert NUMBER.findall(_readme_table()), "the README's benchmarks table quotes no figure"
+
+
+# A quoted measurement in prose: a decimal number with a unit of measure ("654.2 ms", "1.39x",
+# "15.4 req/s"); in a table row, any number with two or more decimals ("0.338"). Parameters are
+# written as round numbers or with one decimal ("0.5 s", "share 1.0") and are not figures.
+MEASURED = re.compile(r"(?<![\w.])(\d[\d,]*\.\d+)\s?(?:ms|req/s|tok/s|GB/s|MB/s|Gb/s|core-ms|x|%)(?![\w/])")
+TABLE_FIGURE = re.compile(r"(?<![\w.])(\d+\.\d{2,})(?![\w.])")
+GENERATED = {"configuration.md", "metrics.md", "benchmarks.md"}  # reference pages / checked above
+
+
+def quoted_figures(text: str) -> set[str]:
+    found = set(MEASURED.findall(text))
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            found |= set(TABLE_FIGURE.findall(line))
+    return {f.replace(",", "") for f in found}
+
+
+def test_quoted_figures_are_found_in_prose_and_tables():
+    text = "TTFT 654.2 ms, 1.39x the peer, 15.4 req/s; a 0.5 s pause at share 1.0\n| a | 0.338 | 2 |"
+    assert quoted_figures(text) == {"654.2", "1.39", "15.4", "0.338"}
+
+
+def test_no_page_quotes_a_measurement_that_no_stored_result_holds():
+    """Outside docs/history/ (dated runs, kept for their notes) and the generated pages, every
+    measured figure the README and the docs quote is a value of a file under bench/results/."""
+    stored = {n.lstrip("-") for n in _stored_numbers()}
+    pages = [ROOT / "README.md"] + [p for p in DOCS.rglob("*.md") if "history" not in p.relative_to(DOCS).parts
+                                    and p.name not in GENERATED]
+    for page in pages:
+        unsourced = sorted(quoted_figures(page.read_text()) - stored)
+        assert unsourced == [], (f"{page.relative_to(ROOT)} quotes {unsourced}, which no file under bench/results/ "
+                                 "holds: store the run that measured it, or move the passage to docs/history/")
 
 
 def _defined_metrics() -> set[str]:
