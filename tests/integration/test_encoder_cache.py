@@ -93,7 +93,7 @@ def test_greedy_tokens_equal_with_the_cache_on_and_off_and_a_repeat_skips_prepro
     n_items = len(kw.get("images", [None]))
     assert list(first.token_ids) == list(again.token_ids) == list(off.token_ids)
     assert (off.timings.encode_cache_hits, first.timings.encode_cache_hits) == (0, 0)
-    assert again.timings.encode_cache_hits == n_items and again.timings.encode_ms == 0
+    assert again.timings.encode_cache_hits == n_items and again.timings.encode_ms == 0, stack.log_tail("gateway", 60)
     assert _total(metrics, "easerve:encoder_cache_pixel_free_items_total") - free_before == n_items
     # the repeat was neither decoded nor run through the HF processor at the gateway
     assert (off.timings.preprocess_skipped, first.timings.preprocess_skipped, again.timings.preprocess_skipped) \

@@ -3,7 +3,8 @@
 `Peers` keeps one channel per instance and a background poll of each one's health
 (grpc.health.v1) and load (`easerve.v1.Stage/Load`: requests held, node identity).
 `pick()` places a request by least outstanding work (`control.placement.LeastLoaded`),
-skipping instances that are down or NOT_SERVING; `start_call()` opens a streaming call
+skipping instances that are down (a poll refused, or DOWN_AFTER_TIMEOUTS polls in a row
+unanswered) or NOT_SERVING; `start_call()` opens a streaming call
 and retries once on another instance when it fails before its first message (never for a
 message over the size limit, which fits nowhere); a caller whose failed call may have done
 work elsewhere first retries itself (the gateway: the call may have filled its decode
@@ -40,6 +41,7 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
+DOWN_AFTER_TIMEOUTS = 3  # polls in a row that time out before a live instance counts as down
 READY_S = 3.0  # how long reach_of waits for a channel to an instance to connect
 
 
@@ -54,6 +56,7 @@ class Peer:
     node: NodeIdentity | None = None
     outstanding: int = 0     # calls this caller has open on it
     gone: bool = False       # the last poll could not reach it
+    timeouts: int = 0        # polls in a row that timed out (busy or stalled: unknown yet)
     sent_since_poll: int = 0
     polled_at: float = 0.0
     queued: int = 0          # waiting for compute at the last poll (a batcher's queue, decode's admission queue)
@@ -189,11 +192,17 @@ class Peers:
             h = await p.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service), timeout=timeout)
             load = await p.load_stub.Load(stage_pb2.LoadRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            # refused or reset: down now; silent: a process busy on 2 cores can miss one
+            # deadline (its cached media would be routed away from it), a stalled one misses several
+            p.timeouts += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if p.up and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and p.timeouts < DOWN_AFTER_TIMEOUTS:
+                log.info("%s did not answer its poll within %.1f s (%d in a row)", p.addr, timeout, p.timeouts)
+                return
             if p.up:
                 log.warning("%s is down (%s)", p.addr, e.code().name)
             p.up, p.gone = False, True
             return
-        p.gone = False
+        p.gone, p.timeouts = False, 0
         serving = h.status == health_pb2.HealthCheckResponse.SERVING
         if p.up != serving:
             log.info("%s is %s", p.addr, "serving" if serving else "not serving")
