@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.admission import profile_of  # noqa: E402
 from bench.chaos_faults import Fault, schedule  # noqa: E402
+from bench.harness.results import add_save_flag, finish  # noqa: E402
 from easerve.slo import SLO, RequestRecord  # noqa: E402
 from hasctl.launch import StageExited  # noqa: E402
 from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E402
@@ -75,6 +76,7 @@ def parse_args(argv=None):
     ap.add_argument("--deadline-s", type=float, default=30.0, help="each request's `timeout`")
     ap.add_argument("--window-s", type=float, default=5.0, help="goodput window of the recovery time")
     ap.add_argument("--out", default=str(ROOT / "runs" / "chaos" / "last.json"), help="per-request records")
+    add_save_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.minutes = 1.5
@@ -452,7 +454,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean,
                                           "fault_results": faulty}, indent=1) + "\n")
-    print(json.dumps(out), flush=True)
+    finish("chaos", args, out, argv)
     return 0
 
 
