@@ -198,7 +198,7 @@ class MMItem:
     input_features, ...). `meta` holds the small tensors that prefill also needs
     (image_sizes, image_grid_thw, video_grid_thw, second_per_grid_ts, feature lengths).
     `num_tokens` is how many placeholder tokens this item fills in input_ids.
-    `content_hash` (easerve.cache.media_hash; empty: not cacheable) keys the encoder cache.
+    `content_hash` (easerve.media.content_hash; empty: not cacheable) keys the encoder cache.
     `replacement` (gateway only, never sent) is the text the HF processor put in place of
     the item's placeholder string; with `meta` and `num_tokens` it lets the gateway build a
     prompt for the same media again without the processor (`HFAdapter.prompt_from_items`).

@@ -1,7 +1,7 @@
 """The gateway's side of the encoder cache (easerve.cache.policy; easerve.cache.embeddings).
 
 Before any media is decoded, the gateway hashes each item as it was received
-(easerve.cache.media_hash; a URL after fetching it), picks the encode instance that probably holds
+(easerve.media.content_hash; a URL after fetching it), picks the encode instance that probably holds
 those hashes (`HolderMap`: where it sent them last, when that instance's load allows, see
 `encoder_cache_affinity`) and asks that instance which it holds (`Encode.Holds`). Then:
 
@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from easerve.cache.policy import HolderMap
-from easerve.cache.media_hash import assign_by_modality, media_hash, processor_fingerprint
+from easerve.media.content_hash import assign_by_modality, media_hash, processor_fingerprint
 from easerve.errors import Unavailable
 from easerve.types import MediaPart, MMItem, ProcessedPrompt
 from easerve.wire.v1 import encode_pb2

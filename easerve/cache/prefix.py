@@ -2,7 +2,7 @@
 
 A prompt is cut into blocks of `block_tokens` tokens; block i is named by a hash chained
 from the start (`block_hashes`): sha256 of block i-1's hash and block i's tokens, where a
-media placeholder token counts as its item's content hash (`easerve.cache.media_hash`),
+media placeholder token counts as its item's content hash (`easerve.media.content_hash`),
 so the same image in a later turn names the same blocks and a different image at the same
 positions does not. Only full blocks are named, and the chain
 stops before the first block holding a media item without a content hash (not cacheable).

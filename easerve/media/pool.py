@@ -4,7 +4,7 @@
 (forkserver: no state of the gateway is inherited), so that decoding neither blocks the
 gateway's event loop nor holds its GIL. A worker receives only raw bytes and plain settings
 (ints, floats, strings) and returns numpy arrays: nothing built from a request is pickled into
-it. Items with the same content hash (`easerve.cache.media_hash.media_hash` over the bytes and
+it. Items with the same content hash (`easerve.media.content_hash.media_hash` over the bytes and
 the decode settings) share one decode while it runs and, after, a small LRU of recent results.
 More than `max_pending` distinct decodes waiting or running: Overloaded (RESOURCE_EXHAUSTED / 429).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from easerve.cache.media_hash import media_hash
+from easerve.media.content_hash import media_hash
 from easerve.errors import Overloaded
 
 log = logging.getLogger("easerve.media")

@@ -39,6 +39,7 @@ DEFAULT_MEDIA_TOKENS = 64  # placeholders per media item when the profile lists 
 
 
 MONOLITH_MODES = ("threads", "serial")
+HOST_STAGES = ("gateway", "encode", "prefill", "decode", "monolith")
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,20 @@ class ModelConfig:
     its process: "threads" (as the service runs them: concurrently, each slowed by the
     profile's in-process pairs while another runs) or "serial" (one at a time, in turns: a
     process whose interpreter and thread pool admit one stage at a time).
-    `request_overhead_s`: what a live stack adds to every request outside the profiled calls
-    (HTTP, the gRPC hops between stage processes, process wake-ups): a delay before the gateway
+    `host_s`: (stage, seconds) pairs, the host CPU one request costs each stage process outside
+    model compute (parsing, media, tokenization, serialization, gRPC, streaming; stages
+    "gateway", "encode", "prefill", "decode", "monolith"): charged as a job of one thread on
+    that process's cores (easerve/sim/host.py), so it takes core time from the model's jobs
+    on shared CPU cores and queues behind the process's other host work; measured with
+    hasctl/profile_host.py (`hasctl profile --host-work`). Empty: none.
+    `request_overhead_s`: what a live stack adds to every request besides the profiled calls
+    and `host_s` (process wake-ups, the polling of the gRPC hops): a delay before the gateway
     takes the request, taking no core time; measured as a stack's unloaded TTFT over the
     simulator's for the same request (bench/sim_fidelity.py does so per stack), 0 by default."""
     devices_per_host: int = 8
     monolith: str = "threads"
     request_overhead_s: float = 0.0
+    host_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
@@ -63,6 +71,14 @@ class ModelConfig:
             raise ValueError(f"monolith must be one of {MONOLITH_MODES}, got {self.monolith!r}")
         if not self.request_overhead_s >= 0.0:
             raise ValueError(f"request_overhead_s must be >= 0 seconds, got {self.request_overhead_s}")
+        for stage, sec in self.host_s:
+            if stage not in HOST_STAGES or not sec >= 0.0:
+                raise ValueError(f"host_s: each entry is (stage, seconds >= 0) with stage one of {HOST_STAGES}; "
+                                 f"got ({stage!r}, {sec!r})")
+
+    def host_of(self, stage: str) -> float:
+        """Host CPU seconds per request of `stage`'s process (0 when not given)."""
+        return sum(sec for s, sec in self.host_s if s == stage)
 
 
 class ServiceModel:
@@ -148,6 +164,11 @@ class ServiceModel:
                 return 1.0 + k * (CPU_SHARE_SLOWDOWN - 1.0)
             return sum(vals) / k
         return self._memo(("sh", stage, busy), f)
+
+    def cores(self, device: str) -> int:
+        """CPU cores of `device` ('cpu:0-3'), or the profile machine's for plain 'cpu'."""
+        c = cpu_cores(device)
+        return len(c) if c else max(1, int(getattr(getattr(self.profile, "hardware", None), "cores", 1) or 1))
 
     # ---- transfers ----------------------------------------------------------------------------
     def link_kind(self, a: str, b: str) -> str:

@@ -59,16 +59,27 @@ class Compute:
     def factor(self, skip: Compute | None = None) -> float:
         """This worker's slowdown now: 1 + the sum of (measured pair - 1) over its busy
         neighbours of the same process (and, on a GPU, of any process), times the sharing
-        slowdown of the busy neighbours of other processes on the same CPU cores."""
-        model, f, others = self.model, 1.0, []
+        slowdown of the busy neighbours of other processes on the same CPU cores, times the
+        cores taken by busy host threads (easerve/sim/host.py). A host job's own: the runnable
+        threads on its cores (one per busy host job, one per core for each busy model job) over
+        the cores, at least 1."""
+        model, f, others, hosts, jobs = self.model, 1.0, [], 0, 0
         for n in self.neighbours:
             if n.busy_kind is None or n is skip:
+                continue
+            if n.kind == "host" or self.kind == "host":
+                hosts += n.kind == "host"
+                jobs += n.kind != "host"
                 continue
             if self.cpu and n.process != self.process:
                 others.append(n.busy_kind)
             else:
                 f += model.slowdown(self.kind, n.busy_kind, self.cpu) - 1.0
-        return f * model.sharing(self.kind, tuple(sorted(others))) if others else f
+        if self.kind == "host":
+            cores = model.cores(self.device)
+            return max(1.0, (1 + hosts + jobs * cores) / cores)
+        f = f * model.sharing(self.kind, tuple(sorted(others))) if others else f
+        return f * (1.0 + hosts / model.cores(self.device)) if hosts and self.cpu else f
 
     # ---- one process, one job at a time ------------------------------------------------------------
     def acquire(self, kick: Callable[[], None]) -> bool:

@@ -165,4 +165,5 @@ class OnlineDriver:
         if len(computes) == 2:  # encode and its co-located prefill share the fresh device
             computes[0].neighbours, computes[1].neighbours = [computes[1]], [computes[0]]
         sim.add_computes(computes)
+        sim.add_host(inst.hostw.compute)
         return inst

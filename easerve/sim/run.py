@@ -52,8 +52,8 @@ class Sim:
         self.gateway = Gateway(self, topology.gateway)
         self.encode = [EncodeInstance(self, c, f"encode-{i}", tp("encode", i)) for i, c in enumerate(topology.encode)]
         serial = self.model.config.monolith == "serial"
-        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i), SerialGroup() if serial else None)
-                         for i, c in enumerate(topology.monolith)]
+        self.monolith = [EncodeInstance(self, c, f"monolith-{i}", tp("monolith", i), SerialGroup() if serial else None,
+                                        stage="monolith") for i, c in enumerate(topology.monolith)]
         self.remote_prefills = [PrefillWorker(self, c, c.device, f"prefill-{i}", tp=tp("prefill", i))
                                 for i, c in enumerate(topology.prefill)]
         self.decode = [DecodeInstance(self, c, f"decode-{i}", tp("decode", i)) for i, c in enumerate(topology.decode)]
@@ -64,6 +64,8 @@ class Sim:
         self.decoders = self.decode + self.mono_decode
         computes = ([e.compute for e in self.encoders] + [e.local.compute for e in self.encoders if e.local]
                     + [p.compute for p in self.remote_prefills] + [d.compute for d in self.decoders])
+        computes += list({id(h): h.compute for h in [self.gateway.hostw] + [x.hostw for x in
+                          self.encoders + self.remote_prefills + self.decoders]}.values())
         for c in computes:
             c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device, c.tp, o.tp)]
         self._computes = computes
@@ -73,6 +75,13 @@ class Sim:
     def add_computes(self, computes: list) -> None:
         """Workers of an instance added while running (their neighbours already set)."""
         self._computes.extend(computes)
+
+    def add_host(self, host) -> None:
+        """The host thread of an instance added while running: it shares cores with every worker on them."""
+        host.neighbours = [o for o in self._computes if shares_compute(host.device, o.device, 1, o.tp)]
+        for o in host.neighbours:
+            o.neighbours.append(host)
+        self._computes.append(host)
 
     # ---- request ends ----------------------------------------------------------------------------
     def complete(self, req: Req) -> None:

@@ -21,6 +21,7 @@ from easerve.errors import Overloaded, RequestTooLarge
 from easerve.policy.service_model import ServiceModel
 from easerve.sim.compute import Compute, SerialGroup
 from easerve.sim.encode import EncodeBatching
+from easerve.sim.host import HostWorker
 from easerve.sim.events import EventQueue
 from easerve.sim.topology import (
     Topology,
@@ -69,6 +70,7 @@ class Gateway:
         self.queue: deque[Req] = deque()
         self.inflight = 0
         self.places = {role: LeastLoaded() for role in ("encode", "prefill", "decode")}
+        self.hostw = HostWorker(sim.events, sim.model, sim.gateway_device, "gateway")
 
     def arrive(self, req: Req) -> None:
         if self.inflight >= self.cfg.max_inflight:
@@ -77,7 +79,12 @@ class Gateway:
         self.inflight += 1
         req.at_gateway = True
         self.sim.events.after(self.cfg.request_timeout_s, self.sim.expire, req)
+        self.hostw.run(self.sim.model.config.host_of("gateway"), lambda: self._overhead(req))
+
+    def _overhead(self, req: Req) -> None:
         overhead = self.sim.model.config.request_overhead_s
+        if req.done:
+            return
         if overhead > 0.0:
             self.sim.events.after(overhead, self._take, req)
         else:
@@ -132,6 +139,7 @@ class PrefillWorker:
         self.planner = PrefillBatcher(prefill_batch_config(cfg))
         self.compute = Compute(sim.events, sim.model, "prefill", device, tp, host.name if host is not None else name,
                                host.compute.serial if host is not None else None)
+        self.hostw = host.hostw if host is not None else HostWorker(sim.events, sim.model, device, name)
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
         self.reqs: dict[int, Req] = {}   # queued or running
@@ -156,6 +164,18 @@ class PrefillWorker:
         self.sim.events.after(delay, self._arrived, req)
 
     def _arrived(self, req: Req) -> None:
+        if req.done:
+            return
+        cfg = self.sim.model.config
+        if self.host is None:
+            work = cfg.host_of("prefill")
+        elif self.host.stage == "monolith":  # a monolith charges its request once: at encode, or here for text
+            work = 0.0 if req.spec.has_media else cfg.host_of("monolith")
+        else:  # prefill co-located in an encode process
+            work = cfg.host_of("prefill")
+        self.hostw.run(work, lambda: self._queue(req))
+
+    def _queue(self, req: Req) -> None:
         if req.done:
             return
         self.reqs[req.spec.index] = req
@@ -218,8 +238,10 @@ class PrefillWorker:
 class EncodeInstance:
     """An encode service, or with `serial` (a monolith's) the encode of a monolith process."""
 
-    def __init__(self, sim: Simulation, cfg, name: str, tp: int = 1, serial: SerialGroup | None = None) -> None:
-        self.sim, self.cfg, self.name = sim, cfg, name
+    def __init__(self, sim: Simulation, cfg, name: str, tp: int = 1, serial: SerialGroup | None = None,
+                 stage: str = "encode") -> None:
+        self.sim, self.cfg, self.name, self.stage = sim, cfg, name, stage
+        self.hostw = HostWorker(sim.events, sim.model, cfg.device, name)
         self.batching = EncodeBatching(batcher_config(cfg))
         self.router = router(cfg)
         self.partitioner = partitioner(cfg, sim.model.for_tp(tp, name))
@@ -241,6 +263,11 @@ class EncodeInstance:
             return
         self.members.add(req.spec.index)
         req.stage = self
+        self.hostw.run(self.sim.model.config.host_of(self.stage), lambda: self._queue(req))
+
+    def _queue(self, req: Req) -> None:
+        if req.done:
+            return
         self.reqs[req.spec.index] = req
         now = self.sim.events.now()
         self.batching.arrive(req.spec.index, now)
@@ -323,6 +350,8 @@ class DecodeInstance:
     def __init__(self, sim: Simulation, cfg, name: str, tp: int = 1, host: EncodeInstance | None = None) -> None:
         self.sim, self.cfg, self.name = sim, cfg, name
         self.sched = scheduler(cfg, sim.model.kv_bytes_per_token(), sim.topology.gpu_kv_gb, tp)
+        self.host = host
+        self.hostw = host.hostw if host is not None else HostWorker(sim.events, sim.model, cfg.device, name)
         self.compute = Compute(sim.events, sim.model, "decode", cfg.device, tp, host.name if host is not None else name,
                                host.compute.serial if host is not None else None)
         self.capacity = 0
@@ -352,6 +381,12 @@ class DecodeInstance:
         self.drop(req)
 
     def add(self, req: Req) -> None:
+        if req.done:
+            return
+        self.hostw.run(0.0 if self.host is not None else self.sim.model.config.host_of("decode"),
+                       lambda: self._queue(req))
+
+    def _queue(self, req: Req) -> None:
         if req.done:
             return
         try:

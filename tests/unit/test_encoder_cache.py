@@ -1,4 +1,4 @@
-"""The encoder cache's bookkeeping (easerve.cache.policy) and media hashes (easerve.cache.media_hash)."""
+"""The encoder cache's bookkeeping (easerve.cache.policy) and media hashes (easerve.media.content_hash)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from easerve.cache.policy import HIT, MISS, PENDING, EncoderCachePolicy, HolderMap
-from easerve.cache.media_hash import assign_by_modality, media_hash
+from easerve.media.content_hash import assign_by_modality, media_hash
 from easerve.types import MMItem
 
 # ---- policy: states ------------------------------------------------------------------------

@@ -93,8 +93,17 @@ def edges_of(source: str, path: Path) -> list[Edge]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
             read.setdefault(bound[node.value.id], set()).add(node.attr)
-    return [Edge(source, target, line, tuple(names) if names or name is None else tuple(sorted(read.get(target, ()))))
-            for target, line, names, name in out]
+    edges = [Edge(source, target, line, tuple(names) if names or name is None else tuple(sorted(read.get(target, ()))))
+             for target, line, names, name in out]
+    # importing a.b.c first runs the package a.b's __init__ (unless it is running already: a
+    # package of the importing module itself)
+    for target, line, _names, _name in out:
+        parts = target.split(".")
+        for k in range(1, len(parts)):
+            pkg = ".".join(parts[:k])
+            if pkg in ALL_MODULES and pkg != target and not _within(source, pkg):
+                edges.append(Edge(source, pkg, line, ()))
+    return edges
 
 
 def graph_of(package: str) -> dict[str, list[Edge]]:

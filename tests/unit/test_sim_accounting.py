@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from easerve.policy.service_model import HOST_STAGES, ModelConfig
 from easerve.sim import SimRequest, simulate
 from tests.profiles import make_profile
 from tests.unit.sim_helpers import poisson, topo
@@ -35,14 +36,15 @@ def cases(draw):
            "kv_capacity_tokens": draw(st.sampled_from([0, 256, 4096]))}
     gw = {"max_inflight": draw(st.integers(1, 40)), "request_timeout_s": draw(st.sampled_from([0.5, 5.0, 600.0]))}
     pre = {"max_inflight": draw(st.integers(1, 8)), "max_batched_tokens": draw(st.sampled_from([64, 2048]))}
-    return reqs, topo(enc=enc, dec=dec, gw=gw, pre=pre, **shape)
+    host = tuple((stage, draw(st.sampled_from([0.0, 0.002, 0.05]))) for stage in HOST_STAGES)
+    return reqs, topo(enc=enc, dec=dec, gw=gw, pre=pre, **shape), ModelConfig(host_s=host)
 
 
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_sent_equals_completed_plus_failed(case):
-    reqs, t = case
-    res = simulate(t, make_profile(encode_s_per_item=0.05, decode_tok_s=200), reqs)
+    reqs, t, config = case
+    res = simulate(t, make_profile(encode_s_per_item=0.05, decode_tok_s=200), reqs, config)
     assert sorted(r["index"] for r in res.records) == [r.index for r in reqs]  # none lost, none twice
     done = [r for r in res.records if r["error"] is None]
     failed = [r for r in res.records if r["error"] is not None]
