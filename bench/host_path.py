@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import results, stack  # noqa: E402
 from bench.harness.checkpoint import checkpoint  # noqa: E402
+from hasctl.profile_host import tree_cpu_s  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 # published sizes: (embedding rows, hidden) of one item; KV (layers, kv heads, head dim)
 MODELS = {"qwen2.5-vl-7b": ((192, 3584), (28, 4, 128)),       # one 448x336 image
           "llava-next-34b": ((2880, 7168), (60, 8, 128)),      # one anyres image (5 x 576 rows)
@@ -44,27 +44,6 @@ MODELS = {"qwen2.5-vl-7b": ((192, 3584), (28, 4, 128)),       # one 448x336 imag
 
 
 # ---- 1. framework cost ------------------------------------------------------------------------
-def tree_cpu_s(pids: list[int]) -> float:
-    """utime + stime of `pids` and all their descendants, seconds."""
-    kids: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(d)] = f
-            kids.setdefault(int(f[1]), []).append(int(d))
-    total, todo = 0.0, list(pids)
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / TICK
-        todo += kids.get(p, [])
-    return total
-
-
 def bench_once(url: str, spec, n: int, conc: int, pids: list[int]) -> dict:
     from hasctl.bench import BenchConfig, run_bench
 
