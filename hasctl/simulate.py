@@ -86,14 +86,15 @@ def sim_requests(config: BenchConfig, profile) -> list[SimRequest]:
 
 
 def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConfig | None = None,
-                   tp_profiles=(), online=None, requests: list[SimRequest] | None = None):
+                   tp_profiles=(), online=None, requests: list[SimRequest] | None = None, service_model=None):
     """(BenchResult in hasctl bench's fields, the simulator's SimResult). A worker with `tp: k`
     takes its service times from the profile of `profile` and `tp_profiles` whose tp is k; a
     roofline profile's `kv_gib_per_device` sizes the decode KV caches.
-    `online`: an easerve.sim.online.OnlineDriver; `requests`: instead of config's seeded workload."""
+    `online`: an easerve.sim.online.OnlineDriver; `requests`: instead of config's seeded workload;
+    `service_model`: service times other than the profile's (bench/fidelity_replay.py MeasuredModel)."""
     reqs = sim_requests(config, profile) if requests is None else requests
     kv = profile.roofline.kv_gib_per_device if getattr(profile, "roofline", None) is not None else None
-    result = simulate(topology(d, kv), profile, reqs, model, tp_profiles, online)
+    result = simulate(topology(d, kv), profile, reqs, model, tp_profiles, online, service_model)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result

@@ -125,6 +125,7 @@ class DecodeEngine:
         self._unwritten: set[str] = set()  # running requests whose prompt KV is not in the pool yet
         self._pending: list[StepOutput] = []
         self._last: _StepInputs | None = None  # the last step's inputs, if every row was greedy
+        self.last_step: tuple[int, int] = (0, 0)  # the last step's batch size and mean context
 
     def _choose_linear_layouts(self, adapter: ModelAdapter) -> dict:
         """CPU: store the LM's linear weights in whichever layout decodes faster (cpu_gemv)."""
@@ -207,6 +208,8 @@ class DecodeEngine:
         their prompt still to write, pending outputs are kept for the next step."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        n = plan.batch_size  # (rows, mean tokens each attends to) of this step: the decode call spans
+        self.last_step = (n, (sum(plan.positions) + n) // n if n else 0)
         self._unwritten.update(plan.admitted)
         if plan.batch_size == 0:
             return outputs

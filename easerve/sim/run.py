@@ -38,11 +38,13 @@ class SimResult:
 
 class Sim:
     def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None,
-                 profiles: Sequence[Any] = (), online=None) -> None:
+                 profiles: Sequence[Any] = (), online=None, service_model: ServiceModel | None = None) -> None:
         """`profiles`: for instances of another tensor-parallel degree; `online`: an
-        easerve.sim.online.OnlineDriver that re-tunes (and sizes) the deployment as it runs."""
+        easerve.sim.online.OnlineDriver that re-tunes (and sizes) the deployment as it runs;
+        `service_model`: the service times to use instead of ServiceModel(profile, model_config,
+        profiles) (a replay's measured ones: bench/fidelity_replay.py MeasuredModel)."""
         self.topology = topology
-        self.model = ServiceModel(profile, model_config or ModelConfig(), profiles)
+        self.model = service_model or ServiceModel(profile, model_config or ModelConfig(), profiles)
         for stage in ("encode", "prefill", "decode", "monolith"):
             for i, c in enumerate(getattr(topology, stage)):
                 self.model.check_group(c.device, topology.tp_of(stage, i), f"{stage}-{i}")
@@ -146,8 +148,9 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None) -> SimResult:
+             model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None,
+             service_model: ServiceModel | None = None) -> SimResult:
     """Run `requests` through `topology` with service times from `profile` (and, for instances of
     another tensor-parallel degree, from the one of `profiles` taken with it); `online`: an
-    easerve.sim.online.OnlineDriver."""
-    return Sim(topology, profile, model_config, profiles, online).run(requests)
+    easerve.sim.online.OnlineDriver; `service_model`: service times other than the profile's (Sim)."""
+    return Sim(topology, profile, model_config, profiles, online, service_model).run(requests)

@@ -55,7 +55,8 @@ async def main(cfg: DecodeConfig) -> None:
             pass
         last_stats["s"] = await engine.stats()
 
-    runner = await start_metrics_server(cfg.metrics_listen, registry, before_scrape=metrics.refresh)
+    runner = await start_metrics_server(cfg.metrics_listen, registry, {"/trace": engine.spans.http},
+                                        before_scrape=metrics.refresh)
     try:
         await serve([(decode_pb2_grpc.add_DecodeServicer_to_server, servicer), *extra,
                      stage_load.adder(stage_load.StageServicer("decode", node, load))], cfg.listen,

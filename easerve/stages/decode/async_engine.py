@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from easerve.errors import EngineFailed, InvalidRequest, NotFound
+from easerve.stages.common.call_spans import CallSpans
 from easerve.stages.common.pace import Pace
 from easerve.types import KVPayload
 
@@ -61,6 +62,7 @@ class AsyncEngine:
         """`on_fatal(error)`: a step raised; `on_step(tokens, seconds)`: after each step."""
         self.engine, self.on_fatal, self.on_step = engine, on_fatal, on_step
         self.pace = Pace()  # sequences per step and its seconds, served in Stage/Load
+        self.spans = CallSpans()  # each step (batch, mean context): the decode service's GET /trace
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -91,7 +93,11 @@ class AsyncEngine:
                 while await self._call(lambda: self.engine.has_work):
                     t0 = time.monotonic()
                     outs = await self._call(self.engine.step)
-                    self.pace.observe(time.monotonic() - t0, len(outs))
+                    t1 = time.monotonic()
+                    self.pace.observe(t1 - t0, len(outs))
+                    batch, context = getattr(self.engine, "last_step", (0, 0))
+                    if batch:
+                        self.spans.record("decode", t0, t1, batch, context=context)
                     if self.on_step is not None:
                         self.on_step(sum(o.token_id is not None and o.index > 0 for o in outs), time.monotonic() - t0)
                     self._deliver(outs)

@@ -61,6 +61,7 @@ class Encoder:
         self.loop = EncodeLoop(self.adapter, AdaptiveBatcher(cfg.batcher), self.controller, self.metrics,
                                self.encode_pool, clock=self.clock)
         self.local = self._local_stage()
+        self.call_spans = [self.local.loop.spans] if self.local is not None else []  # /trace's "calls"
         self.remote = peers_of(cfg, "prefill", prefill_pb2_grpc.PrefillStub, self.opts.channel_options(),
                                "easerve.v1.Prefill", tls=self.opts.tls)
         self.cache = self._cache()
@@ -132,8 +133,9 @@ class Encoder:
         now = self.clock.now()
         spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
                  for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
+        calls = sorted((c for cs in self.call_spans for c in cs.spans(now - window)), key=lambda c: c["start"])
         return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),
-                "spans": spans}
+                "spans": spans, "calls": calls[-500:]}  # calls: the co-located prefill's batches (+ a monolith's steps)
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING

@@ -34,6 +34,7 @@ async def main(cfg: MonolithConfig) -> None:
     dmetrics = DecodeMetrics(enc.metrics.registry, lambda: stats.get("s"))
     engine = build_engine(cfg, enc.local_lm, health, dmetrics)
     enc.local.decode_in_process(engine.submit)
+    enc.call_spans.append(engine.spans)  # GET /trace's "calls": its decode steps too
 
     async def load() -> stage_load.Load:
         s = stats["s"] = await engine.stats()

@@ -45,7 +45,7 @@ async def main(cfg: PrefillConfig) -> None:
         await asyncio.get_running_loop().run_in_executor(None, prefill_once, adapter)
         stage.start()
 
-    runner = await start_metrics_server(cfg.metrics_listen, registry)
+    runner = await start_metrics_server(cfg.metrics_listen, registry, {"/trace": stage.loop.spans.http})
     try:
         await serve([(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(stage, receiver)),
                      stage_load.adder(stage_load.StageServicer("prefill", node, load))], cfg.listen,

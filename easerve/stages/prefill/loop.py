@@ -18,7 +18,9 @@
   request's first token (its own SamplingParams, step 0; with n > 1 one per choice, each
   with `SamplingParams.choice(i)` and its own grammar state); both run under `scope()` when
   given (a context manager: e.g. the co-located prefill's share of the device).
-  `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch.
+  `on_busy(t0, t1)` (seconds of `clock`) is called on the event loop after each batch;
+  `loop.spans` (easerve.stages.common.call_spans) keeps each batch's span (batch size,
+  prompt tokens), the prefill service's GET /trace.
 - Prefix cache (`prefix`, an easerve.cache.prefix_kv.PrefixKV, or None): before the
   forward each request takes the KV of its longest cached prefix and the forward computes
   only the rest; after it, the prompts' full blocks are kept (`PrefillResult.cached_tokens`
@@ -49,6 +51,7 @@ import torch
 from easerve.cache.prefix_kv import PrefixKV
 from easerve.policy.clock import Clock, MonotonicClock
 from easerve.policy.prefill_plan import PrefillBatchConfig, PrefillBatcher
+from easerve.stages.common.call_spans import CallSpans
 from easerve.stages.common.pace import Pace
 from easerve.engine.logit_transforms import TokenHistory
 from easerve.engine.sampler import sample
@@ -98,6 +101,7 @@ class PrefillLoop:
         self._pool = executor
         self.pace = Pace()  # prompt tokens per batch and its seconds, served in Stage/Load
         self._scope, self._on_busy = scope or contextlib.nullcontext, on_busy
+        self.spans = CallSpans(clock=self.clock.now)  # each batch: GET /trace's call spans
         self._pending: dict[int, _Pending] = {}
         self._running: list[_Pending] = []
         self._keys = itertools.count()
@@ -189,7 +193,9 @@ class PrefillLoop:
                     p.future.set_exception(e)
             return
         ms = (out.t1 - out.t0) * 1000
-        self.pace.observe(out.t1 - out.t0, sum(len(p.req.input_ids) for p in batch))
+        tokens = sum(len(p.req.input_ids) for p in batch)
+        self.pace.observe(out.t1 - out.t0, tokens)
+        self.spans.record("prefill", out.t0, out.t1, len(batch), tokens=tokens)
         for p, o in zip(batch, out.outcomes):
             if p.future.done():
                 continue
