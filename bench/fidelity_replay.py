@@ -255,6 +255,8 @@ class MeasuredModel(ServiceModel):
     def decode_step_s(self, batch: int, context: int, tp: int = 1) -> float:
         return super().decode_step_s(batch, context, tp) * self.ratio("decode", batch)
 
+    cores_shared = False  # the measured call times include the host threads' share of the cores too
+
     def slowdown(self, stage: str, by: str, cpu: bool = False) -> float:
         return 1.0
 

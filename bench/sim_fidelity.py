@@ -54,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import fidelity_score as fs  # noqa: E402
+from bench import sim_fidelity_resim as store  # noqa: E402
 from bench.harness.checkpoint import checkpoint  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
 
@@ -186,8 +187,13 @@ def host_work(args, modality: str, spec: WorkloadSpec) -> dict:
     return out
 
 
-def host_s_of(d: Deployment, host: dict) -> tuple[tuple[str, float], ...]:
-    src = host["monolith" if d.monolith else "default"]["host_s"]
+def host_s_of(d: Deployment, ctx: dict) -> tuple[tuple[str, float], ...]:
+    """The measured host work per stage; the gateway's less the profile's preprocessing time (the
+    simulator's gateway already spends that on its preprocessing threads)."""
+    src = dict(ctx["host"]["monolith" if d.monolith else "default"]["host_s"])
+    label = store.media_label(ctx["profile"], ctx["modality"])
+    pre = ctx["profile"].gateway_latency(ctx["modality"], label or None)
+    src["gateway"] = max(0.0, src.get("gateway", 0.0) - pre)
     return tuple(sorted(src.items()))
 
 
@@ -228,19 +234,21 @@ def probe(d, profile, spec, slo, url: str, args, host_s) -> dict:
             "overhead_s": round(max(0.0, med - sim_ms) / 1e3, 5)}
 
 
-def run_live(url: str, cfg: BenchConfig, path: Path, args, replay_dir: Path | None, stack) -> dict:
-    """One live cell (re-run once when steal time was over STEAL_FLAG); its result file and flags."""
+def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -> dict:
+    """One live cell (re-run once when steal time was over STEAL_FLAG); its result file, with
+    `spans` its stages' call spans beside it, and flags."""
     for attempt in range(2):
-        t0 = cpu_ticks()
+        t0, since = cpu_ticks(), time.monotonic()
         res = asyncio.run(run_bench(cfg))
         steal = steal_share(t0, cpu_ticks())
         if steal <= STEAL_FLAG or attempt:
             break
         say(f"    steal {steal:.1%} during the cell: run again")
     path.write_text(res.to_json())
-    if replay_dir is not None:
+    if spans:
         from bench import fidelity_replay as fr
-        (replay_dir / (path.stem + "-spans.json")).write_text(json.dumps(fr.collect_spans(stack)) + "\n")
+        got = fr.collect_spans(stack.endpoints.metrics, since=since, last=1000)
+        path.with_name(path.stem + "-spans.json").write_text(json.dumps(store.spans_to_json(got)) + "\n")
     return {"file": path.name, "steal": round(steal, 4), "flagged": steal > STEAL_FLAG}
 
 
@@ -252,7 +260,7 @@ def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) ->
     run_dir = args.out_dir / modality / d.name
     run_dir.mkdir(parents=True, exist_ok=True)
     st = state.setdefault(d.name, {"blocks": [], "cells": {}})
-    host_s = host_s_of(d, ctx["host"])
+    host_s = host_s_of(d, ctx)
     block = {"repeat": k, "load_average": load_average(), "started": time.strftime("%H:%M:%S")}
     stack = Stack(d.with_model(ctx["model"]).with_gateway_ports(0, 0), run_dir=run_dir / f"stack{k}",
                   env={"EASERVE_LOG_LEVEL": "WARNING"}, metrics=True)
@@ -266,7 +274,7 @@ def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) ->
             mc = model_config(host_s, st["overhead_s"])
             rate = CAPACITY_OVER_SIM * sim_capacity(d, profile, spec, slo, args, mc)
             cap = config(spec, slo, rate, math.ceil(rate * args.capacity_s), args.seed + 7, url, CONTENT_SEED - 1)
-            st["capacity_run"] = run_live(url, cap, run_dir / "capacity.json", args, None, stack)
+            st["capacity_run"] = run_live(url, cap, run_dir / "capacity.json", args, False, stack)
             from easerve.slo import RequestRecord
             recs = [RequestRecord.from_dict(r) for r in json.loads((run_dir / "capacity.json").read_text())["records"]]
             st["live_capacity"] = fs.steady_capacity(recs)
@@ -276,8 +284,7 @@ def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) ->
             rate = round(load * st["live_capacity"], 4)
             cfg = config(spec, slo, rate, cell_requests(args, rate), args.seed + j, url, CONTENT_SEED + 100 * k + j,
                          d.name)
-            replay_dir = run_dir if k == 0 and load != OVERLOAD else None
-            info = run_live(url, cfg, run_dir / f"live-r{k}-{load:g}.json", args, replay_dir, stack)
+            info = run_live(url, cfg, run_dir / f"live-r{k}-{load:g}.json", args, k == 0 and load != OVERLOAD, stack)
             st["cells"].setdefault(f"{load:g}", []).append(info)
             say(f"  r{k} {d.name:12s} {load:g}x = {rate:.3f} req/s done{' (flagged)' if info['flagged'] else ''}")
     finally:
@@ -294,10 +301,10 @@ def records_of(path: Path):
 
 def score_deployment(args, modality: str, name: str, ctx: dict, st: dict) -> dict:
     from hasctl.simulate import run_simulation
-    from bench.sim_fidelity_resim import config_of
+    config_of = store.config_of
     d = deployment(name)
     run_dir = args.out_dir / modality / d.name
-    mc = model_config(host_s_of(d, ctx["host"]), st["overhead_s"])
+    mc = model_config(host_s_of(d, ctx), st["overhead_s"])
     profile, slo = ctx["profile"], ctx["slo"]
     cap_doc, _ = records_of(run_dir / "capacity.json")
     sim_cap_res = run_simulation(d, profile, config_of(cap_doc), mc)[0]
@@ -321,6 +328,7 @@ def score_deployment(args, modality: str, name: str, ctx: dict, st: dict) -> dic
         c |= fs.score_cell(sim_good, mean, lo, hi)
         c["live_vs_live"] = fs.leave_one_out(outcomes, rate)
         out["cells"][load] = c
+    out["replay"] = store.score_replay(args.out_dir, modality, d, ctx, mc)
     return out
 
 
@@ -379,7 +387,7 @@ def prepare(args, modality: str) -> dict:
     model = checkpoint(None, args.cache_dir, FAMILIES[modality], args.scale)
     profile, path = profile_of(args, model, modality)
     spec = workload(args, profile, modality)
-    return {"model": model, "profile": profile, "profile_path": str(path), "spec": spec,
+    return {"model": model, "profile": profile, "profile_path": str(path), "spec": spec, "modality": modality,
             "slo": profile.slo(args.slo), "host": host_work(args, modality, spec)}
 
 
@@ -388,9 +396,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running stack, like Ctrl-C
     t0 = time.monotonic()
     if args.resim:
-        from bench.sim_fidelity_resim import load_run
         args.out_dir = Path(args.resim)
-        state, ctxs = load_run(args)
+        state, ctxs = store.load_run(args)
     else:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         ctxs = {m: prepare(args, m) for m in args.modalities}
@@ -405,8 +412,7 @@ def main(argv=None) -> int:
                                                            "state": state, "meta": meta}, indent=1, default=str) + "\n")
     per = {m: {deployment(n).name: score_deployment(args, m, n, ctxs[m], state[m][deployment(n).name])
                for n in args.by_modality[m]} for m in state}
-    from bench import fidelity_replay as fr
-    replay = fr.score_run(args.out_dir, per, ctxs) if hasattr(fr, "score_run") else {}
+    replay = store.summarize_replay({f"{m}/{n}": s.pop("replay") for m, deps in per.items() for n, s in deps.items()})
     text = table(per)
     print(text)
     out = summarize(per, replay)

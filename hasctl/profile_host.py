@@ -65,7 +65,7 @@ def measure_host_work(stack, spec, requests: int = 40, concurrency: int = 4, idl
     """{"host_s": {stage: seconds per request}, "idle_core_s_per_s": {process: rate}, ...} of a
     running `hasctl.launch.Stack` serving `spec` (a hasctl.workload.WorkloadSpec)."""
     from hasctl.bench import BenchConfig, run_bench
-    pids = {n: p for n, p in stack.pids().items() if p is not None}
+    pids = {n: p for n, p in stack.pids.items() if p is not None}
     cpu0 = {n: tree_cpu_s([p]) for n, p in pids.items()}
     t0 = time.monotonic()
     time.sleep(idle_s)

@@ -82,6 +82,9 @@ class ModelConfig:
 
 
 class ServiceModel:
+    cores_shared = True  # host threads and model jobs slow each other on shared CPU cores (False: the
+    #                      times already include it, as call times measured under the same load do)
+
     def __init__(self, profile: Any, config: ModelConfig | None = None, profiles: Sequence[Any] = ()) -> None:
         self.profile = profile
         self.config = config or ModelConfig()

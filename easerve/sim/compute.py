@@ -64,6 +64,8 @@ class Compute:
         threads on its cores (one per busy host job, one per core for each busy model job) over
         the cores, at least 1."""
         model, f, others, hosts, jobs = self.model, 1.0, [], 0, 0
+        if self.kind == "host" and not model.cores_shared:
+            return 1.0
         for n in self.neighbours:
             if n.busy_kind is None or n is skip:
                 continue
@@ -79,7 +81,7 @@ class Compute:
             cores = model.cores(self.device)
             return max(1.0, (1 + hosts + jobs * cores) / cores)
         f = f * model.sharing(self.kind, tuple(sorted(others))) if others else f
-        return f * (1.0 + hosts / model.cores(self.device)) if hosts and self.cpu else f
+        return f * (1.0 + hosts / model.cores(self.device)) if hosts and self.cpu and model.cores_shared else f
 
     # ---- one process, one job at a time ------------------------------------------------------------
     def acquire(self, kick: Callable[[], None]) -> bool:
