@@ -39,13 +39,14 @@ class EncoderCache:
         self.policy = EncoderCachePolicy(int(capacity_gb * 2**30))
         self.waiting: dict[Hashable, list[Req]] = {}   # in-flight key -> requests waiting for it
         self.owner: dict[int, Hashable] = {}           # request encoding a key -> the key
-        self.lookups: list[tuple[int, str]] = []       # (request, HIT | PENDING | MISS), for tests
+        # in order, for tests: (request, HIT | PENDING | MISS) per lookup, (request, "held") per encode
+        self.log: list[tuple[int, str]] = []
 
     def lookup(self, req: Req) -> str:
         """HIT: held; PENDING: it waits for the request encoding it; MISS: it encodes it (in flight)."""
         key = content_key(req)
         state = self.policy.lookup(key).state
-        self.lookups.append((req.spec.index, state))
+        self.log.append((req.spec.index, state))
         if state == PENDING:
             self.waiting[key].append(req)
         elif state == MISS:
@@ -60,6 +61,7 @@ class EncoderCache:
         if key is None:
             return []
         self.policy.complete(key, None, size)
+        self.log.append((req.spec.index, "held"))
         return self.waiting.pop(key)
 
     def abandoned(self, req: Req) -> list[Req]:

@@ -58,7 +58,9 @@ class Reports:
         self.instances, self.exact = instances, exact
         self.policy = LeastLoaded()
         self._reports: dict[int, Report] = {}   # id(instance) -> its report
-        self.picks: list[tuple[float, tuple[Candidate, ...], str]] = []  # (time, candidates, key), for tests
+        # in order, for tests: ("poll", time, ((reported, capacity), ...) per instance) and
+        # ("pick", time, the candidates, the key chosen)
+        self.log: list[tuple] = []
 
     def report(self, inst: Any) -> Report:
         r = self._reports.get(id(inst))
@@ -72,6 +74,8 @@ class Reports:
             r = self.report(inst)
             r.queued, r.overdue, r.kv_free_tokens, r.capacity = load_of(inst, now)
             r.reported, r.sent_since_poll, r.polled_at = inst.outstanding, 0, now
+        self.log.append(("poll", now, tuple((self.report(i).reported, self.report(i).capacity)
+                                            for i in self.instances())))
 
     def up_reports(self) -> list[Report]:
         """The instances that take work, as last seen (the live `Peers.up_peers`)."""
@@ -91,7 +95,7 @@ class Reports:
         key = self.policy.choose(cands, exclude)
         if key is None:
             return None
-        self.picks.append((now, tuple(cands), key))
+        self.log.append(("pick", now, tuple(cands), key))
         inst = insts[int(key)]
         self.report(inst).sent_since_poll += 1
         return inst

@@ -28,6 +28,7 @@ from easerve.sim.encode import EncodeBatching
 from easerve.sim.events import EventQueue
 from easerve.sim.reports import Poller, Reports
 from easerve.sim.topology import (
+    DEFAULT_EMBED_BYTES_PER_TOKEN,
     DEFAULT_KV_BYTES_PER_TOKEN,
     Topology,
     batcher_config,
@@ -350,7 +351,8 @@ class EncodeInstance:
         self.batching.worker_free(now)
         model = self.sim.model
         for req in reqs:
-            waiters = self.cache.encoded(req, model.embed_bytes(req.media_tokens)) if self.cache is not None else []
+            size = model.embed_bytes(req.media_tokens) or req.media_tokens * DEFAULT_EMBED_BYTES_PER_TOKEN
+            waiters = self.cache.encoded(req, size) if self.cache is not None else []
             for r in (req, *waiters):
                 if not r.done:
                     self._route(r)
