@@ -1,7 +1,7 @@
 """Which instance of the next stage gets a request: the least outstanding work.
 
-Pure and torch-free. Each candidate's load is what its last `Stage/Load` answer said it
-holds plus what this caller has sent it since (so a burst between two polls spreads
+Pure and torch-free. Each candidate's load is what its last `Stage/Load` answer (polled every
+`POLL_S`) said it holds plus what this caller has sent it since (so a burst between two polls spreads
 instead of piling on the instance that looked idlest); instances that are down or not
 serving are not candidates. Ties go round robin, so equal instances share evenly.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+POLL_S = 0.25  # how often a caller asks each instance for its load (easerve/stages/common/peers.py)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,12 @@ class EncodeBatching:
         self.batcher = AdaptiveBatcher(config)
         self._ready: Dispatch | None = None     # handed out, not yet taken by the worker
         self.dispatches: list[Dispatch] = []     # every decision, in order (for tests and traces)
+        self.arrivals: list[tuple[Hashable, float, float | None, bool]] = []  # (item, time, deadline, yields)
 
-    def arrive(self, item_id: Hashable, now: float) -> None:
-        self._take(self.batcher.add(item_id, now))
+    def arrive(self, item_id: Hashable, now: float, deadline: float | None = None, yields: bool = False) -> None:
+        """An item queues; `deadline` / `yields`: its place in the batcher's deadline order."""
+        self.arrivals.append((item_id, now, deadline, yields))
+        self._take(self.batcher.add(item_id, now, deadline, yields))
 
     def poll(self, now: float) -> None:
         """The batch due at `now`, if the worker is free (the live worker's wake-up)."""

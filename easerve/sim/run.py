@@ -10,6 +10,7 @@ from typing import Any
 
 from easerve.sim.compute import SerialGroup
 from easerve.sim.events import EventQueue
+from easerve.sim.reports import Poller
 from easerve.policy.service_model import ModelConfig, ServiceModel, shares_compute
 from easerve.sim.stages import DecodeInstance, EncodeInstance, Gateway, PrefillWorker
 from easerve.sim.topology import Topology
@@ -29,6 +30,7 @@ class SimResult:
     routes: dict[str, list[str]] = field(default_factory=dict)  # encode instance -> routes in order
     admissions: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # decode -> admitted per step
     busy_s: dict[str, float] = field(default_factory=dict)      # worker -> seconds busy
+    decisions: list = field(default_factory=list)  # the gateway admission's (easerve/sim/admission.py Decided)
 
     @property
     def speed(self) -> float:
@@ -38,18 +40,23 @@ class SimResult:
 
 class Sim:
     def __init__(self, topology: Topology, profile: Any, model_config: ModelConfig | None = None,
-                 profiles: Sequence[Any] = (), online=None, service_model: ServiceModel | None = None) -> None:
+                 profiles: Sequence[Any] = (), online=None, exact_placement: bool = False,
+                 service_model: ServiceModel | None = None) -> None:
         """`profiles`: for instances of another tensor-parallel degree; `online`: an
         easerve.sim.online.OnlineDriver that re-tunes (and sizes) the deployment as it runs;
-        `service_model`: the service times to use instead of ServiceModel(profile, model_config,
-        profiles) (a replay's measured ones: bench/fidelity_replay.py MeasuredModel)."""
-        self.topology = topology
+        `exact_placement`: place by each instance's exact count, not its load reports
+        (easerve/sim/reports.py); `service_model`: the service times to use instead of
+        ServiceModel(profile, model_config, profiles) (a replay's measured ones:
+        bench/fidelity_replay.py MeasuredModel)."""
+        self.topology, self.profile, self.exact_placement = topology, profile, exact_placement
         self.model = service_model or ServiceModel(profile, model_config or ModelConfig(), profiles)
         for stage in ("encode", "prefill", "decode", "monolith"):
             for i, c in enumerate(getattr(topology, stage)):
                 self.model.check_group(c.device, topology.tp_of(stage, i), f"{stage}-{i}")
         tp = topology.tp_of
         self.events = EventQueue()
+        self.open = 0   # requests not ended yet: the load polls run while there are some
+        self.poller = Poller(self.events, lambda: self.open > 0)
         self.gateway_device = GATEWAY_DEVICE
         self.gateway = Gateway(self, topology.gateway)
         self.encode = [EncodeInstance(self, c, f"encode-{i}", tp("encode", i)) for i, c in enumerate(topology.encode)]
@@ -112,6 +119,7 @@ class Sim:
             req.decode.drop(req)
         self.gateway.finished(req)
         self.outcomes.append(req)
+        self.open -= 1
 
     # ---- running -----------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
@@ -119,6 +127,9 @@ class Sim:
             raise ValueError("the workload has media but the topology has no encode instance (or monolith)")
         wall0 = time.perf_counter()
         reqs = [Req(r, self.model.media_tokens(r.modality, r.media)) for r in requests]
+        self.open += len(reqs)
+        if not self.exact_placement or self.gateway.admission is not None:
+            self.poller.start()
         for r in reqs:
             self.events.at(r.spec.arrival_s, self.gateway.arrive, r)
         if self.online is not None:
@@ -136,7 +147,8 @@ class Sim:
             dispatches={n: e.batching.dispatches for n, e in zip(names, self.encoders)},
             routes={n: e.routes for n, e in zip(names, self.encoders)},
             admissions={d.name: d.admissions for d in self.decoders},
-            busy_s={f"{c.kind}@{c.device}#{i}": c.busy_s for i, c in enumerate(self._computes)})
+            busy_s={f"{c.kind}@{c.device}#{i}": c.busy_s for i, c in enumerate(self._computes)},
+            decisions=list(self.gateway.admission.decided) if self.gateway.admission is not None else [])
 
 
 def trace_of(trace, now: float, window: float | None = None) -> dict:
@@ -149,8 +161,8 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
              model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None,
-             service_model: ServiceModel | None = None) -> SimResult:
+             exact_placement: bool = False, service_model: ServiceModel | None = None) -> SimResult:
     """Run `requests` through `topology` with service times from `profile` (and, for instances of
     another tensor-parallel degree, from the one of `profiles` taken with it); `online`: an
-    easerve.sim.online.OnlineDriver; `service_model`: service times other than the profile's (Sim)."""
-    return Sim(topology, profile, model_config, profiles, online, service_model).run(requests)
+    easerve.sim.online.OnlineDriver; `exact_placement`, `service_model`: see `Sim`."""
+    return Sim(topology, profile, model_config, profiles, online, exact_placement, service_model).run(requests)

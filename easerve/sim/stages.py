@@ -6,7 +6,10 @@ preprocessing (a pool of `--preprocess-threads`) -> a decode reservation (the en
 `Scheduler.reserve`, least-loaded instance) -> encode (batcher, then the deficit router per
 request) -> local prefill on the encode's device or remote prefill over a link -> KV to the
 reserving decode instance -> one token per decode step until max_tokens. Rejections follow
-the services: a full gateway / encode / prefill (`--max-inflight`) or decode queue answers 429.
+the services: a full gateway / encode / prefill (`--max-inflight`) or decode queue answers 429,
+and so does the gateway's SLO-aware admission (easerve/sim/admission.py) refusing a request
+predicted to miss its tier. Placement is by the instances' load reports (easerve/sim/reports.py);
+encode and prefill keep the live caches (easerve/sim/caches.py).
 """
 from __future__ import annotations
 
@@ -14,16 +17,20 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from easerve.policy.placement import Candidate, LeastLoaded
 from easerve.policy.prefill_plan import PrefillBatcher, PrefillBatchPlan
 from easerve.stages.encode.trace import UtilizationTrace
 from easerve.errors import Overloaded, RequestTooLarge
 from easerve.policy.service_model import ServiceModel
+from easerve.sim.admission import SimAdmission, slo_of
+from easerve.sim.caches import HIT, MISS, EncoderCache, PrefixCache
 from easerve.sim.compute import Compute, SerialGroup
 from easerve.sim.encode import EncodeBatching
 from easerve.sim.host import HostWorker
 from easerve.sim.events import EventQueue
+from easerve.sim.reports import Poller, Reports
 from easerve.sim.topology import (
+    DEFAULT_EMBED_BYTES_PER_TOKEN,
+    DEFAULT_KV_BYTES_PER_TOKEN,
     Topology,
     batcher_config,
     partitioner,
@@ -40,6 +47,9 @@ class Simulation(Protocol):
 
     events: EventQueue
     model: ServiceModel
+    profile: object
+    poller: Poller
+    exact_placement: bool
     topology: Topology
     gateway: Gateway
     gateway_device: str
@@ -55,12 +65,12 @@ class Simulation(Protocol):
     def expire(self, req: Req) -> None: ...
 
 
-def pick(policy: LeastLoaded, instances: Sequence, exclude=frozenset()):
-    """The instance of least outstanding work (the live `Peers` placement)."""
-    cands = [Candidate(str(i), not getattr(inst, "draining", False), inst.outstanding, 0, inst.capacity)
-             for i, inst in enumerate(instances)]  # a draining instance (easerve/sim/online.py) takes no new work
-    key = policy.choose(cands, exclude)
-    return None if key is None else instances[int(key)]
+def view(sim: Simulation, instances) -> Reports:
+    """One caller's view of the instances `instances()` lists, polled with the others (the live
+    `Peers`); a draining instance (easerve/sim/online.py) takes no new work."""
+    v = Reports(instances, sim.exact_placement)
+    sim.poller.views.append(v)
+    return v
 
 
 class Gateway:
@@ -69,7 +79,9 @@ class Gateway:
         self.free = cfg.preprocess_threads
         self.queue: deque[Req] = deque()
         self.inflight = 0
-        self.places = {role: LeastLoaded() for role in ("encode", "prefill", "decode")}
+        self.places = {"encode": view(sim, lambda: sim.encoders), "prefill": view(sim, lambda: sim.text_prefills),
+                       "decode": view(sim, lambda: sim.decoders)}
+        self.admission = SimAdmission.of(cfg, sim.profile, sim.events.clock, *self.places.values())
         self.hostw = HostWorker(sim.events, sim.model, sim.gateway_device, "gateway")
 
     def arrive(self, req: Req) -> None:
@@ -109,8 +121,15 @@ class Gateway:
         self._start()
         if req.done:
             return
-        sim = self.sim
-        dec = pick(self.places["decode"], sim.decoders)
+        sim, now = self.sim, self.sim.events.now()
+        if self.admission is not None:
+            d = req.admission = self.admission.admit(req)
+            if d.action == "reject":
+                sim.fail(req, "http_429", f"gateway: predicted to miss its SLO tier {d.tier.name!r}; "
+                                          f"retry after {d.retry_after_s:.2f} s")
+                return
+            req.slo = slo_of(d, now)
+        dec = self.places["decode"].pick(now)
         try:
             dec.reserve(req)
         except Overloaded as e:
@@ -119,12 +138,20 @@ class Gateway:
         except RequestTooLarge as e:
             sim.fail(req, "http_400", str(e))
             return
+        if self.admission is not None:
+            self.admission.placed(req)
         if req.spec.has_media:
-            pick(self.places["encode"], sim.encoders).submit(req)
+            self.places["encode"].pick(now).submit(req)
         else:
-            pick(self.places["prefill"], sim.text_prefills).submit(req, sim.gateway_device)
+            self.places["prefill"].pick(now).submit(req, sim.gateway_device)
+
+    def first_token(self, req: Req) -> None:
+        if self.admission is not None:
+            self.admission.first_token(req)
 
     def finished(self, req: Req) -> None:
+        if self.admission is not None:
+            self.admission.ended(req)
         if req.at_gateway:
             req.at_gateway = False
             self.inflight -= 1
@@ -143,6 +170,9 @@ class PrefillWorker:
         self.capacity = cfg.max_inflight
         self.members: set[int] = set()   # requests it holds: in transit to it, queued or running
         self.reqs: dict[int, Req] = {}   # queued or running
+        pc = cfg.prefix_cache
+        self.prefix = (PrefixCache(pc, sim.model.kv_bytes_per_token() or DEFAULT_KV_BYTES_PER_TOKEN)
+                       if pc is not None else None)
 
     @property
     def device(self) -> str:
@@ -179,13 +209,16 @@ class PrefillWorker:
         if req.done:
             return
         self.reqs[req.spec.index] = req
-        self.planner.add(req.spec.index, req.prompt_tokens, self.sim.events.now())
+        tokens = self.prefix.to_compute(req) if self.prefix is not None else req.prompt_tokens
+        deadline, yields = req.slo if req.slo is not None else (None, False)
+        self.planner.add(req.spec.index, tokens, self.sim.events.now(), deadline, yields)
         self._kick()
 
     def cancel(self, req: Req) -> None:
         self.members.discard(req.spec.index)
-        if self.reqs.pop(req.spec.index, None) is not None:
-            self.planner.remove(req.spec.index)
+        if self.reqs.pop(req.spec.index, None) is not None and self.planner.remove(req.spec.index) \
+                and self.prefix is not None:
+            self.prefix.forget(req.spec.index)
 
     def _kick(self) -> None:
         if self.compute.busy_kind is not None or not self.compute.acquire(self._kick):
@@ -195,7 +228,9 @@ class PrefillWorker:
         if plan is None:
             self.compute.release()
             return
-        base = self.sim.model.prefill_s(plan.total_tokens, plan.size, self.compute.tp)
+        tokens = plan.total_tokens if self.prefix is None else sum(
+            self.prefix.lookup(self.reqs[rid]) for rid in plan.request_ids)  # what the forward computes
+        base = self.sim.model.prefill_s(tokens, plan.size, self.compute.tp)
         self.compute.start("prefill", base, lambda: self._done(plan, now), self._factor)
 
     def _factor(self) -> float:
@@ -221,10 +256,13 @@ class PrefillWorker:
         for rid in plan.request_ids:
             req = self.reqs.pop(rid, None)
             self.members.discard(rid)
+            if self.prefix is not None:
+                self.prefix.done(rid)
             if req is None or req.done:
                 continue
             req.stage = None
             req.tokens.append(now)  # the first token leaves prefill for the gateway at once
+            self.sim.gateway.first_token(req)
             if req.spec.max_tokens == 1:
                 self.sim.complete(req)
                 continue
@@ -255,7 +293,8 @@ class EncodeInstance:
         self.trace = UtilizationTrace()
         self.routes: list[str] = []
         self._timer: float | None = None
-        self._remote = LeastLoaded()
+        self._remote = view(sim, lambda: sim.remote_prefills)
+        self.cache = EncoderCache(cfg.encoder_cache_gb) if cfg.encoder_cache_gb > 0 else None
 
     def submit(self, req: Req) -> None:
         if self.outstanding >= self.capacity:
@@ -263,16 +302,22 @@ class EncodeInstance:
             return
         self.members.add(req.spec.index)
         req.stage = self
-        self.hostw.run(self.sim.model.config.host_of(self.stage), lambda: self._queue(req))
+        self.hostw.run(self.sim.model.config.host_of(self.stage), lambda: self._look_up(req))
 
-    def _queue(self, req: Req) -> None:
+    def _look_up(self, req: Req) -> None:
+        """Held media skip the batcher; media another request encodes wait for it; the rest queue."""
         if req.done:
             return
-        self.reqs[req.spec.index] = req
-        now = self.sim.events.now()
-        self.batching.arrive(req.spec.index, now)
-        self._kick()
-        self._arm(now)
+        state = self.cache.lookup(req) if self.cache is not None else MISS
+        if state == HIT:
+            self._route(req)
+        elif state == MISS:
+            self.reqs[req.spec.index] = req
+            now = self.sim.events.now()
+            deadline, yields = req.slo if req.slo is not None else (None, False)
+            self.batching.arrive(req.spec.index, now, deadline, yields)
+            self._kick()
+            self._arm(now)
 
     @property
     def outstanding(self) -> int:
@@ -282,6 +327,9 @@ class EncodeInstance:
         self.members.discard(req.spec.index)
         if self.reqs.pop(req.spec.index, None) is not None:
             self.batching.remove(req.spec.index)
+        if self.cache is not None:
+            for w in self.cache.abandoned(req):  # its waiters: the first takes the encode over
+                self._look_up(w)
 
     def _arm(self, now: float) -> None:
         due = self.batching.next_deadline(now)
@@ -325,23 +373,30 @@ class EncodeInstance:
         self.compute.release()
         self.trace.record("encode", t0, now, share, len(reqs))
         self.batching.worker_free(now)
+        model = self.sim.model
         for req in reqs:
-            self.members.discard(req.spec.index)
-            if req.done:
-                continue
-            req.stage = None
-            route = self.router.route()
-            self.routes.append(route)
-            if route == "local":
-                self.local.submit(req, self.cfg.device)
-            else:
-                target = pick(self._remote, self.sim.remote_prefills)
-                if target is None:
-                    self.sim.fail(req, "http_503", f"{self.name}: no remote prefill instance")
-                else:
-                    target.submit(req, self.cfg.device)
+            size = model.embed_bytes(req.media_tokens) or req.media_tokens * DEFAULT_EMBED_BYTES_PER_TOKEN
+            waiters = self.cache.encoded(req, size) if self.cache is not None else []
+            for r in (req, *waiters):
+                if not r.done:
+                    self._route(r)
         self._kick()
         self._arm(now)
+
+    def _route(self, req: Req) -> None:
+        """Its embeddings are ready: to the co-located prefill or a remote one (the router)."""
+        self.members.discard(req.spec.index)
+        req.stage = None
+        route = self.router.route()
+        self.routes.append(route)
+        if route == "local":
+            self.local.submit(req, self.cfg.device)
+        else:
+            target = self._remote.pick(self.sim.events.now())
+            if target is None:
+                self.sim.fail(req, "http_503", f"{self.name}: no remote prefill instance")
+            else:
+                target.submit(req, self.cfg.device)
 
 
 class DecodeInstance:

@@ -29,6 +29,7 @@ from easerve.stages.common.configs import (
 )
 
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024  # when the profile has no transfer section
+DEFAULT_EMBED_BYTES_PER_TOKEN = 8 * 1024  # likewise: a 4096-wide bf16 embedding row (the encoder cache's charge)
 DEFAULT_GPU_KV_GB = 40.0                # KV budget of a gpu_memory_utilization-sized decode (no device to ask)
 
 

@@ -18,6 +18,9 @@ class SimRequest:
     media: str             # profile media label ("224x224", "8x112x112", "2s"; "" for text)
     text_tokens: int       # prompt tokens besides the media placeholders
     max_tokens: int        # output tokens (the simulator decodes all of them: EOS is not modelled)
+    content: str = ""      # its media's identity (the gateway's content hash); "": unique to it
+    tier: str = ""         # its SLO tier ("": the gateway's --slo-tier)
+    priority: str = ""     # its priority class ("": the gateway's --priority)
 
     def __post_init__(self) -> None:
         if not self.arrival_s >= 0:
@@ -50,6 +53,7 @@ def piecewise_poisson(segments: list[tuple[float, float]], seed: int = 0) -> lis
 class Req:
     """One request's state while it is simulated."""
     __slots__ = (
+        "admission",
         "at_gateway",
         "decode",
         "done",
@@ -58,6 +62,7 @@ class Req:
         "error_kind",
         "media_tokens",
         "prompt_tokens",
+        "slo",
         "spec",
         "stage",
         "tokens",
@@ -75,6 +80,8 @@ class Req:
         self.stage = None        # the instance holding it now (cancel(req) drops it there)
         self.decode = None       # the decode instance holding its reservation
         self.at_gateway = False
+        self.admission = None    # the gateway admission's Decision (with --profile)
+        self.slo: tuple[float, bool] | None = None  # (deadline, yields) the stages order it by
 
     def record(self) -> dict:
         """The fields of easerve.slo.RequestRecord.to_dict()."""

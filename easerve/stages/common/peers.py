@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from easerve.policy.placement import Candidate, LeastLoaded
+from easerve.policy.placement import POLL_S, Candidate, LeastLoaded
 from easerve.stages.common.peer_sources import PeerSource
 from easerve.rpc.errors import from_peer_error
 from easerve.errors import Overloaded, Unavailable
@@ -40,7 +40,6 @@ from easerve.transport.node import NodeIdentity, shm_probe
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
-POLL_S = 0.25
 DOWN_AFTER_TIMEOUTS = 3  # polls in a row that time out before a live instance counts as down
 READY_S = 3.0  # how long reach_of waits for a channel to an instance to connect
 

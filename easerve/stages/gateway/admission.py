@@ -12,7 +12,8 @@ and what it knows itself of the requests it admitted that have no first token ye
   and at least as many of them are overdue as the gateway counts (deadline passed, or yielding)
   beyond encode's overdue. Prefill's own answer is up to a poll old, and the encode instances
   send it work the gateway never sees sent.
-What is added to a stage is spread evenly over its instances.
+What is added to a stage is spread evenly over its instances (easerve/policy/gateway_state.py
+`live_state`, which the simulator's gateway calls too).
 
 `--admission reject` refuses a predicted miss with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose
 Retry-After is the decision's; `best-effort` lets it in marked best-effort. The predictor is
@@ -23,15 +24,14 @@ metrics and to a bounded list of records served at GET /trace.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import deque
 
 from easerve.errors import BadRequest, Overloaded
 from easerve.policy.admission import PRIORITIES, TIER_NAMES, Admission, Decision, TierLimits
 from easerve.policy.calibration import Calibration
 from easerve.policy.clock import Clock, MonotonicClock
-from easerve.policy.latency import DecodeState, EncodeState, LatencyPredictor, LiveState, PrefillState, RequestShape
-from easerve.policy.slo_order import can_meet
+from easerve.policy.gateway_state import Unserved, live_state, tier_limits
+from easerve.policy.latency import LatencyPredictor, LiveState, RequestShape
 from easerve.policy.service_model import ServiceModel
 from easerve.stages.gateway.job import Job
 
@@ -51,24 +51,6 @@ def checked_priority(value: str | None, where: str) -> str | None:
     return value
 
 
-@dataclass
-class _Unserved:
-    """An admitted request with no first token yet: its first stage, whether it was sent there,
-    and its place in the queues' deadline order (easerve/policy/slo_order.py)."""
-    stage: str
-    deadline: float
-    yields: bool
-    placed: bool = False
-
-    def overdue(self, now: float) -> bool:
-        return not can_meet((self.deadline, self.yields), now)
-
-
-def _share(n: int, instances: int) -> int:
-    """Each instance's part of `n` requests spread evenly (rounded up)."""
-    return -(-n // instances) if instances and n > 0 else 0
-
-
 class GatewayAdmission:
     def __init__(self, cfg, profile, enc, pre, dec, metrics, clock: Clock | None = None) -> None:
         self.cfg, self.profile, self.m = cfg, profile, metrics
@@ -78,7 +60,7 @@ class GatewayAdmission:
         self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, calibration),
                                 self.clock)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
-        self._unserved: dict[str, _Unserved] = {}  # admitted, no first token yet
+        self._unserved: dict[str, Unserved] = {}  # admitted, no first token yet
 
     @classmethod
     def of(cls, cfg, enc, pre, dec, metrics) -> GatewayAdmission | None:
@@ -94,33 +76,11 @@ class GatewayAdmission:
 
     # ---- the live state ------------------------------------------------------------------------
     def state(self) -> LiveState:
-        enc, pre, dec = self._enc.up_peers(), self._pre.up_peers(), self._dec.up_peers()
-        polled = [p.polled_at for p in (*enc, *pre, *dec) if p.polled_at > 0]
-        now, waiting = self.clock.now(), self._unserved.values()
-        count = Counter((u.stage, u.placed) for u in waiting)
-        enc_seen = [p.queued + p.sent_since_poll for p in enc]
-        enc_q = [q + _share(count["encode", False], len(enc)) for q in enc_seen]
-        pre_q = [p.queued + p.sent_since_poll for p in pre]
-        # sent with media and no longer in encode's count: past encode, so in prefill (or in its batch)
-        at_prefill = max(0, count["encode", True] - sum(enc_seen)) + count["prefill", True]
-        pre_more = _share(max(0, at_prefill - sum(pre_q)), len(pre)) + _share(count["prefill", False], len(pre))
-        overdue = sum(u.overdue(now) for u in waiting) - sum(p.overdue for p in enc)
-        pre_over = _share(max(0, overdue - sum(p.overdue for p in pre)), len(pre))
-        return LiveState(
-            min(polled) if polled else now,
-            tuple(EncodeState(q, self.cfg.admission_encode_batch, 0.0, p.recent_batch_s, p.recent_batch_size,
-                              min(p.overdue, q)) for p, q in zip(enc, enc_q)),
-            tuple(PrefillState(q + pre_more, self.cfg.admission_prefill_tokens, p.recent_batch_s,
-                               p.recent_batch_size, min(q + pre_more, p.overdue + pre_over))
-                  for p, q in zip(pre, pre_q)),
-            # decode: the reservations made since the poll will run (its own `queued` is what waits)
-            tuple(DecodeState(max(0, p.reported - p.queued) + p.sent_since_poll, p.queued, p.kv_free_tokens,
-                              p.recent_batch_s, p.recent_batch_size)
-                  for p in dec))
+        return live_state(self._enc.up_peers(), self._pre.up_peers(), self._dec.up_peers(), self._unserved.values(),
+                          self.clock.now(), self.cfg.admission_encode_batch, self.cfg.admission_prefill_tokens)
 
     def tier(self, name: str, modality: str) -> TierLimits:
-        ttft_ms, tpot_ms = self.profile.slo(name).limits(modality)
-        return TierLimits(ttft_ms / 1e3, tpot_ms / 1e3, name)
+        return tier_limits(self.profile, name, modality)
 
     # ---- per request ---------------------------------------------------------------------------
     def admit(self, job: Job, modality: str, prompt_tokens: int) -> Decision:
@@ -152,7 +112,7 @@ class GatewayAdmission:
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
         if d.action != "reject":
-            self._unserved[job.request_id] = _Unserved("encode" if shape.has_media else "prefill", d.deadline,
+            self._unserved[job.request_id] = Unserved("encode" if shape.has_media else "prefill", d.deadline,
                                                        d.yields)
         if d.action == "reject":
             raise Overloaded(f"request {job.request_id} is predicted to miss its SLO tier {tier.name!r} "
