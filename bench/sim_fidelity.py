@@ -14,7 +14,8 @@ monolith and bench/deployments/two-decode.yaml; audio: default and dynamo-like):
    warm-up; a fresh probe (`--probe-s` of lone requests, seed 500+: their median TTFT over the
    simulator's for the same request is the deployment's residual per-request delay
    `request_overhead_s`, fitted on those seeds and never on a cell's); in the first block the
-   live capacity: an open loop at 2x the simulated capacity for `--capacity-s`, completions per
+   live capacity: an open loop at 2x the larger of the simulated capacity and the throughput of
+   a closed loop of 16 in flight, for `--capacity-s`, completions per
    second in its steady window (first and last 15 % dropped); then the cells at 0.5x and 0.8x
    of that live capacity (at least `--cell-s` of arrivals and `--min-requests`), each with media
    of its own, and in the first block one overload cell at 1.5x, scored apart; a cell run while
@@ -68,7 +69,7 @@ DEPLOYMENTS = {"image": ("dynamo-like", "default", "colocated", "monolith", "ben
 QUICK_DEPLOYMENTS = ("default", "monolith")
 LOADS = (0.5, 0.8)
 OVERLOAD = 1.5
-CAPACITY_OVER_SIM = 2.0   # the capacity run's rate: this x the simulated capacity
+CAPACITY_OVER_SIM = 2.0   # the capacity run's rate: this x the larger of the simulated capacity and a live closed loop's
 CONTENT_SEED = 10_000     # + 100 x repeat + cell: each live run's media
 PROBE_SEED = 500
 STEAL_FLAG = 0.05
@@ -272,7 +273,12 @@ def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) ->
         if k == 0:
             st["overhead_s"] = block["probe"]["overhead_s"]
             mc = model_config(host_s, st["overhead_s"])
-            rate = CAPACITY_OVER_SIM * sim_capacity(d, profile, spec, slo, args, mc)
+            burst = asyncio.run(run_bench(BenchConfig(url=url, rate=1e6, num_requests=max(16, args.min_requests // 4),
+                                                      max_concurrency=16, seed=args.seed + 8, workload=spec,
+                                                      ignore_eos=True, progress=False, content_seed=CONTENT_SEED - 2)))
+            closed = burst.metrics["request_throughput"]
+            rate = CAPACITY_OVER_SIM * max(closed, sim_capacity(d, profile, spec, slo, args, mc))
+            block["closed_loop_rps"] = round(closed, 3)
             cap = config(spec, slo, rate, math.ceil(rate * args.capacity_s), args.seed + 7, url, CONTENT_SEED - 1)
             st["capacity_run"] = run_live(url, cap, run_dir / "capacity.json", args, False, stack)
             from easerve.slo import RequestRecord
