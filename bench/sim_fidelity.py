@@ -408,16 +408,18 @@ def main(argv=None) -> int:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         ctxs = {m: prepare(args, m) for m in args.modalities}
         state = {m: {} for m in args.modalities}
+        meta = {m: {"model": c["model"], "profile": c["profile_path"], "host": c["host"], "slo": c["slo"].to_dict(),
+                    "deployments": list(args.by_modality[m])} for m, c in ctxs.items()}
         for k in range(args.repeats):
             for m in args.modalities:
                 for name in args.by_modality[m]:
                     run_block(args, k, m, name, ctxs[m], state[m])
-        meta = {m: {"model": c["model"], "profile": c["profile_path"], "host": c["host"], "slo": c["slo"].to_dict(),
-                    "deployments": list(args.by_modality[m])} for m, c in ctxs.items()}
-        (args.out_dir / "run.json").write_text(json.dumps({"args": vars(args) | {"out_dir": str(args.out_dir)},
-                                                           "state": state, "meta": meta}, indent=1, default=str) + "\n")
+                    # after every block: a run cut short can still be scored (--resim)
+                    (args.out_dir / "run.json").write_text(json.dumps(
+                        {"args": vars(args) | {"out_dir": str(args.out_dir)}, "state": state, "meta": meta},
+                        indent=1, default=str) + "\n")
     per = {m: {deployment(n).name: score_deployment(args, m, n, ctxs[m], state[m][deployment(n).name])
-               for n in args.by_modality[m]} for m in state}
+               for n in args.by_modality[m] if state[m].get(deployment(n).name, {}).get("cells")} for m in state}
     replay = store.summarize_replay({f"{m}/{n}": s.pop("replay") for m, deps in per.items() for n, s in deps.items()})
     text = table(per)
     print(text)
