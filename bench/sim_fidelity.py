@@ -162,26 +162,15 @@ def workload(args, profile, modality: str) -> WorkloadSpec:
 
 
 def host_work(args, modality: str, spec: WorkloadSpec) -> dict:
-    """{"default": {...}, "monolith": {...}} of measure_host_work on the tiny checkpoint, cached in the run folder."""
-    from hasctl.launch import Stack
-    from hasctl.profile_host import measure_host_work
-    from hasctl.trials import stop_uninterrupted
+    """hasctl.profile_host.measure_stacks on the family's tiny checkpoint, cached in the run folder."""
+    from hasctl.profile_host import measure_stacks
     path = args.out_dir / f"host-{FAMILIES[modality]}.json"
     if path.is_file():
         say(f"[{modality}] reusing {path}")
         return json.loads(path.read_text())
     tiny = checkpoint(None, args.cache_dir, FAMILIES[modality], "tiny")
-    out = {}
+    out = measure_stacks(tiny, spec, args.out_dir / "host", requests=args.host_requests)
     for name in ("default", "monolith"):
-        stack = Stack(preset(name).with_model(tiny).with_gateway_ports(0, 0), run_dir=args.out_dir / "host" / name,
-                      env={"EASERVE_LOG_LEVEL": "WARNING"})
-        try:
-            stack.start(timeout=600)
-            asyncio.run(run_bench(BenchConfig(url=stack.endpoints.http, rate=4.0, num_requests=4, seed=99,
-                                              workload=spec, progress=False)))
-            out[name] = measure_host_work(stack, spec, requests=args.host_requests)
-        finally:
-            stop_uninterrupted(stack)
         say(f"[{modality}] host work per request ({name}, tiny checkpoint): "
             + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in out[name]["host_s"].items()))
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -189,13 +178,8 @@ def host_work(args, modality: str, spec: WorkloadSpec) -> dict:
 
 
 def host_s_of(d: Deployment, ctx: dict) -> tuple[tuple[str, float], ...]:
-    """The measured host work per stage; the gateway's less the profile's preprocessing time (the
-    simulator's gateway already spends that on its preprocessing threads)."""
-    src = dict(ctx["host"]["monolith" if d.monolith else "default"]["host_s"])
-    label = store.media_label(ctx["profile"], ctx["modality"])
-    pre = ctx["profile"].gateway_latency(ctx["modality"], label or None)
-    src["gateway"] = max(0.0, src.get("gateway", 0.0) - pre)
-    return tuple(sorted(src.items()))
+    from hasctl.profile_host import host_s_for
+    return host_s_for(ctx["host"], d, ctx["profile"], ctx["modality"])
 
 
 def model_config(host_s, overhead_s: float):

@@ -96,6 +96,13 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (median)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--host-work", default=None, metavar="OUT",
+                   help="also measure the stack's host CPU per request per stage process (default and monolith "
+                        "stacks on --host-work-model, hasctl/profile_host.py) into OUT, for hasctl simulate / tune "
+                        "--host-work")
+    p.add_argument("--host-work-model", default=None, metavar="DIR",
+                   help="checkpoint the host work is measured on (default: the tiny checkpoint of the model's "
+                        "family, whose compute is negligible)")
     p.add_argument("--roofline", action="store_true",
                    help="compute the profile from the model's config and --gpu's spec instead of measuring (measured: false)")
     p.add_argument("--gpu", default=None, help="with --roofline: a shipped device spec name or a SPEC.json "
@@ -140,6 +147,9 @@ def run(args) -> int:
           + (f"; encode {enc.backend} ({len(enc.shares)} share levels)" if enc else ""))
     for u in prof.unloaded:
         print(f"  unloaded {u.modality:<5} TTFT {u.ttft_s * 1e3:.1f} ms  TPOT {u.tpot_s * 1e3:.2f} ms")
+    if args.host_work:
+        from hasctl import profile_host
+        profile_host.run_cli(args, prof)
     return 0
 
 

@@ -82,3 +82,82 @@ def measure_host_work(stack, spec, requests: int = 40, concurrency: int = 4, idl
     return {"host_s": {s: round(v, 6) for s, v in per_stage(cpu, idle, wall, done).items()},
             "idle_core_s_per_s": {n: round(v, 4) for n, v in idle.items()},
             "requests": requests, "completed": done, "concurrency": concurrency, "wall_s": round(wall, 2)}
+
+
+# ---- the file `hasctl profile --host-work` writes, and what the simulator takes from it -------------
+PRESETS_MEASURED = ("default", "monolith")  # E/P/D stages, and a monolith process
+
+
+def measure_stacks(model: str, spec, run_dir: Path, requests: int = 40, concurrency: int = 4) -> dict:
+    """{"default": measure_host_work(...), "monolith": ...}: each preset started on `model`,
+    warmed up with a few requests, measured, stopped."""
+    from hasctl.bench import BenchConfig, run_bench
+    from hasctl.deployment import preset
+    from hasctl.launch import Stack
+    import dataclasses
+    out: dict = {"model": model, "workload": dataclasses.asdict(spec)}
+    for name in PRESETS_MEASURED:
+        stack = Stack(preset(name).with_model(model).with_gateway_ports(0, 0), run_dir=Path(run_dir) / name,
+                      env={"EASERVE_LOG_LEVEL": "WARNING"})
+        try:
+            stack.start(timeout=600)
+            asyncio.run(run_bench(BenchConfig(url=stack.endpoints.http, rate=4.0, num_requests=4, seed=99,
+                                              workload=spec, progress=False)))
+            out[name] = measure_host_work(stack, spec, requests=requests, concurrency=concurrency)
+        finally:
+            stack.stop()
+    return out
+
+
+def host_s_for(doc: dict, deployment, profile, modality: str) -> tuple[tuple[str, float], ...]:
+    """`ModelConfig.host_s` of `deployment` from a host-work file: a monolith takes the monolith
+    preset's stages, any other deployment the default preset's; the gateway's less the profile's
+    preprocessing time for the modality's reference media (the simulator's gateway already
+    spends that on its preprocessing threads)."""
+    missing = [k for k in PRESETS_MEASURED if k not in doc]
+    if missing:
+        raise ValueError(f"the host-work file lacks {missing}; re-run hasctl profile --host-work")
+    src = dict(doc["monolith" if deployment.monolith else "default"]["host_s"])
+    enc = profile.encode
+    label = next((p.media for p in enc.by_size if p.modality == modality), "") if enc else ""
+    src["gateway"] = max(0.0, src.get("gateway", 0.0) - profile.gateway_latency(modality, label or None))
+    return tuple(sorted(src.items()))
+
+
+def load(path: str | Path) -> dict:
+    import json
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--host-work {path}: cannot read it ({e}); write one with hasctl profile --host-work") from None
+
+
+def spec_for(profile, output_tokens: int = 32):
+    """The WorkloadSpec of the profile's reference media (its first modality's first size)."""
+    from hasctl.workload import WorkloadSpec
+    enc = profile.encode
+    point = enc.by_size[0] if enc and enc.by_size else None
+    if point is None:
+        return WorkloadSpec(modality="text", output_tokens=output_tokens)
+    if point.modality == "image":
+        w, h = (int(x) for x in point.media.split("x"))
+        return WorkloadSpec(modality="image", image_size=(w, h), output_tokens=output_tokens)
+    if point.modality == "video":
+        f, w, h = (int(x) for x in point.media.split("x"))
+        return WorkloadSpec(modality="video", video_frames=f, video_size=(w, h), output_tokens=output_tokens)
+    return WorkloadSpec(modality="audio", audio_s=float(point.media.rstrip("s")), output_tokens=output_tokens)
+
+
+def run_cli(args, profile) -> None:
+    """`hasctl profile --host-work OUT`: measure_stacks on --host-work-model (default: the tiny
+    checkpoint of the profiled model's family, built beside OUT) and write OUT."""
+    import json
+    model = args.host_work_model
+    if model is None:
+        from easerve.models.tiny import cached_tiny
+        model = str(cached_tiny(profile.model.family, Path(args.host_work).parent / "tiny"))
+    doc = measure_stacks(model, spec_for(profile), Path(args.host_work).parent / "host-work-run")
+    Path(args.host_work).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.host_work}: host CPU per request, default: "
+          + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in doc["default"]["host_s"].items())
+          + "; monolith: " + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in doc["monolith"]["host_s"].items()))

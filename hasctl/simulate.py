@@ -121,6 +121,8 @@ def add_parser(sub) -> None:
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="what the live stack adds to each request outside the profiled calls (HTTP, gRPC hops): "
                         "a delay before the gateway takes it (bench/sim_fidelity.py measures it per stack)")
+    p.add_argument("--host-work", default=None, metavar="FILE",
+                   help="host CPU per request per stage (hasctl profile --host-work), charged as core time")
     p.add_argument("--label", default="", help="name recorded for hasctl report (default: the deployment's)")
     p.add_argument("--trace", default=None, help="encode utilization traces (default: OUT with .trace.json)")
     p.add_argument("--out", required=True, help="result JSON (hasctl bench's fields)")
@@ -135,7 +137,12 @@ def run(args) -> int:
     d = Deployment.load(args.deployment) if args.deployment else preset(args.preset)
     config = bench_config(args, slo_from_args(args), args.label or d.name)
     extra = [load(p) for p in args.tp_profile]
-    bench, result = run_simulation(d, profile, config, ModelConfig(args.devices_per_host, request_overhead_s=args.request_overhead_ms / 1e3), extra)
+    host_s = ()
+    if args.host_work:
+        from hasctl import profile_host
+        host_s = profile_host.host_s_for(profile_host.load(args.host_work), d, profile, config.workload.modality)
+    model = ModelConfig(args.devices_per_host, request_overhead_s=args.request_overhead_ms / 1e3, host_s=host_s)
+    bench, result = run_simulation(d, profile, config, model, extra)
     doc = bench.to_dict()
     doc["endpoint"] = ENDPOINT
     doc["simulated"] = {"profile": str(args.profile), "tp_profiles": list(args.tp_profile),

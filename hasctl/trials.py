@@ -44,6 +44,7 @@ class TuneConfig:
     ignore_eos: bool = False  # every request decodes its full output_tokens (as vllm bench serve --ignore-eos)
     evaluator: str = "live"   # live: real launches; sim: the discrete-event simulator on a profile
     sim_min_duration_s: float = SIM_MIN_DURATION_S  # a simulated trial's arrivals last at least this long
+    host_work: str = ""       # sim: a host-work file (hasctl profile --host-work) charged as core time
 
     def __post_init__(self) -> None:
         if self.evaluator not in EVALUATORS:
@@ -200,8 +201,14 @@ def evaluate_sim(d: Deployment, cfg: TuneConfig, profile) -> dict:
     from hasctl.simulate import run_simulation
     bench = BenchConfig(url="http://simulated.invalid", rate=cfg.rate, num_requests=cfg.sim_requests, seed=cfg.seed,
                         workload=cfg.workload, slo=cfg.slo, ignore_eos=cfg.ignore_eos, label=d.name, progress=False)
+    model = None
+    if cfg.host_work:
+        from easerve.policy.service_model import ModelConfig
+        from hasctl import profile_host
+        model = ModelConfig(host_s=profile_host.host_s_for(profile_host.load(cfg.host_work), d, profile,
+                                                           cfg.workload.modality))
     try:
-        result, sim = run_simulation(d, profile, bench)
+        result, sim = run_simulation(d, profile, bench, model)
     except ValueError as e:
         raise TrialFailed(f"the simulator cannot run it: {e}") from None
     return {**result.metrics, "sim_seconds_per_wall_second": sim.speed}

@@ -58,6 +58,8 @@ def add_parser(sub) -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--slo", default=None, choices=["tight", "moderate", "loose"], help="tier from --profile")
     p.add_argument("--profile", default=None, help="profile file: SLO tiers, and screening of allocations")
+    p.add_argument("--host-work", default=None, metavar="FILE",
+                   help="with --evaluator sim: host CPU per request per stage (hasctl profile --host-work)")
     p.add_argument("--ttft-ms", type=float, default=None)
     p.add_argument("--tpot-ms", type=float, default=None)
     p.add_argument("--cores", default=None, help="CPU cores to place stages on, e.g. 0-3 or 0,2 "
@@ -148,7 +150,7 @@ def config_from_args(args, run_dir: str) -> TuneConfig:
                       warmup=args.warmup, seed=0 if args.seed is None else args.seed, workload=spec,
                       startup_timeout_s=args.startup_timeout, bench_timeout_s=args.bench_timeout, run_dir=run_dir,
                       ignore_eos=args.ignore_eos, evaluator=args.evaluator,
-                      sim_min_duration_s=args.sim_min_duration_s)
+                      sim_min_duration_s=args.sim_min_duration_s, host_work=args.host_work or "")
 
 
 def _prescreen_k(text: str | None) -> int | None:
