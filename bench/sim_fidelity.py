@@ -153,8 +153,7 @@ def profile_of(args, model: str, modality: str):
 
 
 def workload(args, profile, modality: str) -> WorkloadSpec:
-    enc = profile.encode
-    size = next((p.media for p in enc.by_size if p.modality == modality), None) if enc else None
+    size = store.media_label(profile, modality)
     if modality == "image":
         w, h = (int(x) for x in (size or "224x224").split("x"))
         return WorkloadSpec(modality="image", image_size=(w, h), output_tokens=args.output_tokens)
@@ -237,6 +236,22 @@ def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -
     return {"file": path.name, "steal": round(steal, 4), "flagged": steal > STEAL_FLAG}
 
 
+def live_capacity(url: str, d, profile, spec, slo, args, mc, path: Path, stack) -> dict:
+    """The live capacity of the stack at `url`: an open loop at CAPACITY_OVER_SIM x the larger of
+    the simulated capacity and a closed loop's throughput (16 in flight), for --capacity-s,
+    completions per second in its steady window; the run is kept at `path`."""
+    from easerve.slo import RequestRecord
+    burst = asyncio.run(run_bench(BenchConfig(url=url, rate=1e6, num_requests=max(16, args.min_requests // 4),
+                                              max_concurrency=16, seed=args.seed + 8, workload=spec,
+                                              ignore_eos=True, progress=False, content_seed=CONTENT_SEED - 2)))
+    closed = burst.metrics["request_throughput"]
+    rate = CAPACITY_OVER_SIM * max(closed, sim_capacity(d, profile, spec, slo, args, mc))
+    cap = config(spec, slo, rate, math.ceil(rate * args.capacity_s), args.seed + 7, url, CONTENT_SEED - 1)
+    run = run_live(url, cap, path, args, False, stack)
+    recs = [RequestRecord.from_dict(r) for r in json.loads(path.read_text())["records"]]
+    return {"closed": round(closed, 3), "rate": rate, "run": run, "capacity": fs.steady_capacity(recs)}
+
+
 def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) -> None:
     """Repeat k of one deployment on a fresh stack (see the module docstring, step 2)."""
     from hasctl.launch import Stack
@@ -257,18 +272,9 @@ def run_block(args, k: int, modality: str, name: str, ctx: dict, state: dict) ->
         if k == 0:
             st["overhead_s"] = block["probe"]["overhead_s"]
             mc = model_config(host_s, st["overhead_s"])
-            burst = asyncio.run(run_bench(BenchConfig(url=url, rate=1e6, num_requests=max(16, args.min_requests // 4),
-                                                      max_concurrency=16, seed=args.seed + 8, workload=spec,
-                                                      ignore_eos=True, progress=False, content_seed=CONTENT_SEED - 2)))
-            closed = burst.metrics["request_throughput"]
-            rate = CAPACITY_OVER_SIM * max(closed, sim_capacity(d, profile, spec, slo, args, mc))
-            block["closed_loop_rps"] = round(closed, 3)
-            cap = config(spec, slo, rate, math.ceil(rate * args.capacity_s), args.seed + 7, url, CONTENT_SEED - 1)
-            st["capacity_run"] = run_live(url, cap, run_dir / "capacity.json", args, False, stack)
-            from easerve.slo import RequestRecord
-            recs = [RequestRecord.from_dict(r) for r in json.loads((run_dir / "capacity.json").read_text())["records"]]
-            st["live_capacity"] = fs.steady_capacity(recs)
-            say(f"  {d.name}: live capacity {st['live_capacity']:.3f} req/s (open loop at {rate:.2f})")
+            cap = live_capacity(url, d, profile, spec, slo, args, mc, run_dir / "capacity.json", stack)
+            block["closed_loop_rps"], st["capacity_run"], st["live_capacity"] = cap["closed"], cap["run"], cap["capacity"]
+            say(f"  {d.name}: live capacity {cap['capacity']:.3f} req/s (open loop at {cap['rate']:.2f})")
         loads = LOADS + ((OVERLOAD,) if k == 0 else ())
         for j, load in enumerate(loads):
             rate = round(load * st["live_capacity"], 4)
@@ -343,8 +349,7 @@ def summarize(per: dict, replay: dict) -> dict:
     replay_err = replay.get("replay_ttft_p50_err_median")
     return {
         "capacity_bias_max": max((abs(v) for v in caps.values()), default=None), "capacity_bias": caps,
-        "coverage": coverage, "bias_median": fs.median_abs([c["bias"] for c in normal]) and round(
-            statistics.median(c["bias"] for c in normal), 4),
+        "coverage": coverage, "bias_median": round(statistics.median(c["bias"] for c in normal), 4) if normal else None,
         "excess_median": fs.median_abs([c["excess"] for c in normal]),
         "service_time_err_median": service, "replay_ttft_p50_err_median": replay_err,
         "rank_agreement_separable": round(agree / total, 4) if total else None, "separable_pairs": total,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench import fidelity_replay as fr
 from hasctl.bench import BenchConfig
+from hasctl.profile_host import media_label
 from hasctl.workload import WorkloadSpec
 
 
@@ -31,11 +32,6 @@ def spans_to_json(spans: dict) -> dict:
 
 def spans_from_json(doc: dict) -> dict:
     return {name: [fr.Span(**s) for s in ss] for name, ss in doc.items()}
-
-
-def media_label(profile, modality: str) -> str:
-    enc = profile.encode
-    return next((p.media for p in enc.by_size if p.modality == modality), "") if enc else ""
 
 
 def load_run(args) -> tuple[dict, dict]:

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench import fidelity_score as fs  # noqa: E402
 from bench import sim_fidelity as sf  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
 
@@ -42,8 +40,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from easerve.slo import RequestRecord
-    from hasctl.bench import BenchConfig, run_bench
+    from hasctl.bench import run_bench
     from hasctl.deployment import Deployment
     from hasctl.launch import Stack
     from hasctl.trials import stop_uninterrupted
@@ -80,17 +77,10 @@ def main(argv=None) -> int:
         stack.start(timeout=600)
         url = stack.endpoints.http
         asyncio.run(run_bench(sf.config(spec, slo, 4.0, 3, args.seed + 999, url)))
-        burst = asyncio.run(run_bench(BenchConfig(url=url, rate=1e6, num_requests=37, max_concurrency=16,
-                                                  seed=args.seed + 8, workload=spec, ignore_eos=True,
-                                                  progress=False, content_seed=sf.CONTENT_SEED - 2)))
         ctx = {"host": meta["host"], "profile": profile, "modality": args.modality}
         mc = sf.model_config(sf.host_s_of(d, ctx), 0.0)
-        sim_cap = sf.sim_capacity(d, profile, spec, slo, argparse.Namespace(min_requests=150, seed=args.seed), mc)
-        rate = sf.CAPACITY_OVER_SIM * max(burst.metrics["request_throughput"], sim_cap)
-        cap = sf.config(spec, slo, rate, math.ceil(rate * args.capacity_s), args.seed + 7, url, sf.CONTENT_SEED - 1)
-        res = asyncio.run(run_bench(cap))
-        (run / "pick" / "capacity.json").write_text(res.to_json())
-        picked = fs.steady_capacity([RequestRecord.from_dict(r) for r in json.loads(res.to_json())["records"]])
+        how = argparse.Namespace(min_requests=150, seed=args.seed, capacity_s=args.capacity_s)
+        picked = sf.live_capacity(url, d, profile, spec, slo, how, mc, run / "pick" / "capacity.json", stack)["capacity"]
     finally:
         stop_uninterrupted(stack)
     result = {"picked": d.to_dict(), "picked_live_capacity": round(picked, 4), "best": best_name,

@@ -109,6 +109,12 @@ def measure_stacks(model: str, spec, run_dir: Path, requests: int = 40, concurre
     return out
 
 
+def media_label(profile, modality: str) -> str:
+    """The profile's reference media size of `modality` (its first by_size point), "" when it has none."""
+    enc = profile.encode
+    return next((p.media for p in enc.by_size if p.modality == modality), "") if enc else ""
+
+
 def host_s_for(doc: dict, deployment, profile, modality: str) -> tuple[tuple[str, float], ...]:
     """`ModelConfig.host_s` of `deployment` from a host-work file: a monolith takes the monolith
     preset's stages, any other deployment the default preset's; the gateway's less the profile's
@@ -118,8 +124,7 @@ def host_s_for(doc: dict, deployment, profile, modality: str) -> tuple[tuple[str
     if missing:
         raise ValueError(f"the host-work file lacks {missing}; re-run hasctl profile --host-work")
     src = dict(doc["monolith" if deployment.monolith else "default"]["host_s"])
-    enc = profile.encode
-    label = next((p.media for p in enc.by_size if p.modality == modality), "") if enc else ""
+    label = media_label(profile, modality)
     src["gateway"] = max(0.0, src.get("gateway", 0.0) - profile.gateway_latency(modality, label or None))
     return tuple(sorted(src.items()))
 

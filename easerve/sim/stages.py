@@ -197,11 +197,9 @@ class PrefillWorker:
         if req.done:
             return
         cfg = self.sim.model.config
-        if self.host is None:
-            work = cfg.host_of("prefill")
-        elif self.host.stage == "monolith":  # a monolith charges its request once: at encode, or here for text
+        if self.host is not None and self.host.stage == "monolith":  # charged once: at encode, or here for text
             work = 0.0 if req.spec.has_media else cfg.host_of("monolith")
-        else:  # prefill co-located in an encode process
+        else:  # a prefill process, or the prefill co-located in an encode process
             work = cfg.host_of("prefill")
         self.hostw.run(work, lambda: self._queue(req))
 
