@@ -26,10 +26,10 @@ UNTRACKED_PREFIXES = ("/grpc.health.v1.Health/", "/easerve.v1.Stage/", "/grpc.re
 
 
 class _Call:
-    __slots__ = ("task", "cut")
+    __slots__ = ("task", "cut", "answered")
 
     def __init__(self, task: asyncio.Task | None):
-        self.task, self.cut = task, False
+        self.task, self.cut, self.answered = task, False, False
 
 
 class Drain(grpc.aio.ServerInterceptor):
@@ -41,6 +41,7 @@ class Drain(grpc.aio.ServerInterceptor):
         self._open: set[_Call] = set()
         self._changed = asyncio.Event()
         self._reason = ""
+        self.answered = 0  # accepted calls that answered: a unary's response, a stream's first message
 
     @property
     def inflight(self) -> int:
@@ -83,6 +84,7 @@ class Drain(grpc.aio.ServerInterceptor):
 
     def _exit(self, c: _Call) -> None:
         self._open.discard(c)
+        self.answered += c.answered
         self._changed.set()
 
     async def _cut_off(self, c: _Call, context) -> None:
@@ -100,7 +102,9 @@ def _guard_unary(behavior, drain: Drain, refuse: bool):
             await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
         c = drain._enter()
         try:
-            return await behavior(request_or_iterator, context)
+            result = await behavior(request_or_iterator, context)
+            c.answered = True
+            return result
         except asyncio.CancelledError:
             if not c.cut:  # the caller went away (or the server stopped)
                 raise
@@ -117,6 +121,7 @@ def _guard_stream(behavior, drain: Drain, refuse: bool):
         c = drain._enter()
         try:
             async for item in behavior(request_or_iterator, context):
+                c.answered = True  # its caller may end the stream once it has what it needs
                 yield item
         except asyncio.CancelledError:
             if not c.cut:  # the caller went away (or the server stopped)

@@ -200,6 +200,7 @@ async def _warm(warmup: Callable[[], Awaitable[None]] | None, stop: asyncio.Even
 
 async def _drain(server: grpc.aio.Server, health_servicer, drain: Drain, bound_s: float, grace_s: float,
                  settle: Callable[[], Awaitable[None]] | None = None) -> None:
+    answered = drain.answered  # counted from here: the calls the line below reports
     log.info("draining: NOT_SERVING, new calls refused; waiting for %d accepted call(s), up to %.0f s",
              drain.inflight, bound_s)
     await health_servicer.enter_graceful_shutdown()
@@ -211,7 +212,8 @@ async def _drain(server: grpc.aio.Server, health_servicer, drain: Drain, bound_s
         await drain.idle()
     try:
         await asyncio.wait_for(settled(), bound_s)
-        log.info("settled: the work accepted before the drain is done")
+        log.info("settled: the work accepted before the drain is done (%d call(s) answered while draining)",
+                 drain.answered - answered)
     except asyncio.TimeoutError:
         n = drain.cut(f"this instance stopped after draining for {bound_s:.0f} s (--drain-timeout-s); "
                       "retry the call on another instance")
