@@ -2,7 +2,9 @@
 CPU cores, each stage's reference call timed alone and while k other processes compute on the
 same cores, k = 1 .. max_busy, for each kind of neighbour (encode, prefill, decode).
 
-A neighbour is `python -m hasctl.profile_sharing MODEL THREADS KIND PLAN`: a process of its own (its
+The measuring process is `python -m hasctl.profile_sharing measure MODEL THREADS MAX_BUSY CORES PLAN`,
+started with SHARED_CORES_ENV (hasctl/deployment.py), the environment of the stages that share
+cores. A neighbour is `python -m hasctl.profile_sharing MODEL THREADS KIND PLAN`: a process of its own (its
 own interpreter and torch thread pool, as a stage's), on the cores it inherits, that loads the
 checkpoint, prints "ready" and runs KIND's reference call in a loop until it is terminated.
 The reference calls (`reference_calls`): encode of one item of the reference media, prefill of
@@ -11,15 +13,20 @@ context. The slowdown of a point is the median call while k neighbours run over 
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import select
 import subprocess
 import sys
 from collections.abc import Callable
 
 from easerve import profile_format as pf
+from hasctl.deployment import SHARED_CORES_ENV
 from hasctl.profile_measure import Profiler
 from hasctl.profile_plan import QUICK, Plan, reference_size
 
+log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 DECODE_BATCH = 4
 DECODE_STEPS = 4     # decode steps per timed call
@@ -62,9 +69,39 @@ def decode_call(prof: Profiler, batch: int, ctx: int) -> Callable[[], object]:
 
 
 def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, quick: bool = False) -> list[pf.SharingPoint]:
-    """Every stage's reference call with k = 1 .. max_busy neighbours of each kind on these cores."""
+    """Every stage's reference call with k = 1 .. max_busy neighbours of each kind on these cores,
+    measured in a process of its own started with SHARED_CORES_ENV, as are its neighbours: the
+    stages that share cores run with it (OpenMP threads that sleep at a barrier), and this
+    process's own thread pool started without it. Spinning threads measure another machine:
+    on 2 cores with the bench-scale checkpoint one neighbour slowed prefill 2.8x spinning and
+    1.7x sleeping, two neighbours 7.7x and 2.2x."""
     if prof.device.startswith("cuda") or max_busy < 1:
         return []
+    env = {**os.environ, **dict(SHARED_CORES_ENV)}
+    p = subprocess.Popen([sys.executable, "-m", "hasctl.profile_sharing", "measure", prof.model, str(threads),
+                          str(max_busy), str(cores), "quick" if quick else "full"],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+    points = None
+    for line in p.stdout:
+        if line.startswith("tick "):
+            prof.tick(line[5:].strip())
+        elif line.startswith("env "):
+            log.info("sharing measured with %s", line[4:].strip())
+        elif line.startswith("points "):
+            points = json.loads(line[7:])
+    if p.wait() != 0 or points is None:
+        raise RuntimeError(f"the sharing measurement failed (exit {p.returncode}); its error is above")
+    return [pf.SharingPoint(**x) for x in points]
+
+
+def measure_here(model: str, threads: int, max_busy: int, cores: int, plan: str) -> None:
+    """The body of `measure_sharing`, in the process it starts: prints "tick WHAT" lines and,
+    last, "points JSON"."""
+    import torch
+    torch.set_num_threads(threads)
+    print("env " + " ".join(f"{k}={os.environ.get(k, '')}" for k, _ in SHARED_CORES_ENV), flush=True)
+    quick = plan == "quick"
+    prof = Profiler(model, "cpu", QUICK if quick else Plan())
     calls = reference_calls(prof)
     alone = {stage: prof.timed(fn) for stage, fn in calls.items()}
     out = []
@@ -72,10 +109,11 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
         procs: list[subprocess.Popen] = []
         try:
             for k in range(1, max_busy + 1):
-                procs.append(start_neighbour(prof.model, threads, kind, quick))
+                procs.append(start_neighbour(model, threads, kind, quick))
                 for stage, fn in calls.items():
-                    out.append(pf.SharingPoint(stage, kind, k, max(1.0, prof.timed(fn) / alone[stage]), cores))
-                prof.tick(f"sharing {kind} x{k}")
+                    out.append(dict(stage=stage, by=kind, busy=k, slowdown=max(1.0, prof.timed(fn) / alone[stage]),
+                                    cores=cores))
+                print(f"tick sharing {kind} x{k}", flush=True)
         finally:
             for p in procs:
                 p.terminate()
@@ -85,7 +123,7 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    return out
+    print("points " + json.dumps(out), flush=True)
 
 
 def start_neighbour(model: str, threads: int, kind: str, quick: bool) -> subprocess.Popen:
@@ -102,8 +140,6 @@ def start_neighbour(model: str, threads: int, kind: str, quick: bool) -> subproc
 
 
 def neighbour(model: str, threads: int, kind: str, plan: str) -> None:
-    import os
-
     import torch
 
     parent = os.getppid()
@@ -117,4 +153,7 @@ def neighbour(model: str, threads: int, kind: str, plan: str) -> None:
 
 
 if __name__ == "__main__":
-    neighbour(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "measure":
+        measure_here(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        neighbour(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -65,3 +65,25 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
                  "--slo", "loose", "--image-size", "56x56", "--out", str(sim_out)]) == 0
     sim = json.loads(sim_out.read_text())
     assert sim["completed"] == 20 and sim["endpoint"] == "simulated" and sim["median_ttft_ms"] > 0
+
+
+@pytest.mark.slow
+def test_the_sharing_curve_is_measured_as_stages_that_share_cores_run(tiny_root, caplog):
+    """The timed process and its neighbours run with SHARED_CORES_ENV (OpenMP threads that sleep
+    at a barrier), the environment the launcher gives stages that share cores; this process's
+    own thread pool, started without it, does not time the curve."""
+    import logging
+
+    from hasctl.deployment import SHARED_CORES_ENV
+    from hasctl.profile_measure import Profiler
+    from hasctl.profile_plan import QUICK
+    from hasctl.profile_sharing import measure_sharing
+
+    prof = Profiler(str(cached_tiny("qwen2.5-vl", tiny_root)), "cpu", QUICK)
+    with caplog.at_level(logging.INFO, "hasctl.profile_sharing"):
+        points = measure_sharing(prof, 1, 1, 1, quick=True)
+    assert dict(SHARED_CORES_ENV) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert "sharing measured with OMP_WAIT_POLICY=PASSIVE" in caplog.text, caplog.text
+    stages = ("encode", "prefill", "decode")
+    assert sorted((x.stage, x.by, x.busy) for x in points) == sorted((s, b, 1) for s in stages for b in stages)
+    assert all(x.slowdown >= 1.0 and x.cores == 1 for x in points)
