@@ -73,8 +73,7 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
     measured in a process of its own started with SHARED_CORES_ENV, as are its neighbours: the
     stages that share cores run with it (OpenMP threads that sleep at a barrier), and this
     process's own thread pool started without it. Spinning threads measure another machine:
-    on 2 cores with the bench-scale checkpoint one neighbour slowed prefill 2.8x spinning and
-    1.7x sleeping, two neighbours 7.7x and 2.2x."""
+    bench/sharing_env.py (bench/results/sharing_env/) has both curves side by side."""
     if prof.device.startswith("cuda") or max_busy < 1:
         return []
     env = {**os.environ, **dict(SHARED_CORES_ENV)}
