@@ -13,10 +13,8 @@ checkpoint, and prints each point's median slowdown per policy.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,19 +24,10 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import results  # noqa: E402
 from bench.harness.checkpoint import checkpoint  # noqa: E402
 from hasctl.deployment import SHARED_CORES_ENV  # noqa: E402
+from hasctl.profile_sharing import run_measurement  # noqa: E402
 
+# measured by the profiler's own code (hasctl.profile_sharing.run_measurement) under each environment
 POLICIES = {"default": {}, "shared_cores_env": dict(SHARED_CORES_ENV)}  # default: libgomp's (threads spin)
-
-
-def curve(model: str, threads: int, max_busy: int, quick: bool, env: dict[str, str]) -> list[dict]:
-    """One measurement by the profiler's own code (hasctl.profile_sharing.measure_here), in a
-    process of its own whose neighbours inherit `env`."""
-    cores = len(os.sched_getaffinity(0))
-    p = subprocess.run([sys.executable, "-m", "hasctl.profile_sharing", "measure", model, str(threads),
-                        str(max_busy), str(cores), "quick" if quick else "full"],
-                       env={**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, **env}, capture_output=True, text=True, cwd=ROOT, check=True)
-    line = next(x for x in p.stdout.splitlines() if x.startswith("points "))
-    return json.loads(line[len("points "):])
 
 
 def main(argv=None) -> int:
@@ -53,11 +42,11 @@ def main(argv=None) -> int:
         args.rounds, args.max_busy = 1, 1
     model = checkpoint(None, args.cache_dir, scale="tiny" if args.quick else "bench")
     import torch
-    threads = torch.get_num_threads()
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
     runs: dict[str, list[list[dict]]] = {k: [] for k in POLICIES}
     for r in range(args.rounds):
         for name, env in POLICIES.items():
-            runs[name].append(curve(model, threads, args.max_busy, args.quick, env))
+            runs[name].append(run_measurement(model, threads, args.max_busy, cores, args.quick, env))
             print(f"round {r} {name} done", file=sys.stderr, flush=True)
     table: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
@@ -67,7 +56,7 @@ def main(argv=None) -> int:
                 by.setdefault(f"{p['stage']}|{p['by']}x{p['busy']}", []).append(p["slowdown"])
         table[name] = {k: round(statistics.median(v), 2) for k, v in sorted(by.items())}
     ratio = {k: round(table["default"][k] / table["shared_cores_env"][k], 2) for k in table["default"]}
-    result = {"threads": threads, "cores": len(os.sched_getaffinity(0)), "rounds": args.rounds,
+    result = {"threads": threads, "cores": cores, "rounds": args.rounds,
               "slowdown": table, "default_over_shared_cores_env": ratio,
               "default_over_shared_cores_env_median": round(statistics.median(ratio.values()), 2)}
     results.finish("sharing_env", args, result)

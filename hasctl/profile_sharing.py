@@ -76,25 +76,34 @@ def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, qui
     bench/sharing_env.py (bench/results/sharing_env/) has both curves side by side."""
     if prof.device.startswith("cuda") or max_busy < 1:
         return []
-    env = {**os.environ, **dict(SHARED_CORES_ENV)}
-    p = subprocess.Popen([sys.executable, "-m", "hasctl.profile_sharing", "measure", prof.model, str(threads),
+    points = run_measurement(prof.model, threads, max_busy, cores, quick, dict(SHARED_CORES_ENV), prof.tick)
+    return [pf.SharingPoint(**x) for x in points]
+
+
+def run_measurement(model: str, threads: int, max_busy: int, cores: int, quick: bool, env: dict[str, str],
+                    tick: Callable[[str], None] | None = None) -> list[dict]:
+    """`measure_here` in a process of its own whose environment is this one's without the
+    SHARED_CORES_ENV variables, plus `env` (its neighbours inherit it); its points as dicts."""
+    env = {**{k: v for k, v in os.environ.items() if k not in dict(SHARED_CORES_ENV)}, **env}
+    p = subprocess.Popen([sys.executable, "-m", "hasctl.profile_sharing", "measure", model, str(threads),
                           str(max_busy), str(cores), "quick" if quick else "full"],
                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
     points = None
     for line in p.stdout:
         if line.startswith("tick "):
-            prof.tick(line[5:].strip())
+            if tick is not None:
+                tick(line[5:].strip())
         elif line.startswith("env "):
             log.info("sharing measured with %s", line[4:].strip())
         elif line.startswith("points "):
             points = json.loads(line[7:])
     if p.wait() != 0 or points is None:
         raise RuntimeError(f"the sharing measurement failed (exit {p.returncode}); its error is above")
-    return [pf.SharingPoint(**x) for x in points]
+    return points
 
 
 def measure_here(model: str, threads: int, max_busy: int, cores: int, plan: str) -> None:
-    """The body of `measure_sharing`, in the process it starts: prints "tick WHAT" lines and,
+    """The body of `run_measurement`, in the process it starts: prints "tick WHAT" lines and,
     last, "points JSON"."""
     import torch
     torch.set_num_threads(threads)
