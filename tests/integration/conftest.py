@@ -1,20 +1,12 @@
 """Real stacks of real processes on 127.0.0.1 free ports, started once per session."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
 from tests.support.multi_stack import start_multi
-
-
-@pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory):
-    root = os.environ.get("EASERVE_TINY_CACHE")
-    return root or str(tmp_path_factory.mktemp("tiny"))
 
 
 def _stack(model: str, preset_name: str, **stage_flags) -> Stack:

@@ -26,7 +26,7 @@ from easerve import profile_format as pf
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
 from tests.support.media import png_bytes
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 pytestmark = pytest.mark.slow
 ONE = {"threads": 1}

@@ -22,7 +22,7 @@ from hasctl.autoscale import Autoscaler, counts_file
 from hasctl.deployment import preset
 from hasctl.launch import Stack
 from tests.support.client_load import ClientLoad
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # ~2 min: with the long load tests (.ci/run)
 RUN_DIR = Path(os.environ["EASERVE_TEST_RUN_DIR"]) if os.environ.get("EASERVE_TEST_RUN_DIR") else None  # keep the logs

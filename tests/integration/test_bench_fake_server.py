@@ -1,5 +1,5 @@
 """`hasctl bench` against a real fake OpenAI server process whose delays are known and recorded
-on the server's own clock (tests/fake_openai.py).
+on the server's own clock (tests/support/fake_openai.py).
 
 Tolerances (client-side minus server-side, the gap being localhost transit and event-loop
 wake-ups on a shared 2-core machine): TTFT within 15 ms on average and 100 ms for any one
@@ -22,7 +22,7 @@ import pytest
 
 from hasctl.cli import main
 from hasctl.workload import WorkloadSpec, synthesize
-from tests.fake_openai import request_class
+from tests.support.fake_openai import request_class
 
 ROOT = Path(__file__).resolve().parents[2]
 N, TOKENS = 60, 10
@@ -30,7 +30,7 @@ N, TOKENS = 60, 10
 
 @pytest.fixture()
 def fake_server():
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fake_openai"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PORT "), line

@@ -20,7 +20,7 @@ from easerve import Client
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 from tests.support.procs import gone
 
 pytestmark = pytest.mark.slow

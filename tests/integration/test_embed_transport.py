@@ -22,7 +22,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Worker, preset
 from hasctl.launch import Stack, free_port
 from tests.support.media import png_bytes
-from tests.prom import metric
+from tests.support.prom import metric
 
 pytestmark = pytest.mark.slow
 ONE = {"threads": 1, "encoder-cache-gb": 0}  # no cache (and no media affinity at the gateway): placed by load

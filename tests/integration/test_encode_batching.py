@@ -36,7 +36,7 @@ from hasctl.launch import Stack, free_port
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from easerve import profile_format as pf
 from tests.support.media import png_bytes
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 pytestmark = pytest.mark.slow
 ONE = {"threads": 1}

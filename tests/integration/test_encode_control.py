@@ -11,7 +11,7 @@ import pytest
 
 from easerve import Client
 from tests.support.media import png_bytes
-from tests.prom import metric
+from tests.support.prom import metric
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from easerve.types import SamplingParams
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
 from tests.support.media import png_bytes, wav_bytes
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 N = 6

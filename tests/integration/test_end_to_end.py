@@ -12,7 +12,7 @@ from easerve.media import decode_audio
 from easerve.pipeline import InProcessPipeline
 from easerve.types import SamplingParams
 from tests.support.media import data_uri, png_bytes, wav_bytes
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 PROMPT = "What is this?"

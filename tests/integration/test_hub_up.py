@@ -1,5 +1,5 @@
 """`hasctl up --model Org/Name` (the CLI, a subprocess) with HF_HUB_OFFLINE=1 and HF_HOME a
-pre-populated hub cache (tests/hub_cache.py): two encode instances, a prefill, a decode and the
+pre-populated hub cache (tests/support/hub_cache.py): two encode instances, a prefill, a decode and the
 gateway each resolve the hub id to the cached snapshot and read only their own shard; a chat
 completion comes back under the served name Org/Name. Without the snapshot, `up` fails at once
 and names the command that downloads it."""
@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from easerve.models.tiny import cached_tiny
-from tests.hub_cache import ENCODER_SHARD, populate_hub
+from tests.support.hub_cache import ENCODER_SHARD, populate_hub
 from tests.support.procs import stop_process
 
 READ = re.compile(r"read (\d+) of (\d+) tensors \(\d+ parameters\) from (\S+): (.*)$")

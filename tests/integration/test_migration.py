@@ -19,7 +19,7 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
 from tests.support.media import no_media_ids, png_bytes
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 
 pytestmark = pytest.mark.slow
 DECODES = ("decode-0", "decode-1")

@@ -17,7 +17,7 @@ import pytest
 from easerve import Client
 from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.launch import Stack
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 from tests.support.media import no_media_ids, png_bytes, wav_bytes
 from tests.support.multi_stack import N, kv_received, start_multi, mixed_requests, run_all, scrape_stage
 

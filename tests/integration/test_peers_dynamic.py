@@ -15,7 +15,7 @@ from easerve import Client
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack, free_port
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 from tests.support.procs import gone
 from tests.support.fake_stage import write_fake_python  # stages that only serve grpc health
 from tests.support.client_load import ClientLoad

@@ -21,7 +21,7 @@ from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Worker, preset
 from hasctl.launch import Stack, free_port
 from tests.support.media import png_bytes
-from tests.prom import metric
+from tests.support.prom import metric
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -133,7 +133,7 @@ def test_a_deployment_tuned_in_the_simulator_is_served_by_hasctl_up(tiny_root, t
     profile, nothing launched) writes a deployment file that `hasctl up` serves."""
     from hasctl.cli import main
     from easerve.profile_format import dump
-    from tests.profiles import make_profile
+    from tests.support.profiles import make_profile
     model = str(cached_tiny("qwen2.5-vl", tiny_root))
     prof = dump(make_profile(devices=("cpu:0", "cpu:1")), tmp_path / "p.json")
     best, storage = tmp_path / "best.yaml", f"sqlite:///{tmp_path / 'tune.db'}"

@@ -14,11 +14,6 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny-checkpoints")
-
-
-@pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_root):
     """`tiny_checkpoint(family, seed=0)` -> folder, built once per session (cached_tiny)."""
     from easerve.models.tiny import cached_tiny

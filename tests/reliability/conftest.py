@@ -6,7 +6,6 @@ import pytest
 from easerve.models.tiny import cached_tiny
 from hasctl.deployment import Deployment, Worker
 from hasctl.launch import Stack
-from tests.integration.conftest import tiny_root  # noqa: F401 (fixture)
 
 ONE = {"threads": 1}
 
@@ -29,7 +28,7 @@ def _start(model: str, decode_instances: int):
 
 
 @pytest.fixture(scope="session")
-def fuzz_vl(tiny_root):  # noqa: F811
+def fuzz_vl(tiny_root):
     """Qwen2.5-VL (image + video) with two decode instances."""
     stack = _start(str(cached_tiny("qwen2.5-vl", tiny_root)), 2)
     yield stack
@@ -37,7 +36,7 @@ def fuzz_vl(tiny_root):  # noqa: F811
 
 
 @pytest.fixture(scope="session")
-def fuzz_audio(tiny_root):  # noqa: F811
+def fuzz_audio(tiny_root):
     """Qwen2-Audio, one instance per stage (its WAV / audio decoding is what is fuzzed)."""
     stack = _start(str(cached_tiny("qwen2-audio", tiny_root)), 1)
     yield stack

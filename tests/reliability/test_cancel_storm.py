@@ -26,7 +26,7 @@ from easerve.wire.v1 import stage_pb2, stage_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack, free_port
 from tests.support.media import png_bytes
-from tests.prom import metric, scrape
+from tests.support.prom import metric, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]  # 1,000 requests: a long load test
 N_REQUESTS = 1000

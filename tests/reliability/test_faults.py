@@ -27,7 +27,6 @@ from easerve.models.tiny import cached_tiny
 from easerve.wire.v1 import gateway_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack
-from tests.integration.conftest import tiny_root  # noqa: F401 - the fixture
 from tests.reliability.driver import HUNG, LoadDriver, image_bodies, recovery_s, served_model
 from tests.support.procs import gone
 
@@ -75,7 +74,7 @@ class _Stacks:
 
 
 @pytest.fixture(scope="module")
-def stacks(tiny_root):  # noqa: F811
+def stacks(tiny_root):
     s = _Stacks(str(cached_tiny("qwen2.5-vl", tiny_root)))
     yield s
     s.close()

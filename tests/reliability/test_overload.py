@@ -22,7 +22,6 @@ from easerve.rpc.errors import RETRY_AFTER_KEY
 from easerve.wire.v1 import gateway_pb2_grpc
 from hasctl.deployment import preset
 from hasctl.launch import Stack
-from tests.integration.conftest import tiny_root  # noqa: F401 - the fixture
 from tests.reliability.driver import HUNG, REFUSED, LoadDriver, image_bodies, rss_kib, served_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]
@@ -34,7 +33,7 @@ FIGURES = os.environ.get("EASERVE_FAULT_FIGURES")
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_root):  # noqa: F811
+def stack(tiny_root):
     model = str(cached_tiny("qwen2.5-vl", tiny_root))
     d = (preset("default").with_model(model).with_gateway_ports(0, 0)
          .with_flags("gateway", max_inflight=GATEWAY_INFLIGHT)

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from easerve import profile_format as pf
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 from tests.support.http_api import CHAT, http_client, post
 
 # prefill of 1 token/s: CHAT's 13 prompt tokens are predicted 13 s; tiers from text's unloaded TTFT

@@ -13,7 +13,7 @@ from easerve.policy.clock import ManualClock
 from easerve.policy.latency import LatencyPredictor, LiveState, RequestShape
 from easerve.policy.service_model import ServiceModel
 from easerve import profile_format as pf
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 SVC = ServiceModel(make_profile(encode_s_per_item=0.1, prefill_tok_s=1000.0, decode_tok_s=2000.0))
 IMAGE = RequestShape("image", "224x224", prompt_tokens=64, max_tokens=16)

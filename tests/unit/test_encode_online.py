@@ -16,7 +16,7 @@ from easerve.stages.common.peers import Peers
 from easerve.stages.encode.metrics import EncodeMetrics
 from easerve.stages.encode.online import OnlineTask
 from easerve.wire.v1 import prefill_pb2_grpc
-from tests.prom import metric
+from tests.support.prom import metric
 
 
 def encode_cfg(**kw) -> EncodeConfig:

@@ -18,7 +18,7 @@ from easerve.policy.partitioner import DEFAULT_SHARES, LatencyGrid
 from easerve.stages.encode import profiler
 from easerve.stages.encode.colocate import build_controller
 from easerve import profile_format as pf
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 
 class QueuedGpu:

@@ -18,8 +18,8 @@ from bench.fidelity_replay import (
 )
 from easerve.policy.service_model import ServiceModel
 from easerve.sim import simulate
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import poisson, topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import poisson, topo
 
 IMG = ("image", "224x224")
 GPUS = {"encode-0": Placement("cuda:0"), "prefill-0": Placement("cuda:1"), "decode-0": Placement("cuda:2")}

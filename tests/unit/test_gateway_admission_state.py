@@ -17,7 +17,7 @@ from easerve.stages.gateway.job import Job
 from easerve.stages.gateway.metrics import GatewayMetrics
 from easerve.types import SamplingParams
 from easerve import profile_format as pf
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 
 class Instances:

@@ -1,5 +1,5 @@
 """`--model ORG/NAME[@REVISION]` through easerve.models.hub, against a pre-populated hub cache
-(tests/hub_cache.py) with huggingface_hub offline: no network anywhere."""
+(tests/support/hub_cache.py) with huggingface_hub offline: no network anywhere."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 from easerve.models.hub import HubModelError, parse_hub_id, resolve_model, served_name, weight_files
 from easerve.models.loader import load_adapter
 from easerve.models.tiny import cached_tiny
-from tests.hub_cache import ENCODER_SHARD, LM_SHARD, SHA, populate_hub
+from tests.support.hub_cache import ENCODER_SHARD, LM_SHARD, SHA, populate_hub
 
 OLD_SHA = "f" * 40
 

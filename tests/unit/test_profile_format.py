@@ -7,7 +7,7 @@ import json
 import pytest
 
 from easerve.profile_format import FORMAT, DecodePoint, Profile, dump, load
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 
 def test_round_trip_keeps_every_field(tmp_path):

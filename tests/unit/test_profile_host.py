@@ -8,7 +8,7 @@ import pytest
 
 from hasctl.deployment import preset
 from hasctl.profile_host import host_s_for, per_stage, spec_for, stage_of, tree_cpu_s
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 
 def test_stage_of_names_the_process_stage():

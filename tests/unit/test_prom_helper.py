@@ -1,10 +1,10 @@
-"""tests.prom.metric reads a real registry's exposition: by sample name and label subset."""
+"""tests.support.prom.metric reads a real registry's exposition: by sample name and label subset."""
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
 from easerve.stages.encode.metrics import EncodeMetrics
-from tests.prom import metric
+from tests.support.prom import metric
 
 
 def test_metric_sums_samples_by_name_and_labels():

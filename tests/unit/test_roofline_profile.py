@@ -58,7 +58,7 @@ def test_tensor_parallel_capacity(tmp_path):
 
 
 def test_measured_profiles_still_load_as_measured(tmp_path):
-    from tests.profiles import make_profile
+    from tests.support.profiles import make_profile
     data = make_profile().to_dict()
     for key in ("measured", "tp", "roofline"):
         data.pop(key)                                   # a revision-2 file has none of them

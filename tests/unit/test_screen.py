@@ -8,7 +8,7 @@ import pytest
 from hasctl.cli import main
 from easerve.profile_format import dump
 from hasctl.screen import Allocation, Demand, demand_from, enumerate_allocations, screen
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 
 def names(verdicts, kept):

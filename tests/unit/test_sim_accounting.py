@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from easerve.policy.service_model import HOST_STAGES, ModelConfig
 from easerve.sim import SimRequest, simulate
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import poisson, topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import poisson, topo
 
 MODS = ("image", "video", "text")
 

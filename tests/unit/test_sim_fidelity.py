@@ -13,7 +13,7 @@ from easerve.slo import SLO, RequestRecord
 from hasctl.bench import BenchConfig
 from hasctl.simulate import run_simulation
 from hasctl.workload import WorkloadSpec
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 SLO_1S = SLO(1000.0, 100.0)
 

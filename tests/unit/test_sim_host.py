@@ -9,8 +9,8 @@ from easerve.sim import SimRequest, simulate
 from easerve.sim.compute import Compute
 from easerve.sim.events import EventQueue
 from easerve.sim.host import HostWorker
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import topo
 
 
 def ttft(res) -> float:

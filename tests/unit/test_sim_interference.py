@@ -12,8 +12,8 @@ from easerve.sim import simulate
 from easerve.policy.service_model import ModelConfig
 from easerve.sim.run import Sim
 from easerve.profile_format import Interference, SharingPoint
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import poisson, topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import poisson, topo
 
 
 def computes(device: str, profile=None):

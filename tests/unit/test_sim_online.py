@@ -6,8 +6,8 @@ from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.sim import SimRequest, simulate
 from easerve.sim.online import OnlineDriver
 from easerve.sim.workload import piecewise_poisson
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import topo
 
 STEP = [(30.0, 8.0), (60.0, 40.0), (150.0, 8.0)]  # encode carries 20 req/s per instance
 CFG = OnlineConfig(bounds=OnlineBounds(min_batch=1, max_batch=16, min_instances=1, max_instances=4),

@@ -21,8 +21,8 @@ from easerve.sim.admission import slo_of
 from easerve.sim.run import Sim
 from easerve.sim.topology import DEFAULT_EMBED_BYTES_PER_TOKEN, batcher_config
 from easerve.stages.common.peers import Peer
-from tests.profiles import make_profile
-from tests.unit.sim_helpers import poisson, topo
+from tests.support.profiles import make_profile
+from tests.support.sim_topology import poisson, topo
 
 
 def live_dispatches(cfg, arrivals, durations):

@@ -10,7 +10,7 @@ from easerve.slo import RequestRecord, compute_metrics
 from hasctl.cli import main
 from hasctl.deployment import Deployment
 from easerve.profile_format import dump
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 DEVICES = "cuda:0,cuda:1,cuda:2,cuda:3"
 

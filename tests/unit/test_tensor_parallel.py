@@ -13,7 +13,7 @@ from hasctl.bench import BenchConfig
 from hasctl.deployment import Deployment, Worker, preset, process_names, to_commands
 from hasctl.simulate import run_simulation, topology
 from hasctl.workload import WorkloadSpec
-from tests.profiles import make_profile
+from tests.support.profiles import make_profile
 
 ENC = {"max-batch": 8, "remote-fraction": 1.0, "batch-mode": "adaptive"}
 

@@ -124,7 +124,7 @@ def test_profile_screens_out_allocations_encode_cannot_carry(tmp_path):
     from hasctl.cli import build_parser
     from easerve.profile_format import dump
     from hasctl.tune import space_from_args
-    from tests.profiles import make_profile
+    from tests.support.profiles import make_profile
     # encode 10 images/s per instance, 15 req/s of one image each: only E2 allocations carry it
     prof = dump(make_profile(), tmp_path / "p.json")
     args = build_parser().parse_args(["tune", "--model", "/m", "--rate", "15", "--storage", "sqlite://", "--study",

@@ -1,6 +1,6 @@
 """A fake OpenAI-compatible chat server with known delays, and its own record of the truth.
 
-Run as a process: `python -m tests.fake_openai` prints `PORT <n>` once it listens on
+Run as a process: `python -m tests.support.fake_openai` prints `PORT <n>` once it listens on
 127.0.0.1 (a free port). Each streamed /v1/chat/completions request is put in a class by
 crc32 of its last text part (so a test can predict the class of a request it synthesized):
 
