@@ -34,9 +34,9 @@ from typing import Any
 
 from easerve.policy.service_model import ModelConfig, ServiceModel, shares_compute
 from easerve.sim.workload import SimRequest
+from hasctl.profile_gateway import PHASES as GATEWAY_PHASES  # the gateway's preprocessing (ServiceModel.gateway_s)
 
 STAGES = ("gateway", "encode", "prefill", "decode")
-GATEWAY_PHASES = ("parse", "media", "tokenize")  # the gateway's preprocessing (ServiceModel.gateway_s)
 Media = tuple[str, str]  # (modality, profile media label), e.g. ("image", "224x224")
 
 

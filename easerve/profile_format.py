@@ -27,7 +27,8 @@ from pydantic.dataclasses import dataclass
 from easerve.slo import SLO
 
 FORMAT = "easerve.profile/v1"
-REVISION = 4                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing
+REVISION = 5                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing;
+#                                  5: gateway points are the live gateway's preprocessing CPU (hasctl/profile_gateway.py)
 ROOFLINE_REVISION = 3             # 3 adds measured, tp, roofline (written by hasctl profile --roofline)
 OLD_STARTUP_FORMAT = "easerve.sm_profile"  # the encode start-up's own file before profile/v1
 TIERS = ("tight", "moderate", "loose")
@@ -170,8 +171,11 @@ STAGES: tuple[str, ...] = get_args(Stage)
 
 @dataclass(frozen=True, config=_CONFIG)
 class GatewayPoint:
-    """Revision 2: the gateway's preprocessing of one request (chat template, tokenizer, media
-    decode through the HF processor) for one modality and media size."""
+    """Revision 2: the gateway's preprocessing of one request for one modality and media size.
+    From revision 5, the host CPU seconds of the gateway's own parse, media decode and tokenize
+    phases for a request body as a client sends it (hasctl/profile_gateway.py; the figure the live
+    gateway's GET /trace reports per request); before, the wall time of the HF processor and
+    tokenizer on media already decoded."""
     modality: str
     media: str                    # as in EncodeSizePoint ("" for text)
     latency_s: Seconds
@@ -250,7 +254,7 @@ class Profile:
     format: Literal["easerve.profile/v1"] = FORMAT
     scope: Literal["full", "encode"] = "full"
     # revision 2 (all optional: a revision-1 file loads with none of them)
-    revision: Literal[1, 2, 3, 4] = 1
+    revision: Literal[1, 2, 3, 4, 5] = 1
     gateway: tuple[GatewayPoint, ...] = ()
     transfer: Transfer | None = None
     interference: tuple[Interference, ...] = ()

@@ -149,17 +149,9 @@ class Profiler:
 
     # ---- revision 2: gateway preprocessing, transfers, interference ------------------------------
     def measure_gateway(self) -> list[pf.GatewayPoint]:
-        """The encode adapter's preprocess (chat template, tokenizer, HF processor) of one request
-        per media size, and of a text-only one: what the gateway spends per request."""
-        from hasctl.workload import text_of
-        out = []
-        for mod in self.modalities + ("text",):
-            for size in (None,) if mod == "text" else sizes_of(self.plan, mod):
-                content = ([] if size is None else [ep.synthetic_part(mod, size, 0)]) + [{"type": "text", "text": text_of(32, 0)}]
-                msgs = [{"role": "user", "content": content}]
-                out.append(pf.GatewayPoint(mod, "" if size is None else ep.media_label(mod, size),
-                                           self.timed(lambda m=msgs: self.enc.preprocess(m))))
-        return out
+        """What the gateway spends preprocessing one request (hasctl/profile_gateway.py)."""
+        from hasctl.profile_gateway import measure_gateway
+        return measure_gateway(self.model, self.modalities, self.plan)
 
     def measure_transfer(self) -> pf.Transfer:
         """Bytes per token from the model's config and dtype; same_host: a plain memory copy of

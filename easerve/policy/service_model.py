@@ -54,7 +54,9 @@ class ModelConfig:
     "gateway", "encode", "prefill", "decode", "monolith"): charged as a job of one thread on
     that process's cores (easerve/sim/host.py), so it takes core time from the model's jobs
     on shared CPU cores and queues behind the process's other host work; measured with
-    hasctl/profile_host.py (`hasctl profile --host-work`). Empty: none.
+    hasctl/profile_host.py (`hasctl profile --host-work`). Empty: none. The gateway's share
+    includes its preprocessing (the profile's gateway points, `gateway_s`), which runs on its
+    preprocessing threads: the simulator charges that part there and the rest on arrival.
     `request_overhead_s`: what a live stack adds to every request besides the profiled calls
     and `host_s` (process wake-ups, the polling of the gRPC hops): a delay before the gateway
     takes the request, taking no core time; measured as a stack's unloaded TTFT over the

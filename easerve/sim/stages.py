@@ -76,7 +76,11 @@ def view(sim: Simulation, instances) -> Reports:
 class Gateway:
     def __init__(self, sim: Simulation, cfg) -> None:
         self.sim, self.cfg = sim, cfg
-        self.free = cfg.preprocess_threads
+        # the preprocessing threads (parse, media, tokenize: the profile's gateway points), each a
+        # host thread on the gateway's cores; the rest of the gateway's host work per request
+        # (HTTP, gRPC, streaming) is charged on arrival
+        self.idle = [HostWorker(sim.events, sim.model, sim.gateway_device, "gateway")
+                     for _ in range(cfg.preprocess_threads)]
         self.queue: deque[Req] = deque()
         self.inflight = 0
         self.places = {"encode": view(sim, lambda: sim.encoders), "prefill": view(sim, lambda: sim.text_prefills),
@@ -91,7 +95,11 @@ class Gateway:
         self.inflight += 1
         req.at_gateway = True
         self.sim.events.after(self.cfg.request_timeout_s, self.sim.expire, req)
-        self.hostw.run(self.sim.model.config.host_of("gateway"), lambda: self._overhead(req))
+        rest = self.sim.model.config.host_of("gateway") - self._preprocess_s(req)
+        self.hostw.run(max(0.0, rest), lambda: self._overhead(req))
+
+    def _preprocess_s(self, req: Req) -> float:
+        return self.sim.model.gateway_s(req.spec.modality, req.spec.media)
 
     def _overhead(self, req: Req) -> None:
         overhead = self.sim.model.config.request_overhead_s
@@ -109,15 +117,15 @@ class Gateway:
         self._start()
 
     def _start(self) -> None:
-        while self.free and self.queue:
+        while self.idle and self.queue:
             req = self.queue.popleft()
             if req.done:
                 continue
-            self.free -= 1
-            self.sim.events.after(self.sim.model.gateway_s(req.spec.modality, req.spec.media), self._preprocessed, req)
+            worker = self.idle.pop()
+            worker.run(self._preprocess_s(req), lambda req=req, worker=worker: self._preprocessed(req, worker))
 
-    def _preprocessed(self, req: Req) -> None:
-        self.free += 1
+    def _preprocessed(self, req: Req, worker: HostWorker) -> None:
+        self.idle.append(worker)
         self._start()
         if req.done:
             return

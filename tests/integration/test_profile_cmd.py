@@ -53,7 +53,7 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
     assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
 
     # revision 2: what the simulator reads besides the stage latencies, and hasctl simulate on it
-    assert p.revision == 4 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
+    assert p.revision == 5 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
     stages = ("encode", "prefill", "decode")  # revision 4: each stage while one process of each kind shares the cores
     assert sorted((x.stage, x.by, x.busy) for x in p.sharing) == sorted((s, b, 1) for s in stages for b in stages)
     assert all(x.slowdown >= 1.0 and x.cores == p.hardware.cores for x in p.sharing)
@@ -87,3 +87,31 @@ def test_the_sharing_curve_is_measured_as_stages_that_share_cores_run(tiny_root,
     stages = ("encode", "prefill", "decode")
     assert sorted((x.stage, x.by, x.busy) for x in points) == sorted((s, b, 1) for s in stages for b in stages)
     assert all(x.slowdown >= 1.0 and x.cores == 1 for x in points)
+
+
+@pytest.mark.slow
+def test_the_gateway_points_are_the_gateways_own_preprocessing(tiny_root):
+    """`hasctl profile`'s gateway point: a request body as a client sends it, through the
+    gateway's own parse and preprocess code and its media decode pool; each phase the live
+    gateway reports in /trace is measured (media: CPU of the pool's worker)."""
+    import asyncio
+
+    from hasctl.profile_gateway import bodies, gateway_core, preprocess_cpu
+
+    model = str(cached_tiny("qwen2.5-vl", tiny_root))
+
+    async def run():
+        core = gateway_core(model)
+        await asyncio.to_thread(core.media.pool.start)
+        try:
+            served = core.cfg.served_model
+            image = await preprocess_cpu(core, bodies("image", (56, 56), 1, served)[0])
+            text = await preprocess_cpu(core, bodies("text", None, 1, served)[0])
+        finally:
+            core.media.pool.close()
+        return core.media.pool.decodes, image, text
+
+    decodes, image, text = asyncio.run(run())
+    assert decodes == 1  # the image was decoded by the gateway's pool, the text had nothing to decode
+    assert set(image) == {"parse", "media", "tokenize"} and all(v > 0 for v in image.values()), image
+    assert set(text) == {"parse", "tokenize"}, text

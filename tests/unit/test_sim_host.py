@@ -72,3 +72,35 @@ def test_bad_host_entries_say_what_to_change():
         ModelConfig(host_s=(("tokenizer", 0.01),))
     with pytest.raises(ValueError, match="seconds >= 0"):
         ModelConfig(host_s=(("gateway", -1.0),))
+
+
+def with_gateway_point(profile, seconds: float):
+    from dataclasses import replace
+
+    from easerve.profile_format import GatewayPoint
+    return replace(profile, gateway=(GatewayPoint("image", "224x224", seconds),))
+
+
+def test_the_gateways_host_work_includes_its_preprocessing_once():
+    """The gateway's host work per request (10 ms, measured as its process CPU) holds its
+    preprocessing (the profile's gateway point, 4 ms): TTFT rises by 10 ms, not 14."""
+    req = [SimRequest(0, 0.0, "image", "224x224", 16, 4)]
+    p, t = make_profile(), topo()
+    base = ttft(simulate(t, p, req))
+    pre = with_gateway_point(p, 0.004)
+    assert ttft(simulate(t, pre, req)) - base == pytest.approx(0.004, abs=1e-9)
+    assert ttft(simulate(t, pre, req, ModelConfig(host_s=(("gateway", 0.010),)))) - base == pytest.approx(0.010, abs=1e-9)
+
+
+def test_preprocessing_takes_core_time_on_shared_cores():
+    """Every stage and the gateway on the same 2 cores, 40 requests at once, 20 ms of
+    preprocessing each on the gateway's 2 threads: the burst ends later by at least half of
+    those 0.8 core-seconds over 2 cores (a pure delay overlapped with the model's work, so the
+    end moved by little more than one request's preprocessing)."""
+    reqs = [SimRequest(i, 0.0, "image", "224x224", 16, 4) for i in range(40)]
+    p = make_profile(encode_s_per_item=0.01, prefill_tok_s=20000.0, decode_tok_s=20000.0)
+    t = topo(device="cpu:0-1", gw={"max_inflight": 100}, enc={"max_inflight": 100})
+    span = lambda res: max(r["end_s"] for r in res.records)  # noqa: E731
+    base = span(simulate(t, p, reqs))
+    pre = span(simulate(t, with_gateway_point(p, 0.02), reqs))
+    assert pre - base > 0.5 * 40 * 0.02 / 2

@@ -112,15 +112,6 @@ class HttpApi:
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"request body over {req.app._client_max_size} bytes; send smaller media") from None
 
-    @staticmethod
-    def _json(raw: bytes) -> dict:
-        try:
-            return json.loads(raw)
-        except RecursionError:
-            raise BadRequest("request body is nested too deeply") from None
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
-            raise BadRequest(f"request body is not valid JSON: {e}") from None
-
     def _bad(self, e: BadRequest) -> web.Response:
         self.core.m.requests.inc(api="http", code="400")
         return _error(400, str(e))
@@ -129,12 +120,8 @@ class HttpApi:
         acc = HostAccount()
         try:
             raw = await self._body(req)
-            with self.core.host.phase("parse", acc):
-                a = self.core.adapter
-                chat = oa.parse_chat_request(self._json(raw), self.core.cfg.served_model, a.modalities,
-                                             a.sampling_rate, self.core.cfg.default_max_tokens)
-                job = Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s, host=acc)
-                _classify(job, req, chat)
+            chat, job = parse_chat(self.core, raw, acc)
+            _classify(job, req, chat)
         except BadRequest as e:
             return self._bad(e)
         tok = self.core.adapter.tokenizer
@@ -145,7 +132,7 @@ class HttpApi:
         try:
             raw = await self._body(req)
             with self.core.host.phase("parse", acc):
-                comp = oa.parse_completion_request(self._json(raw), self.core.cfg.served_model, self._vocab_size())
+                comp = oa.parse_completion_request(request_json(raw), self.core.cfg.served_model, self._vocab_size())
                 job = Job(comp.sampling, comp.request_id, timeout_s=comp.timeout_s, host=acc)
                 if isinstance(comp.prompt, str):
                     job.prompt = comp.prompt
@@ -244,6 +231,26 @@ class HttpApi:
 def _event(obj: dict) -> bytes:
     """One server-sent event."""
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def request_json(raw: bytes) -> dict:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+
+
+def parse_chat(core: GatewayCore, raw: bytes, acc: HostAccount) -> tuple[oa.ChatRequest, Job]:
+    """A /v1/chat/completions body -> the parsed request and its Job, the CPU charged to `acc`'s
+    "parse" phase (`hasctl profile` times the gateway's preprocessing through this and
+    `GatewayCore.preprocess`, as the live gateway runs it)."""
+    with core.host.phase("parse", acc):
+        a = core.adapter
+        chat = oa.parse_chat_request(request_json(raw), core.cfg.served_model, a.modalities,
+                                     a.sampling_rate, core.cfg.default_max_tokens)
+        return chat, Job(chat.sampling, chat.request_id, messages=chat.messages, timeout_s=chat.timeout_s, host=acc)
 
 
 def _classify(job: Job, req: web.Request, parsed) -> None:
