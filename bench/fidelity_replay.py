@@ -85,14 +85,19 @@ def fetch_json(url: str, timeout: float = 10.0) -> dict:
         return json.loads(r.read())
 
 
+SPANS_KEPT = 20000  # a stage's /trace keeps this many call spans (easerve/stages/common/call_spans.py)
+
+
 def collect_spans(metrics: Mapping[str, str], window_s: float = 600.0, last: int = 500,
                   since: float | None = None, fetch: Callable[[str], dict] = fetch_json) -> dict[str, list[Span]]:
     """Every stage process's call spans, by process name: `metrics` is `Stack.endpoints().metrics`
-    (name -> http://host:port). `since`: keep the spans that start then or later (a cell's start,
+    (name -> http://host:port); all a stage keeps of the last `window_s` seconds, the gateway's
+    last `last` requests. `since`: keep the spans that start then or later (a cell's start,
     time.monotonic() on the stack's host); a process whose /trace does not answer gives none."""
     out: dict[str, list[Span]] = {}
     for name, base in metrics.items():
-        url = f"{base}/trace?last={last}" if name == "gateway" else f"{base}/trace?window_s={window_s}"
+        url = (f"{base}/trace?last={last}" if name == "gateway"
+               else f"{base}/trace?window_s={window_s}&last={SPANS_KEPT}")
         try:
             doc = fetch(url)
         except OSError:

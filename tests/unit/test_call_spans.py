@@ -24,6 +24,23 @@ def test_call_spans_are_bounded_windowed_and_served():
         cs.record("decode", 2.0, 1.0, 1)
 
 
+def test_trace_returns_as_many_of_the_latest_spans_as_asked():
+    """The fidelity replay asks for all the spans of a cell (`?last=`), more than the default 500."""
+    from aiohttp import web
+
+    from easerve.stages.common.call_spans import LAST
+    cs = CallSpans(clock=lambda: 1e4)
+    for i in range(LAST + 700):
+        cs.record("decode", float(i), i + 0.5, 1, context=i)
+    assert len(cs.http(SimpleNamespace(query={"window_s": "1e5"}))["spans"]) == LAST
+    got = cs.http(SimpleNamespace(query={"window_s": "1e5", "last": "100000"}))["spans"]
+    assert [s["context"] for s in got] == list(range(LAST + 700))
+    for bad in ("0", "x"):
+        with pytest.raises(web.HTTPBadRequest) as e:
+            cs.http(SimpleNamespace(query={"last": bad}))
+        assert e.value.text == f"last must be a whole number >= 1, got {bad!r}"
+
+
 def test_prefill_loop_records_each_batch_with_its_prompt_tokens():
     async def main():
         loop = PrefillLoop(adapter=None, clock=ManualClock(7.0))

@@ -70,8 +70,8 @@ def test_trace_shapes_and_urls():
            "calls": [{"kind": "prefill", "start": 2.0, "end": 2.2, "batch": 2, "tokens": 90}]}
     got = spans_of("encode-0", enc)
     assert [(s.kind, s.batch, s.tokens, s.share) for s in got] == [("encode", 3, 0, 0.5), ("prefill", 2, 90, 1.0)]
-    docs = {"http://e/trace?window_s=600.0": enc,
-            "http://d/trace?window_s=600.0": {"now": 3.0, "spans": [{"kind": "decode", "start": 0.5, "end": 0.6,
+    docs = {"http://e/trace?window_s=600.0&last=20000": enc,
+            "http://d/trace?window_s=600.0&last=20000": {"now": 3.0, "spans": [{"kind": "decode", "start": 0.5, "end": 0.6,
                                                                        "batch": 4, "context": 70}]},
             "http://g/trace?last=500": {"requests": [{"request_id": "a", "host_cpu_ms": {
                 "parse": 1.0, "media": 2.0, "tokenize": 1.0, "detokenize": 9.0}}]}}

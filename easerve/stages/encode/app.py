@@ -13,6 +13,7 @@ from easerve.stages.common.metrics import PrefillMetrics
 from easerve.models.loader import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common import load as stage_load
+from easerve.stages.common.call_spans import query_last
 from easerve.stages.common.cli import dtype_of, write_port_file
 from easerve.stages.common.configs import EncodeConfig
 from easerve.stages.encode.loop import EncodeLoop
@@ -129,13 +130,13 @@ class Encoder:
         return self.controller.describe()
 
     def trace(self, req) -> dict:
-        window = float(req.query.get("window_s", "60"))
+        window, last = float(req.query.get("window_s", "60")), query_last(req)
         now = self.clock.now()
         spans = [{"kind": b.kind, "start": b.start, "end": b.end, "share": b.share, "batch": b.batch}
-                 for b in self.metrics.trace.spans(now - window)[-500:]]  # the latest 500: the share each ran with
+                 for b in self.metrics.trace.spans(now - window)[-last:]]  # the latest `last`: the share each ran with
         calls = sorted((c for cs in self.call_spans for c in cs.spans(now - window)), key=lambda c: c["start"])
         return {"now": now, "buckets": self.metrics.trace.buckets(now - window, now, max(window / 120, 0.05)),
-                "spans": spans, "calls": calls[-500:]}  # calls: the co-located prefill's batches (+ a monolith's steps)
+                "spans": spans, "calls": calls[-last:]}  # calls: the co-located prefill's batches (+ a monolith's steps)
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()  # one real encode (and local prefill) before SERVING
