@@ -1,6 +1,7 @@
 """The gateway's media decode pool (easerve.media.pool) with real worker processes: decodes
-match the in-process decoders, one decode per content hash, a full queue is Overloaded, and a
-video file's kept frames come from seeking (only the GOPs holding them are decoded)."""
+match the in-process decoders, one decode per content hash, small images in a thread, a full
+queue is Overloaded, and a video file's kept frames come from seeking (only the GOPs holding
+them are decoded)."""
 from __future__ import annotations
 
 import asyncio
@@ -77,12 +78,22 @@ def test_worker_decodes_match_in_process_and_same_content_decodes_once(pool):
     assert a.cpu_s > 0
 
 
-def test_image_decodes_in_a_worker_and_bad_bytes_are_a_media_error(pool):
-    raw = png_bytes(40, 30, seed=3)
-    opts = (8192, 10**9)
-    d, _ = _run(pool.decode("image", raw, opts, pool.key("image", raw, opts)))
+def test_small_images_decode_in_a_thread_large_ones_in_a_worker_and_bad_bytes_are_a_media_error(pool):
+    """Up to SMALL_IMAGE_PIXELS an image is decoded in a thread of the gateway (the hop to a
+    worker costs more than the decode); above, in a worker; both give the in-process pixels."""
     from PIL import Image
-    assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))) and d.pixels == 1200
+
+    from easerve.media.pool import SMALL_IMAGE_PIXELS
+    opts = (8192, 10**9)
+    small, large = png_bytes(40, 30, seed=3), png_bytes(1100, 1000, seed=4)
+    assert 1200 <= SMALL_IMAGE_PIXELS < 1100 * 1000
+    before = pool.in_thread
+    d, _ = _run(pool.decode("image", small, opts, pool.key("image", small, opts)))
+    assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(small)).convert("RGB"))) and d.pixels == 1200
+    assert d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 1
+    d, _ = _run(pool.decode("image", large, opts, pool.key("image", large, opts)))
+    assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(large)).convert("RGB")))
+    assert not d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 1
     with pytest.raises(MediaError, match="could not be decoded"):
         _run(pool.decode("image", b"not an image", opts, pool.key("image", b"not an image", opts)))
 
