@@ -10,8 +10,8 @@ More than `max_pending` distinct decodes waiting or running: Overloaded (RESOURC
 
 An image of at most SMALL_IMAGE_PIXELS (read from its header) is decoded in a thread of the
 gateway instead: the hop to a worker and back (pickling the bytes out and the pixels in) costs
-more CPU than decoding a small image (a 448x336 JPEG: ~2 ms against ~0.8 ms), and Pillow lets go
-of the GIL while it decodes, so the event loop keeps running. Larger images, video and audio go
+more CPU than decoding a small image, and Pillow lets go of the GIL while it decodes, so the
+event loop keeps running. Larger images, video and audio go
 to the workers.
 
 At start the pool times FFmpeg's decoder threading modes on a probe clip in a worker and keeps
@@ -160,12 +160,12 @@ def _small_image(raw: bytes) -> bool:
     return w * h <= SMALL_IMAGE_PIXELS
 
 
-def _decode_here(kind: str, raw: bytes, opts: tuple) -> Decoded | None:
-    """A small image decoded in this thread (its CPU: this thread's), else None."""
-    if kind != "image" or not _small_image(raw):
+def _decode_here(raw: bytes, opts: tuple) -> Decoded | None:
+    """An image decoded in this thread when it is small (its CPU: this thread's), else None."""
+    if not _small_image(raw):
         return None
     t0 = time.thread_time()
-    d = _decode(kind, raw, opts)
+    d = _decode("image", raw, opts)
     return Decoded(d.kind, d.array, d.fps, time.thread_time() - t0, in_thread=True)
 
 
@@ -234,7 +234,7 @@ class DecodePool:
     async def _run(self, kind: str, raw: bytes, opts: tuple) -> Decoded:
         """A small image in a thread of this process, everything else in a worker."""
         if kind == "image":
-            out = await asyncio.to_thread(_decode_here, kind, raw, opts)
+            out = await asyncio.to_thread(_decode_here, raw, opts)
             if out is not None:
                 self.in_thread += 1
                 return out

@@ -73,7 +73,7 @@ class Sim:
         self.decoders = self.decode + self.mono_decode
         computes = ([e.compute for e in self.encoders] + [e.local.compute for e in self.encoders if e.local]
                     + [p.compute for p in self.remote_prefills] + [d.compute for d in self.decoders])
-        computes += list({id(h): h.compute for h in [self.gateway.hostw, *self.gateway.idle] + [x.hostw for x in
+        computes += list({id(h): h.compute for h in [self.gateway.hostw, *self.gateway.threads] + [x.hostw for x in
                           self.encoders + self.remote_prefills + self.decoders]}.values())
         for c in computes:
             c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device, c.tp, o.tp)]

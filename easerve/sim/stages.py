@@ -79,8 +79,9 @@ class Gateway:
         # the preprocessing threads (parse, media, tokenize: the profile's gateway points), each a
         # host thread on the gateway's cores; the rest of the gateway's host work per request
         # (HTTP, gRPC, streaming) is charged on arrival
-        self.idle = [HostWorker(sim.events, sim.model, sim.gateway_device, "gateway")
-                     for _ in range(cfg.preprocess_threads)]
+        self.threads = tuple(HostWorker(sim.events, sim.model, sim.gateway_device, "gateway")
+                             for _ in range(cfg.preprocess_threads))
+        self.idle = list(self.threads)
         self.queue: deque[Req] = deque()
         self.inflight = 0
         self.places = {"encode": view(sim, lambda: sim.encoders), "prefill": view(sim, lambda: sim.text_prefills),
