@@ -23,9 +23,9 @@ drains it (SIGTERM: NOT_SERVING, its open calls finish, it exits).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,10 +65,47 @@ class Endpoints:
         return f"{self.http}/v1"
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+PICKED_PORTS_FROM = 10000
+_PICKED: dict[int, None] = {}  # this process's recent picks, oldest first: not handed out twice while unbound
+
+
+def ephemeral_ports(path: str = EPHEMERAL_RANGE_FILE) -> range:
+    """The kernel's ephemeral port range, where outgoing connections take their local ports
+    (Linux's default when it cannot be read)."""
+    try:
+        lo, hi = map(int, Path(path).read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing on `host` holds now, for a process started next to bind. It is drawn
+    outside the ephemeral range: a port the kernel hands out for binding port 0 is one an outgoing
+    connection can take before the process binds it (a decode stage's --metrics-listen failed so,
+    EADDRINUSE, in a loaded test)."""
+    eph = ephemeral_ports()
+    below, above = range(PICKED_PORTS_FROM, max(PICKED_PORTS_FROM, eph.start)), range(eph.stop, 65536)
+    pool = below if len(below) >= len(above) else above
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.choice(pool)
+        if port not in _PICKED and _bindable(host, port):
+            _PICKED[port] = None
+            while len(_PICKED) > len(pool) // 4:
+                del _PICKED[next(iter(_PICKED))]
+            return port
+    raise OSError(f"no free port on {host or '0.0.0.0'} in {pool.start}-{pool.stop - 1} after 100 tries")
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host if host not in ("", "0.0.0.0") else "", port))
+        except OSError:
+            return False
+    return True
 
 
 def assign_ports(d: Deployment, host: str = "127.0.0.1", base_port: int | None = None) -> dict[str, int]:
