@@ -9,6 +9,11 @@ admits it marked best-effort. A request misses when its predicted TTFT (the time
 spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit, or its
 predicted TPOT over the TPOT limit. The prediction knows the request's deadline and whether it
 yields (`batch`), so it counts only the queued requests the deadline order puts ahead of it.
+
+A `reject` admission that has admitted nothing for `probe_s` admits the next predicted miss as a
+probe (`Decision.probe`): the calibration then takes that request's actual latency as the present
+truth (easerve/policy/calibration.py). Without it, a correction learned in an overload could
+refuse every later request for ever, since only admitted requests report back.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class Decision:
     prediction: Prediction
     deadline: float                 # the clock's time the first token must leave by to meet the tier
     retry_after_s: float | None = None  # set on a predicted miss: when a retry would be predicted to meet it
+    probe: bool = False             # a predicted miss admitted because nothing was admitted for probe_s
 
     @property
     def predicted_miss(self) -> bool:
@@ -57,23 +63,35 @@ class Decision:
 
 
 class Admission:
-    def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock) -> None:
+    def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock, probe_s: float = 1.0) -> None:
+        """`probe_s`: in `reject` mode, the longest run of refusals before a predicted miss is
+        admitted as a probe (0: never)."""
         if mode not in ADMISSION_MODES:
             raise ValueError(f"--admission must be one of {list(ADMISSION_MODES)}, got {mode!r}")
-        self.mode, self.predictor, self.clock = mode, predictor, clock
+        if probe_s < 0:
+            raise ValueError(f"--admission-probe-s must be >= 0 (0: no probes), got {probe_s}")
+        self.mode, self.predictor, self.clock, self.probe_s = mode, predictor, clock, probe_s
+        self._last_admit = clock.now()
 
     def decide(self, req: RequestShape, state: LiveState, tier: TierLimits, priority: Priority,
                received: float) -> Decision:
-        pred = self.predictor.predict(req, state, elapsed_s=max(0.0, self.clock.now() - received),
+        now = self.clock.now()
+        pred = self.predictor.predict(req, state, elapsed_s=max(0.0, now - received),
                                       due_s=tier.ttft_s, yields=priority == "batch")
         deadline = received + tier.ttft_s
         miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
         if not miss:
+            self._last_admit = now
             return Decision("admit", tier, priority, pred, deadline)
         retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, req.max_tokens)
-        if self.mode == "reject":  # no actual will come back: the calibration scores its shadow
+        if self.mode == "reject":
+            if self.probe_s and now - self._last_admit >= self.probe_s:
+                self._last_admit = now
+                return Decision("admit", tier, priority, pred, deadline, retry, probe=True)
+            # no actual will come back: the calibration scores its shadow
             self.predictor.refused(pred, tier.ttft_s)
             return Decision("reject", tier, priority, pred, deadline, retry)
+        self._last_admit = now
         if self.mode == "best-effort":
             return Decision("best_effort", tier, priority, pred, deadline, retry)
         return Decision("admit", tier, priority, pred, deadline, retry)  # off: admitted, the miss still noted

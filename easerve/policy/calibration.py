@@ -17,6 +17,11 @@ its raw prediction by exp(the fast one):
   lasting bias: the fast average moves toward the slow one as if it had come back so. The
   calibration does not learn only from the requests it let in: a factor a burst inflated
   stops refusing a light load after a refusal or two, not after seconds of refusals.
+- a probe (a request admission let in after `probe_s` of refusals, easerve/policy/admission.py)
+  is the present truth: the fast average becomes its sample. A lasting bias learned in an
+  overload (whose queues the raw model does not see, so its samples pass for uncongested) would
+  otherwise refuse every request for ever, the refusals' shadows pulling only toward that bias;
+  after a probe, the requests it lets in teach the lasting bias again.
 Both stay within [1 / `max_factor`, `max_factor`]. Pure, with an injected clock."""
 from __future__ import annotations
 
@@ -56,13 +61,15 @@ class Calibration:
     def tpot_factor(self) -> float:
         return self._factor(self._tpot)
 
-    def observe_ttft(self, raw_predicted_s: float, actual_s: float, raw_queue_s: float = 0.0) -> None:
+    def observe_ttft(self, raw_predicted_s: float, actual_s: float, raw_queue_s: float = 0.0,
+                     probe: bool = False) -> None:
         """One request's first token: its uncalibrated prediction, what it got, and the queue
-        wait the raw prediction counted in."""
-        self._observe(self._ttft, raw_predicted_s, actual_s, raw_queue_s <= 0.1 * raw_predicted_s)
+        wait the raw prediction counted in; `probe`: admission's probe."""
+        self._observe(self._ttft, raw_predicted_s, actual_s, raw_queue_s <= 0.1 * raw_predicted_s, probe)
 
-    def observe_tpot(self, raw_predicted_s: float, actual_s: float, uncongested: bool = True) -> None:
-        self._observe(self._tpot, raw_predicted_s, actual_s, uncongested)
+    def observe_tpot(self, raw_predicted_s: float, actual_s: float, uncongested: bool = True,
+                     probe: bool = False) -> None:
+        self._observe(self._tpot, raw_predicted_s, actual_s, uncongested, probe)
 
     def refused(self) -> None:
         """A request refused only because of the TTFT correction (its raw prediction fit): the
@@ -82,12 +89,13 @@ class Calibration:
         bound = math.log(self.max_factor)
         return math.exp(min(bound, max(-bound, self._relaxed(r))))
 
-    def _observe(self, r: _LogRatio, raw_predicted_s: float, actual_s: float, uncongested: bool) -> None:
+    def _observe(self, r: _LogRatio, raw_predicted_s: float, actual_s: float, uncongested: bool,
+                 probe: bool = False) -> None:
         if raw_predicted_s <= 0.0 or actual_s <= 0.0:
             return
         sample = math.log(actual_s / raw_predicted_s)
         current = self._relaxed(r)
-        r.value = sample if r.samples == 0 else current + self.alpha * (sample - current)
+        r.value = sample if r.samples == 0 or probe else current + self.alpha * (sample - current)
         if uncongested:
             r.base += self.slow_alpha * (sample - r.base)
         r.at, r.samples = self.clock.now(), r.samples + 1

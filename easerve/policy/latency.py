@@ -196,12 +196,13 @@ class LatencyPredictor:
         return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
                           demoted=behind_all and due_s is not None)
 
-    def observe_ttft(self, pred: Prediction, actual_s: float) -> None:
+    def observe_ttft(self, pred: Prediction, actual_s: float, probe: bool = False) -> None:
         """A request's first token came `actual_s` after it arrived: the calibration learns from
         the part that was predicted (what was already spent at the prediction is left out); from
-        a demoted prediction (a lower bound, see the module docstring) only when it came in under it."""
+        a demoted prediction (a lower bound, see the module docstring) only when it came in under it.
+        `probe`: admission's probe (easerve/policy/admission.py), taken as the present truth."""
         if self.calibration is not None and not (pred.demoted and actual_s >= pred.ttft_s):
-            self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s)
+            self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s, probe)
 
     def refused(self, pred: Prediction, ttft_limit_s: float) -> None:
         """`pred`'s request was refused: when its raw TTFT met `ttft_limit_s` (the correction
@@ -209,9 +210,9 @@ class LatencyPredictor:
         if self.calibration is not None and pred.raw_ttft_s <= ttft_limit_s < pred.ttft_s:
             self.calibration.refused()
 
-    def observe_tpot(self, pred: Prediction, actual_s: float) -> None:
+    def observe_tpot(self, pred: Prediction, actual_s: float, probe: bool = False) -> None:
         if self.calibration is not None:
-            self.calibration.observe_tpot(pred.raw_tpot_s, actual_s, pred.decode_wait_s == 0.0)
+            self.calibration.observe_tpot(pred.raw_tpot_s, actual_s, pred.decode_wait_s == 0.0, probe)
 
     def _waits(self, req: RequestShape, state: LiveState, age: float, behind_all: bool) -> tuple[float, float, float]:
         """(encode + prefill wait aged by `age`, encode time, prefill time) on the best instances."""

@@ -48,7 +48,8 @@ class SimAdmission:
         self.cfg, self.profile, self.clock = cfg, profile, clock
         self._enc, self._pre, self._dec = enc, pre, dec
         calibration = None if cfg.no_admission_calibration else Calibration(clock)
-        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), clock, calibration), clock)
+        self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), clock, calibration), clock,
+                                cfg.admission_probe_s)
         self.unserved: dict[int, Unserved] = {}   # admitted, no first token yet
         self.decided: list[Decided] = []
 
@@ -84,11 +85,13 @@ class SimAdmission:
         """Its first token left: the calibration learns the actual TTFT."""
         self.unserved.pop(req.spec.index, None)
         if req.admission is not None:
-            self.policy.predictor.observe_ttft(req.admission.prediction, self.clock.now() - req.spec.arrival_s)
+            self.policy.predictor.observe_ttft(req.admission.prediction, self.clock.now() - req.spec.arrival_s,
+                                              req.admission.probe)
 
     def ended(self, req: Req) -> None:
         """Done or failed; a finished request of several tokens teaches the calibration its TPOT."""
         self.unserved.pop(req.spec.index, None)
         toks = req.tokens
         if req.admission is not None and req.error is None and len(toks) > 1:
-            self.policy.predictor.observe_tpot(req.admission.prediction, (toks[-1] - toks[0]) / (len(toks) - 1))
+            self.policy.predictor.observe_tpot(req.admission.prediction, (toks[-1] - toks[0]) / (len(toks) - 1),
+                                              req.admission.probe)

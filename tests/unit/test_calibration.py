@@ -117,11 +117,52 @@ def test_after_a_burst_inflated_the_correction_a_light_load_is_refused_under_one
         cal.observe_ttft(p.remaining_raw_s, 6.0 * p.remaining_raw_s, raw_queue_s=p.remaining_raw_s)
     assert cal.ttft_factor() > 5.0
     refused = 0
-    for _ in range(600):
-        clock.advance(0.1)
+    for i in range(600):
+        clock.advance(9.0 if i % 10 == 0 else 0.1)
         d = adm.decide(IMAGE, LiveState(clock.now()), tier, "interactive", clock.now())
         if d.action == "reject":
             refused += 1
         else:
             predictor.observe_ttft(d.prediction, d.prediction.raw_ttft_s)
     assert refused < 6, refused
+
+
+def _locked_out(probe_s: float) -> tuple[int, list[bool]]:
+    """An overload taught the lasting bias 8x (its queues were invisible to the raw model, so its
+    samples passed for uncongested), on TTFT and TPOT alike; then a light load, every request
+    taking what the raw model says: 60 bursts of 10 requests 0.1 s apart, 9 s idle after each
+    (long enough for a fast factor to relax back to a wrong bias). Refusals, and each admission's
+    probe flag."""
+    from easerve.policy.admission import Admission, TierLimits
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    predictor = LatencyPredictor(SVC, clock, cal)
+    raw = LatencyPredictor(SVC, clock).predict(IMAGE, LiveState(0.0))
+    adm = Admission("reject", predictor, clock, probe_s=probe_s)
+    tier = TierLimits(2.5 * raw.ttft_s, 2.5 * raw.tpot_s)
+    for _ in range(60):
+        clock.advance(0.05)
+        p = predictor.predict(IMAGE, LiveState(clock.now()))
+        cal.observe_ttft(p.remaining_raw_s, 8.0 * p.remaining_raw_s, raw_queue_s=0.0)
+        cal.observe_tpot(p.raw_tpot_s, 8.0 * p.raw_tpot_s, uncongested=True)
+    clock.advance(60.0)                              # long idle: the fast factors relax to the bias
+    assert cal.ttft_factor() > 6.0 and cal.tpot_factor() > 6.0
+    refused, probes = 0, []
+    for i in range(600):
+        clock.advance(9.0 if i % 10 == 0 else 0.1)
+        d = adm.decide(IMAGE, LiveState(clock.now()), tier, "interactive", clock.now())
+        if d.action == "reject":
+            refused += 1
+            continue
+        probes.append(d.probe)
+        predictor.observe_ttft(d.prediction, d.prediction.raw_ttft_s, d.probe)
+        predictor.observe_tpot(d.prediction, d.prediction.raw_tpot_s, d.probe)
+    return refused, probes
+
+
+def test_a_bias_learned_in_an_overload_refuses_a_light_load_only_until_its_first_probe():
+    refused, probes = _locked_out(probe_s=1.0)
+    assert refused <= 10, refused                     # one probe_s of refusals, then the probe admits
+    assert probes[0] is True and not any(probes[1:])  # one probe was enough: then the admitted report back
+    refused, probes = _locked_out(probe_s=0.0)       # without probes nothing ever reports back
+    assert (refused, probes) == (600, [])

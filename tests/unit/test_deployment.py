@@ -182,7 +182,7 @@ SAMPLE = {"grace-s": 1.0, "drain-timeout-s": 30.0, "threads": 1, "log-level": "I
           "max-message-mb": 64.0, "tls-cert": "/etc/easerve/tls.crt", "tls-key": "/etc/easerve/tls.key",
           "tls-ca": "/etc/easerve/ca.crt", "tls-client-auth": True, "api-key-file": "/etc/easerve/api-keys",
           "peer-refresh-s": 2.0, "admission": "reject", "slo-tier": "tight", "priority": "batch",
-          "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512, "no-admission-calibration": True,
+          "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512, "admission-probe-s": 2.0, "no-admission-calibration": True,
           "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32,
           "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
           "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,

@@ -336,6 +336,10 @@ class GatewayConfig(PeerFields, StageConfig):
     profile: str = opt("", "easerve.profile/v1 file (hasctl profile) of this deployment: the latency predictor's "
                        "service times and the SLO tiers; with it, predicted and actual TTFT are exported "
                        "(metrics, GET /trace) even with --admission off")
+    admission_probe_s: NonNegFloat = opt(
+        1.0, "with --admission reject: after this many seconds in which every request was refused, admit the "
+        "next one as a probe whose actual latency resets the calibration (0: never; a correction learned in "
+        "an overload could then refuse every later request)")
     admission_encode_batch: PosInt = opt(8, "the encode instances' --max-batch, for the latency predictor")
     admission_prefill_tokens: PosInt = opt(2048, "the prefill instances' --max-batched-tokens, for the latency "
                                            "predictor")

@@ -18,7 +18,8 @@ What is added to a stage is spread evenly over its instances (easerve/policy/gat
 `--admission reject` refuses a predicted miss with `Overloaded` (429 / RESOURCE_EXHAUSTED) whose
 Retry-After is the decision's; `best-effort` lets it in marked best-effort. The predictor is
 calibrated online by the actual TTFT and TPOT of the requests it admitted
-(easerve/policy/calibration.py). Each request's prediction and its actual TTFT / TPOT go to the
+(easerve/policy/calibration.py); after --admission-probe-s of refusals one request is admitted
+as a probe, so a correction learned in an overload cannot refuse every later request. Each request's prediction and its actual TTFT / TPOT go to the
 metrics and to a bounded list of records served at GET /trace.
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ class GatewayAdmission:
         self.clock = clock or MonotonicClock()
         calibration = None if cfg.no_admission_calibration else Calibration(self.clock)
         self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, calibration),
-                                self.clock)
+                                self.clock, cfg.admission_probe_s)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
         self._unserved: dict[str, Unserved] = {}  # admitted, no first token yet
 
@@ -95,7 +96,7 @@ class GatewayAdmission:
         self.m.admissions.inc(decision=d.action, tier=tier.name, priority=priority)
         self.m.predicted_ttft.observe(p.ttft_s)
         job.trace = rec = {"request_id": job.request_id, "received": time.time() - (self.clock.now() - job.received),
-                           "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action,
+                           "modality": modality, "tier": tier.name, "priority": priority, "decision": d.action, "probe": d.probe,
                            "predicted_ttft_ms": p.ttft_s * 1e3,
                            "elapsed_ms": p.elapsed_s * 1e3,
                            # the raw model's parts and what it saw, to study the calibration offline
@@ -139,12 +140,12 @@ class GatewayAdmission:
         job.trace["ttft_ms"] = ttft_s * 1e3
         pred = job.admission.prediction
         self.m.ttft_prediction_error.observe(abs(pred.ttft_s - ttft_s) / max(ttft_s, 1e-9))
-        self.policy.predictor.observe_ttft(pred, ttft_s)
+        self.policy.predictor.observe_ttft(pred, ttft_s, job.admission.probe)
 
     def finished(self, job: Job, tpot_s: float | None) -> None:
         if job.trace is not None and tpot_s is not None:
             job.trace["tpot_ms"] = tpot_s * 1e3
-            self.policy.predictor.observe_tpot(job.admission.prediction, tpot_s)
+            self.policy.predictor.observe_tpot(job.admission.prediction, tpot_s, job.admission.probe)
 
     def trace(self, last: int) -> dict:
         recs = list(self.records)[-last:] if last > 0 else []
