@@ -2,10 +2,16 @@
 
 One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the tiny Qwen2.5-VL
 checkpoint, each with a standby (`standby=True`), the gateway with `--admission reject` on a
-`hasctl profile` of the checkpoint (its --tier SLO is the goodput target). Steps:
-1. capacity C: the completion rate of an overloaded open-loop probe (--probe-rate for --probe-s, the rate
-   doubled while the stack keeps up with 70 % of it), the first and last 15 % of finish times dropped;
-2. the clean run: seeded Poisson arrivals at --mult x C for --minutes, no faults;
+`hasctl profile` of the checkpoint. Steps:
+1. with the same deployment but admission off: the unloaded TTFT and TPOT of each modality through
+   the stack (requests one at a time), and the capacity C: the completion rate of an overloaded
+   open-loop probe (--probe-rate for --probe-s, the rate doubled while the stack keeps up with 70 %
+   of it), the first and last 15 % of finish times dropped. The SLO (--tier, the goodput target)
+   is that tier's multiple of the stack's unloaded latency (`SLO_FROM`): the profile's own tiers
+   are multiples of the model's in-process latency, which on this checkpoint no request through
+   the stack meets, so admission would refuse everything and goodput would be 0 either way;
+2. the clean run, on a fresh stack with admission on and those tiers: seeded Poisson arrivals at
+   --mult x C for --minutes, no faults;
 3. the fault run: the same arrivals and bodies, with `bench/chaos_faults.py`'s schedule applied
    (kill -9 of a stage instance's process group, SIGSTOP/SIGCONT, `remove_instance` then
    `add_instance`; the link cut is reported as skipped, see LINK_CUT).
@@ -56,6 +62,9 @@ from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E40
 LINK_CUT = ("skipped: Stack runs every stage in the host's network namespace and this machine has no "
             "iptables/nft to cut one port (tests/reliability/test_netns.py cuts links in its own namespaces)")
 RETRYABLE = {429: "refused_retryable", 503: "failed_retryable"}
+MODALITIES = ("image", "video", "text")
+SLO_FROM = ("the profile's tier multipliers (2, 4, 8) of the stack's own unloaded TTFT and TPOT per modality, "
+            "measured through the stack with admission off before the runs")
 OUTCOMES = ("completed", "cancelled", "refused_retryable", "failed_retryable", "lost", "hung",
             "rejected_invalid", "malformed_not_400")
 
@@ -375,16 +384,50 @@ def token_mismatches(clean: list[dict], faulty: list[dict]) -> tuple[int, int]:
 
 
 # ---- the flow ------------------------------------------------------------------------------------
-def start_stack(model: str, profile: str, tier: str):
+def start_stack(model: str, profile: str, tier: str, admission: str = "reject"):
     from hasctl.deployment import Deployment, Worker
     from hasctl.launch import Stack
     one = {"threads": 1}
     d = Deployment(model=model, name="chaos",
                    encode=(Worker(flags={"max-batch": 8, "remote-fraction": 1.0, **one}),) * 2,
                    prefill=(Worker(flags=one),) * 2, decode=(Worker(flags=one),) * 2)
-    d = d.with_gateway_ports(0, 0).with_flags("gateway", profile=profile, admission="reject", slo_tier=tier)
+    d = d.with_gateway_ports(0, 0).with_flags("gateway", profile=profile, admission=admission, slo_tier=tier)
     return Stack(d, standby=True, metrics=True,
                  env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=900)
+
+
+def unloaded(url: str, model: str, args, repeats: int = 4) -> dict[str, tuple[float, float]]:
+    """Per modality, the median (TTFT s, TPOT s) of streamed requests sent one at a time through
+    the stack (the first of each modality left out: a warm-up)."""
+    out = {}
+    for modality in MODALITIES:
+        reqs = [p for p in plan(5.0, 60.0, args.seed + 7, model, args, False) if p.modality == modality]
+        got = []
+        for p in reqs[: repeats + 1]:
+            body = {**json.loads(p.body), "stream": True, "stream_options": {"include_usage": True}}
+            res, recs = asyncio.run(run_load(url, [Planned(p.index, 0.0, modality, json.dumps(body).encode(), True)],
+                                             args.deadline_s, time.monotonic()))
+            if res[0]["outcome"] != "completed" or recs[0].tpot_s is None:
+                raise RuntimeError(f"an unloaded {modality} request did not complete: {res[0]['detail']}")
+            got.append((recs[0].ttft_s, recs[0].tpot_s))
+        got = got[1:]
+        out[modality] = (float(np.median([g[0] for g in got])), float(np.median([g[1] for g in got])))
+    return out
+
+
+def stack_tiers(profile_path: str, measured: dict[str, tuple[float, float]], out_path: Path) -> str:
+    """A copy of the profile whose SLO tiers are the default multiples of the stack's own unloaded
+    latency (`unloaded`), not of the model's in-process latency: on the tiny checkpoint the stack's
+    hops are most of a request's time, so a tier of the model alone is one no request meets."""
+    import dataclasses as dc
+    from easerve import profile_format as pf
+    prof = pf.load(profile_path)
+    base = {u.modality: u for u in prof.unloaded}
+    rows = [dc.replace(base[m], ttft_s=t, tpot_s=p) if m in base else
+            pf.Unloaded(m, "", 16, 12, t, p) for m, (t, p) in measured.items()]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    pf.dump(dc.replace(prof, tiers=pf.tiers_from(rows)), out_path)
+    return str(out_path)
 
 
 def settle(stack, timeout_s: float = 60.0) -> dict:
@@ -402,15 +445,26 @@ def main(argv=None) -> int:
     from easerve.models.tiny import cached_tiny
     model = args.model or str(cached_tiny("qwen2.5-vl", args.cache_dir))
     profile = profile_of(SimpleNamespace(profile=args.profile, quick=True), model)
-    slo = profile_format.load(profile).slo(args.tier)
     duration = args.minutes * 60.0
     log = lambda msg: print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    name = Path(model).name
+    probe_stack = start_stack(model, profile, args.tier, admission="off")
+    try:  # capacity and the unloaded latency, with admission off: what the stack itself can do
+        url = probe_stack.endpoints.http
+        asyncio.run(run_load(url, plan(1.0, 3.0, args.seed + 1, name, args, False), args.deadline_s, time.monotonic()))
+        alone = unloaded(url, name, args)
+        cap = measure_capacity(url, name, args, log)
+    finally:
+        probe_stack.stop(grace_s=5.0)
+    profile = stack_tiers(profile, alone, Path(args.out).with_suffix(".profile.json"))
+    slo = profile_format.load(profile).slo(args.tier)
+    log("unloaded through the stack (TTFT, TPOT ms): " + ", ".join(
+        f"{m} {t * 1e3:.0f} / {p * 1e3:.1f}" for m, (t, p) in alone.items()) + f"; SLO {args.tier}: {slo.to_dict()}")
     stack = start_stack(model, profile, args.tier)
     try:
-        url, name = stack.endpoints.http, Path(model).name
+        url = stack.endpoints.http
         log(f"stack up in {stack.run_dir}")
         asyncio.run(run_load(url, plan(1.0, 3.0, args.seed + 1, name, args, False), args.deadline_s, time.monotonic()))
-        cap = measure_capacity(url, name, args, log)
         rate = args.mult * cap
         log(f"capacity {cap:.2f} req/s; runs at {rate:.2f} req/s for {duration:.0f} s")
         plans = plan(rate, duration, args.seed, name, args)
@@ -446,7 +500,9 @@ def main(argv=None) -> int:
            "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,
            "lost_details": sorted({r["detail"][:120] for r in faulty if r["outcome"] in ("lost", "hung")})[:10],
            "clean": counts(clean), "capacity_rps": round(cap, 3), "rate_rps": round(rate, 3), "minutes": args.minutes,
-           "seed": args.seed, "slo": slo.to_dict(), "modalities": ["image", "video", "text"],
+           "seed": args.seed, "slo": slo.to_dict(), "slo_from": SLO_FROM,
+           "unloaded_ms": {m: [round(t * 1e3, 1), round(p * 1e3, 2)] for m, (t, p) in alone.items()},
+           "modalities": list(MODALITIES),
            "faults": {k: sum(e["kind"] == k for e in events) for k in ("kill", "stop", "drain")},
            "fault_errors": [e for e in events if e["result"] != "ok" and not e["result"].startswith("exit code 0")
                             and e["kind"] != "link_cut"][:10],
