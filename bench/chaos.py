@@ -495,6 +495,7 @@ def main(argv=None) -> int:
            "duplicated_or_missing_tokens": mism,
            "goodput_faults_over_clean": round(good_faults / good_clean, 3) if good_clean else None,
            "recovery_s_p99": round(float(np.percentile(rec_s, 99)), 2) if rec_s else None,
+           "recovery_s": [round(x, 1) for x in rec_s],
            "leaks": sum(a > b for b, a in leak_detail.values()),
            "cancelled": c["cancelled"], "rejected_invalid": c["rejected_invalid"],
            "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,
