@@ -219,11 +219,11 @@ def capacity(results: list[dict], recs: list[RequestRecord]) -> float:
 
 
 def measure_capacity(url: str, model: str, args, log) -> float:
-    """`capacity` of an open-loop probe from --probe-rate; the rate doubles (up to 3 times) while
+    """`capacity` of an open-loop probe from --probe-rate; the rate doubles (up to 5 times) while
     the stack completes more than 70 % of it, i.e. while the probe does not overload it. The best
     probe's figure (a probe far past capacity can complete nothing at all)."""
     rate, best = args.probe_rate, 0.0
-    for attempt in range(4):
+    for attempt in range(6):
         plans = plan(rate, args.probe_s, args.seed + 2 + attempt, model, args, False)
         try:
             cap = capacity(*asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic())))
