@@ -23,7 +23,9 @@ failed_retryable (503, or an in-band error with code 429/503), hung (no byte for
 lost (anything else after sending: 499/500/504, a reset, a stream without [DONE]).
 duplicated_or_missing_tokens: fault-run answers that differ from the clean run's answer of the
 same request (both completed). recovery_s: after each kill, seconds until the goodput of the
-last --window-s is back within 10 % of the clean run's mean goodput (the run's end when never).
+next --window-s is back within 10 % of the clean run's mean goodput (the run's end when never);
+recovery_s_clean_p99: the same figure on the clean run at the same instants (its noise floor: a
+2x load's goodput per second varies with no fault at all).
 leaks: how many of the resources in `leak_detail` (gateway and stage in-flight gauges, KV usage
 and KV bytes held for decode, open client connections, unheld /dev/shm segments, open fds of
 the stage processes) are higher after the fault run, once the stack is idle and SERVING again,
@@ -361,15 +363,19 @@ def counts(results: list[dict]) -> dict:
 
 
 def goodput_series(recs: list[RequestRecord], slo: SLO, duration_s: float, window_s: float) -> np.ndarray:
-    """Requests meeting the SLO per second, over the window_s ending at each whole second."""
+    """Requests meeting the SLO per second, averaged over the window_s starting at each whole second
+    (what the stack delivers from then on: a trailing window would still hold the dip itself)."""
     per_s = np.zeros(int(duration_s + 3 * window_s) + 1)
     for r in recs:
         if slo.met(r) and r.end_s is not None:
             per_s[min(int(r.end_s), len(per_s) - 1)] += 1
-    return np.convolve(per_s, np.ones(int(window_s)) / window_s)[: len(per_s)]
+    w = int(window_s)
+    return np.convolve(per_s, np.ones(w) / w)[w - 1: w - 1 + len(per_s)]
 
 
 def recovery_s(series: np.ndarray, target: float, kills: list[float]) -> list[float]:
+    """Per kill: seconds from it to the first whole second after it from which the goodput of the
+    next window is within 10 % of `target` (the run's end when never)."""
     out = []
     for k in kills:
         after = [t for t in range(int(k) + 1, len(series)) if series[t] >= 0.9 * target]
@@ -487,7 +493,11 @@ def main(argv=None) -> int:
     good_clean = sum(slo.met(r) for r in wanted)
     good_faults = sum(slo.met(r) for p, r in zip(plans, faulty_recs) if not p.malformed and not p.cancel_after)
     series = goodput_series([r for p, r in zip(plans, faulty_recs) if not p.cancel_after], slo, duration, args.window_s)
-    rec_s = recovery_s(series, good_clean / duration, [f.at_s for f in faults if f.kind == "kill"])
+    kills = [f.at_s for f in faults if f.kind == "kill"]
+    rec_s = recovery_s(series, good_clean / duration, kills)
+    clean_series = goodput_series([r for p, r in zip(plans, clean_recs) if not p.cancel_after], slo, duration,
+                                  args.window_s)
+    rec_clean = recovery_s(clean_series, good_clean / duration, kills)  # the same instants, no fault: the floor
     mism, checked = token_mismatches(clean, faulty)
     leak_detail = {k: [before[k], after[k]] for k in before}
     c = counts(faulty)
@@ -496,6 +506,7 @@ def main(argv=None) -> int:
            "goodput_faults_over_clean": round(good_faults / good_clean, 3) if good_clean else None,
            "recovery_s_p99": round(float(np.percentile(rec_s, 99)), 2) if rec_s else None,
            "recovery_s": [round(x, 1) for x in rec_s],
+           "recovery_s_clean_p99": round(float(np.percentile(rec_clean, 99)), 2) if rec_clean else None,
            "leaks": sum(a > b for b, a in leak_detail.values()),
            "cancelled": c["cancelled"], "rejected_invalid": c["rejected_invalid"],
            "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,

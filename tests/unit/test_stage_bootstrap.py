@@ -1,0 +1,40 @@
+"""easerve.stages.common.cli.run_stage: a stage asked to stop while it still loads exits 0."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOADING = """
+import asyncio, sys
+from easerve.stages.common.cli import run_stage
+from easerve.stages.common.configs import GatewayConfig
+
+async def main(cfg):  # a stage still loading its model: serve() not reached yet
+    print("loading", flush=True)
+    await asyncio.sleep(60)
+
+sys.argv = ["gateway", "--model", "m", "--encode", "127.0.0.1:1", "--prefill", "127.0.0.1:2",
+            "--decode", "127.0.0.1:3"]
+run_stage(GatewayConfig, "gateway", main)
+"""
+
+
+def test_sigterm_before_serving_exits_zero_with_nothing_to_drain(tmp_path):
+    # A drained standby promoted a moment before (the chaos soak's drain) was killed by the
+    # signal's default action, exit code -15, as if the drain had failed.
+    script = tmp_path / "stage.py"
+    script.write_text(LOADING)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert "SIGTERM before serving: nothing accepted, exiting" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
