@@ -11,8 +11,13 @@ The off gateway still predicts every request (its /trace has predicted and actua
 0.5 C, 1 C and the trace's rate; `refused_would_have_missed` is the share of the requests the
 on stack refused that missed the tier in the off run of the same trace.
 
+After the trace, the on stack alone serves the light loads `LIGHT` (0.5 C and 0.7 C, --requests
+each, new images): `refused_share_light` is the share of them it refused (target < 0.01: whatever
+its calibration learned in the overload must not turn away a load the stack can carry).
+
 Last stdout line: JSON, "goodput_on_over_off" first (target >= 1.5), "ttft_pred_rel_err_median"
-(<= 0.25), "refused_would_have_missed" (>= 0.9), then the per-mode figures.
+(<= 0.25), "refused_would_have_missed" (>= 0.9), "refused_share_light" (< 0.01), then the
+per-mode figures.
 
   python bench/admission.py                 # bench-scale checkpoint, 60 requests at 2x capacity
   python bench/admission.py --quick         # tiny checkpoint, quick profile, a smoke run (< 2 min)
@@ -34,6 +39,7 @@ from bench.harness import results, scoring, stack  # noqa: E402
 from bench.harness.checkpoint import checkpoint, served_name  # noqa: E402
 from bench.harness.load import png_uri, replay_images  # noqa: E402
 
+LIGHT = (0.5, 0.7)  # light loads (x capacity) run on the on stack after the overload trace
 
 
 def parse_args(argv=None):
@@ -119,6 +125,11 @@ def main(argv=None) -> int:
         recs, walls = {}, {}
         for mode in ("off", "on"):
             recs[mode], walls[mode] = run(urls[mode], reqs)
+        light = {}  # right after the overload: what the on stack's calibration learned there must not refuse these
+        for k, frac in enumerate(LIGHT):
+            got, _ = run(urls["on"], workload(args.requests, frac * capacity, args.seed + 10 + k))
+            light[f"{frac}x"] = {"requests": len(got), "refused": sum(r.error_kind == "http_429" for r in got),
+                                 "met": sum(scoring.met(r, limits) for r in got)}
         every = {m: stack.trace_records(u) for m, u in urls.items()}
         traced = [r for m in urls for r in every[m][before[m]:]]
         dump = ROOT / "runs" / "admission" / "last-run.json"  # with the warm-up and burst records, for study
@@ -136,6 +147,9 @@ def main(argv=None) -> int:
     out = {"goodput_on_over_off": scoring.ratio(on["goodput_rps"], off["goodput_rps"]),
            "ttft_pred_rel_err_median": float(np.median(errs)) if errs else None,
            "refused_would_have_missed": len(missed) / len(refused) if refused else None,
+           "refused_share_light": round(sum(c["refused"] for c in light.values())
+                                        / max(1, sum(c["requests"] for c in light.values())), 4),
+           "light": light,
            "capacity_rps": capacity, "rate_rps": rate, "requests": len(reqs), "tier": args.tier,
            "ttft_limit_ms": limits[0], "tpot_limit_ms": limits[1], "quick": args.quick,
            "predictions": len(errs), "off": off, "on": on}

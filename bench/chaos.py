@@ -1,8 +1,8 @@
 """Chaos soak: nothing lost under faults at 2x load (issue 34, item 4).
 
-One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the tiny Qwen2.5-VL
-checkpoint, each with a standby (`standby=True`), the gateway with `--admission reject` on a
-`hasctl profile` of the checkpoint. Steps:
+One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the random-weight
+Qwen2.5-VL checkpoint at `--scale` (bench), each with a standby (`standby=True`), the gateway with
+`--admission reject` on a `hasctl profile` of the checkpoint. Steps:
 1. with the same deployment but admission off: the unloaded TTFT and TPOT of each modality through
    the stack (requests one at a time), and the capacity C: the completion rate of an overloaded
    open-loop probe (--probe-rate for --probe-s, the rate doubled while the stack keeps up with 70 %
@@ -76,7 +76,10 @@ def parse_args(argv=None):
     ap.add_argument("--minutes", type=float, default=10.0, help="length of each run (clean, faults)")
     ap.add_argument("--quick", action="store_true", help="90 s runs (the CI test)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="checkpoint (default: the tiny qwen2.5-vl)")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the tiny qwen2.5-vl at --scale)")
+    ap.add_argument("--scale", default="bench", choices=("tiny", "bench"),
+                    help="size of the default checkpoint (bench: its model work, not the load client, sets the "
+                         "capacity; at tiny the stack outruns what one client process on these cores can send)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
     ap.add_argument("--profile", default=None, help="hasctl profile of the checkpoint (default: made once)")
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
@@ -449,7 +452,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from easerve import profile_format
     from easerve.models.tiny import cached_tiny
-    model = args.model or str(cached_tiny("qwen2.5-vl", args.cache_dir))
+    model = args.model or str(cached_tiny("qwen2.5-vl", args.cache_dir, scale=args.scale))
     profile = profile_of(SimpleNamespace(profile=args.profile, quick=True), model)
     duration = args.minutes * 60.0
     log = lambda msg: print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
