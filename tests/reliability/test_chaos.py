@@ -1,9 +1,10 @@
 """The chaos soak's 90-second version (`bench/chaos.py --quick`, issue 34): 2 encode, 2 prefill and
-2 decode instances with standbys, admission on, at 2x the measured capacity, with instances killed
-(kill -9), stopped (SIGSTOP 5 s) and drained on a seeded schedule: no accepted request is lost or
-hangs, no answer gains or loses a token against the fault-free run of the same requests, nothing
-leaks, every malformed request gets 400, and the SLO (a multiple of the stack's own unloaded
-latency) is met by some requests of the clean run, so goodput has a reference."""
+2 decode instances of the bench-scale random-weight Qwen2.5-VL with standbys, admission on, at 2x
+the measured capacity, with instances killed (kill -9), stopped (SIGSTOP 5 s) and drained on a
+seeded schedule: no accepted request is lost or hangs, no answer gains or loses a token against
+the fault-free run of the same requests, nothing leaks, every malformed request gets 400, and the
+SLO (a multiple of the stack's own unloaded latency) is met by some requests of the clean run, so
+goodput has a reference."""
 from __future__ import annotations
 
 import json
@@ -14,18 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from easerve.models.tiny import cached_tiny
-
 pytestmark = [pytest.mark.slow, pytest.mark.load]
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(1500)
 def test_chaos_quick_loses_nothing_hangs_nothing_and_leaks_nothing(tiny_root, tmp_path):
-    model = cached_tiny("qwen2.5-vl", tiny_root)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
-    cmd = [sys.executable, str(REPO / "bench" / "chaos.py"), "--quick", "--no-save", "--model", str(model),
-           "--out", str(tmp_path / "chaos.json")]
+    cmd = [sys.executable, str(REPO / "bench" / "chaos.py"), "--quick", "--no-save", "--scale", "bench",
+           "--cache-dir", str(tiny_root), "--out", str(tmp_path / "chaos.json")]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
