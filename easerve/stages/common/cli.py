@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 
 from easerve.rpc.server import run
 from easerve.fields import cpu_cores
+from easerve.stages.common import stop_early
 from easerve.stages.common.argv import from_argv
 
 
@@ -45,17 +45,9 @@ def dtype_of(name: str):
     return torch_dtype(name)
 
 
-def _stop_before_serving(signum, frame) -> None:
-    """SIGTERM while the stage still loads: no call was accepted yet, so nothing is left to
-    drain; exit 0, as a drain that finished would. (`serve()` installs the draining handler
-    before its first call is read.)"""
-    logging.getLogger("easerve.stage").info("SIGTERM before serving: nothing accepted, exiting")
-    raise SystemExit(0)
-
-
 def run_stage(cfg_cls, stage: str, main) -> None:
     """A stage process's whole entry point: its config from argv, the process set up, `main(cfg)` served."""
-    signal.signal(signal.SIGTERM, _stop_before_serving)
+    stop_early.install()  # the entry point did too, before its imports
     cfg = from_argv(cfg_cls, stage, sys.argv[1:])
     setup_process(cfg)
     run(main(cfg))
