@@ -11,9 +11,11 @@ The off gateway still predicts every request (its /trace has predicted and actua
 0.5 C, 1 C and the trace's rate; `refused_would_have_missed` is the share of the requests the
 on stack refused that missed the tier in the off run of the same trace.
 
-After the trace, the on stack alone serves the light loads `LIGHT` (0.5 C and 0.7 C, --requests
-each, new images): `refused_share_light` is the share of them it refused (target < 0.01: whatever
-its calibration learned in the overload must not turn away a load the stack can carry).
+After the trace, both stacks serve the light loads `LIGHT` (0.5 C and 0.7 C, --requests each, new
+images, the same on both): `refused_share_light` is the share of them the on stack refused (target
+< 0.01: whatever its calibration learned in the overload must not turn away a load the stack can
+carry), `refused_light_would_have_met` the share of those refusals that met the tier on the off
+stack (a refusal of a request that would have missed is admission doing its job).
 
 Last stdout line: JSON, "goodput_on_over_off" first (target >= 1.5), "ttft_pred_rel_err_median"
 (<= 0.25), "refused_would_have_missed" (>= 0.9), "refused_share_light" (< 0.01), then the
@@ -127,9 +129,13 @@ def main(argv=None) -> int:
             recs[mode], walls[mode] = run(urls[mode], reqs)
         light = {}  # right after the overload: what the on stack's calibration learned there must not refuse these
         for k, frac in enumerate(LIGHT):
-            got, _ = run(urls["on"], workload(args.requests, frac * capacity, args.seed + 10 + k))
-            light[f"{frac}x"] = {"requests": len(got), "refused": sum(r.error_kind == "http_429" for r in got),
-                                 "met": sum(scoring.met(r, limits) for r in got)}
+            trace = workload(args.requests, frac * capacity, args.seed + 10 + k)
+            got = {m: run(urls[m], trace)[0] for m in ("on", "off")}
+            refused = [i for i, r in enumerate(got["on"]) if r.error_kind == "http_429"]
+            light[f"{frac}x"] = {"requests": len(trace), "refused": len(refused),
+                                 "refused_would_have_met": sum(scoring.met(got["off"][i], limits) for i in refused),
+                                 "met_on": sum(scoring.met(r, limits) for r in got["on"]),
+                                 "met_off": sum(scoring.met(r, limits) for r in got["off"])}
         every = {m: stack.trace_records(u) for m, u in urls.items()}
         traced = [r for m in urls for r in every[m][before[m]:]]
         dump = ROOT / "runs" / "admission" / "last-run.json"  # with the warm-up and burst records, for study
@@ -149,6 +155,8 @@ def main(argv=None) -> int:
            "refused_would_have_missed": len(missed) / len(refused) if refused else None,
            "refused_share_light": round(sum(c["refused"] for c in light.values())
                                         / max(1, sum(c["requests"] for c in light.values())), 4),
+           "refused_light_would_have_met": round(sum(c["refused_would_have_met"] for c in light.values())
+                                                 / max(1, sum(c["refused"] for c in light.values())), 4),
            "light": light,
            "capacity_rps": capacity, "rate_rps": rate, "requests": len(reqs), "tier": args.tier,
            "ttft_limit_ms": limits[0], "tpot_limit_ms": limits[1], "quick": args.quick,
