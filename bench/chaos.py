@@ -85,7 +85,7 @@ def parse_args(argv=None):
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
     ap.add_argument("--mult", type=float, default=2.0, help="load = this x the measured capacity")
     ap.add_argument("--probe-rate", type=float, default=6.0, help="arrival rate of the capacity probe")
-    ap.add_argument("--probe-s", type=float, default=20.0)
+    ap.add_argument("--probe-s", type=float, default=None, help="length of each capacity probe (20 s; 10 s with --quick)")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--deadline-s", type=float, default=30.0, help="each request's `timeout`")
     ap.add_argument("--window-s", type=float, default=5.0, help="goodput window of the recovery time")
@@ -94,6 +94,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.minutes = 1.5
+    if args.probe_s is None:
+        args.probe_s = 10.0 if args.quick else 20.0
     return args
 
 
