@@ -41,7 +41,7 @@ from bench.harness import results, scoring, stack  # noqa: E402
 from bench.harness.checkpoint import checkpoint, served_name  # noqa: E402
 from bench.harness.load import png_uri, replay_images  # noqa: E402
 
-LIGHT = (0.5, 0.7)  # light loads (x capacity) run on the on stack after the overload trace
+LIGHT = (0.5, 0.7)  # light loads (x capacity) run on both stacks after the overload trace
 
 
 def parse_args(argv=None):

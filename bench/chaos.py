@@ -85,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
     ap.add_argument("--mult", type=float, default=2.0, help="load = this x the measured capacity")
     ap.add_argument("--probe-rate", type=float, default=6.0, help="arrival rate of the capacity probe")
-    ap.add_argument("--probe-s", type=float, default=None, help="length of each capacity probe (20 s; 10 s with --quick)")
+    ap.add_argument("--probe-s", type=float, default=None,
+                    help="length of each capacity probe (20 s; 10 s with --quick)")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--deadline-s", type=float, default=30.0, help="each request's `timeout`")
     ap.add_argument("--window-s", type=float, default=5.0, help="goodput window of the recovery time")
@@ -497,12 +498,12 @@ def main(argv=None) -> int:
     wanted = [r for p, r in zip(plans, clean_recs) if not p.malformed and not p.cancel_after]
     good_clean = sum(slo.met(r) for r in wanted)
     good_faults = sum(slo.met(r) for p, r in zip(plans, faulty_recs) if not p.malformed and not p.cancel_after)
-    series = goodput_series([r for p, r in zip(plans, faulty_recs) if not p.cancel_after], slo, duration, args.window_s)
     kills = [f.at_s for f in faults if f.kind == "kill"]
-    rec_s = recovery_s(series, good_clean / duration, kills)
-    clean_series = goodput_series([r for p, r in zip(plans, clean_recs) if not p.cancel_after], slo, duration,
-                                  args.window_s)
-    rec_clean = recovery_s(clean_series, good_clean / duration, kills)  # the same instants, no fault: the floor
+    recoveries = lambda recs: recovery_s(goodput_series(  # noqa: E731
+        [r for p, r in zip(plans, recs) if not p.cancel_after], slo, duration, args.window_s),
+        good_clean / duration, kills)
+    rec_s = recoveries(faulty_recs)
+    rec_clean = recoveries(clean_recs)  # the same instants, no fault: the floor
     mism, checked = token_mismatches(clean, faulty)
     leak_detail = {k: [before[k], after[k]] for k in before}
     c = counts(faulty)

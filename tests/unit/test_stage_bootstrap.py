@@ -10,6 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOADING = """
 import asyncio, sys
+from easerve.stages.common import stop_early
+stop_early.install()  # as each services.<stage> entry point does first
 from easerve.stages.common.cli import run_stage
 from easerve.stages.common.configs import GatewayConfig
 

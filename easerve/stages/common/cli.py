@@ -8,7 +8,6 @@ import sys
 
 from easerve.rpc.server import run
 from easerve.fields import cpu_cores
-from easerve.stages.common import stop_early
 from easerve.stages.common.argv import from_argv
 
 
@@ -47,7 +46,6 @@ def dtype_of(name: str):
 
 def run_stage(cfg_cls, stage: str, main) -> None:
     """A stage process's whole entry point: its config from argv, the process set up, `main(cfg)` served."""
-    stop_early.install()  # the entry point did too, before its imports
     cfg = from_argv(cfg_cls, stage, sys.argv[1:])
     setup_process(cfg)
     run(main(cfg))

@@ -1,7 +1,8 @@
 """A stage process asked to stop (SIGTERM) before it serves exits 0: no call was accepted yet, so
 nothing is left to drain, as after a drain that finished. Each `services.<stage>` entry point
-calls `install()` before its imports (torch and the model code take seconds), `run_stage` again;
-`easerve.rpc.server.serve()` puts the draining handler in its place before its first call is read."""
+calls `install()` before its imports (torch and the model code take seconds); the handler holds
+through `run_stage` until `easerve.rpc.server.serve()` puts the draining one in its place, before
+its first call is read."""
 from __future__ import annotations
 
 import logging
