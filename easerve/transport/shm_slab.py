@@ -7,7 +7,8 @@ follows. Who may change a region's state:
     WRITTEN -> FREE     sender, on free() or once the region's TTL passed untaken
     WRITTEN -> TAKEN    receiver, on take(): it also locks the region's lease byte
     TAKEN   -> FREE     receiver, when its last view dies (then unlocks the lease); or the
-                        sender, past the TTL, when it can lock the lease (the reader died)
+                        sender, when it can lock the lease (the reader died): it looks at
+                        most every `dead_reader_probe_s`, and at once past the TTL
 
 Every transition out of WRITTEN (and alloc's header write) happens under an exclusive
 open-file-description lock (`F_OFD_SETLKW`) on the region's state byte, through each side's
@@ -68,8 +69,10 @@ def _unlock(fd: int, start: int) -> None:
 
 
 class SlabWriter:
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, dead_reader_probe_s: float = 1.0) -> None:
         self.name, self.size = name, _align(size)
+        self.dead_reader_probe_s = dead_reader_probe_s
+        self._next_probe = 0.0
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             os.ftruncate(fd, self.size)
@@ -113,31 +116,36 @@ class SlabWriter:
         off = payload_off - REGION_HDR
         entry = self._used.get(off)
         if entry and entry[1] == generation:
-            self._transition(off, generation, expired=False)
+            self._transition(off, generation, untaken_too=True)
         self.reclaim()
 
     def reclaim(self) -> None:
         """Regions receivers freed, WRITTEN ones nobody took before their expiry, and TAKEN
-        ones past it whose reader is gone."""
+        ones whose reader is gone (a killed decode instance must not pin its KV for a TTL)."""
         now = time.monotonic()
+        probe = now >= self._next_probe
+        if probe:
+            self._next_probe = now + self.dead_reader_probe_s
         for off, (length, gen, expiry) in list(self._used.items()):
-            if self._mm[off] != FREE and expiry <= now:
-                self._transition(off, gen, expired=True)
+            state = self._mm[off]
+            if state == WRITTEN and expiry <= now or state == TAKEN and (probe or expiry <= now):
+                self._transition(off, gen, untaken_too=expiry <= now)
             if self._mm[off] == FREE:  # only this side leaves FREE: no lock needed to see it
                 del self._used[off]
                 self._insert_free(off, length)
 
-    def _transition(self, off: int, gen: int, expired: bool) -> None:
-        """Under the region's lock: WRITTEN -> FREE; past the TTL also TAKEN -> FREE when
-        the reader's lease is free (its process died)."""
+    def _transition(self, off: int, gen: int, untaken_too: bool) -> None:
+        """Under the region's lock: TAKEN -> FREE when the reader's lease is free (the lease
+        is locked before TAKEN is written and let go after FREE is: its process died); with
+        `untaken_too` also WRITTEN -> FREE."""
         _lock(self._fd, off)
         try:
             state, now_gen = _HDR.unpack_from(self._mm, off)
             if now_gen != gen:
                 return
-            if state == WRITTEN:
+            if state == WRITTEN and untaken_too:
                 self._mm[off] = FREE
-            elif state == TAKEN and expired and _lock(self._fd, off + _LEASE, wait=False):
+            elif state == TAKEN and _lock(self._fd, off + _LEASE, wait=False):
                 self._mm[off] = FREE
                 _unlock(self._fd, off + _LEASE)
         finally:

@@ -179,20 +179,22 @@ def _taker(name: str, off: int, gen: int, conn) -> None:
     time.sleep(600)  # holds the view until killed
 
 
-def test_region_of_a_reader_killed_mid_read_is_reclaimed_after_its_ttl():
-    """kill -9 of a receiver holding a region: the sender takes it back once its TTL passed
-    (while the reader lives, the region stays its own, TTL or not)."""
-    w = SlabWriter(f"{PREFIX}-{uuid.uuid4().hex[:8]}", 2 * (PAYLOAD + 64))
+def test_region_of_a_reader_killed_mid_read_is_reclaimed_long_before_its_ttl():
+    """kill -9 of a receiver holding a region (a decode instance killed with KV in hand): the
+    sender takes it back at its next look for dead readers, not a 10-minute TTL later; while
+    the reader lives, the region stays its own however often the sender looks."""
+    w = SlabWriter(f"{PREFIX}-{uuid.uuid4().hex[:8]}", 2 * (PAYLOAD + 64), dead_reader_probe_s=0.0)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     try:
-        off, gen = w.alloc(PAYLOAD, ttl_s=0.2)
+        off, gen = w.alloc(PAYLOAD, ttl_s=600)
         fill(w, off, gen)
         proc = ctx.Process(target=_taker, args=(w.name, off, gen, child), daemon=True)
         proc.start()
         assert parent.poll(120) and parent.recv() is True
-        time.sleep(0.3)  # past the TTL, the reader alive: its region stays taken
-        w.reclaim()
+        for _ in range(3):  # the reader alive: looked at, its region stays taken
+            w.reclaim()
+        w.free(off, gen)  # the sender's release after the handoff leaves a read region alone
         assert w.used_bytes == PAYLOAD + 64
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
