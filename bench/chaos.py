@@ -30,6 +30,10 @@ leaks: how many of the resources in `leak_detail` (gateway and stage in-flight g
 and KV bytes held for decode, open client connections, unheld /dev/shm segments, open fds of
 the stage processes) are higher after the fault run, once the stack is idle and SERVING again,
 than before it.
+cpu_clean / cpu_faults (`bench/harness/proc_cpu.py`): the stack's CPU seconds in each run split
+into starting (processes being brought back: restarts, standbys' imports, scale-ups, until
+SERVING) and serving, with their shares of the machine; serving_cpu_faults_over_clean: what the
+fault run had left to serve with, next to goodput_faults_over_clean.
 
   python bench/chaos.py --quick            # 90 s per run (the CI test)
   python bench/chaos.py --minutes 10       # the soak; last stdout line: JSON
@@ -56,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.admission import profile_of  # noqa: E402
 from bench.chaos_faults import Fault, schedule  # noqa: E402
+from bench.harness.proc_cpu import CpuLedger  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
 from easerve.slo import SLO, RequestRecord  # noqa: E402
 from hasctl.launch import StageExited  # noqa: E402
@@ -481,16 +486,18 @@ def main(argv=None) -> int:
         log(f"capacity {cap:.2f} req/s; runs at {rate:.2f} req/s for {duration:.0f} s")
         plans = plan(rate, duration, args.seed, name, args)
         settle(stack)
-        clean, clean_recs = asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic()))
+        with CpuLedger(stack) as cpu_clean:
+            clean, clean_recs = asyncio.run(run_load(url, plans, args.deadline_s, time.monotonic()))
         log(f"clean run: {counts(clean)}")
         before = settle(stack)
         faults, events = schedule(duration, args.seed), []
         t0 = time.monotonic() + 0.5
-        main_thread, fired = inject(stack, faults, t0, events)
-        faulty, faulty_recs = asyncio.run(run_load(url, plans, args.deadline_s, t0))
-        main_thread.join()
-        for t in fired:
-            t.join()
+        with CpuLedger(stack) as cpu_faults:
+            main_thread, fired = inject(stack, faults, t0, events)
+            faulty, faulty_recs = asyncio.run(run_load(url, plans, args.deadline_s, t0))
+            main_thread.join()
+            for t in fired:
+                t.join()
         after = settle(stack)
         log(f"fault run: {counts(faulty)}")
     finally:
@@ -524,7 +531,10 @@ def main(argv=None) -> int:
            "faults": {k: sum(e["kind"] == k for e in events) for k in ("kill", "stop", "drain")},
            "fault_errors": [e for e in events if e["result"] != "ok" and not e["result"].startswith("exit code 0")
                             and e["kind"] != "link_cut"][:10],
-           "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts}
+           "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts,
+           "cpu_clean": cpu_clean.summary(), "cpu_faults": cpu_faults.summary(),
+           "serving_cpu_faults_over_clean": round(
+               cpu_faults.summary()["serving_cpu_s"] / cpu_clean.summary()["serving_cpu_s"], 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean,
                                           "fault_results": faulty}, indent=1) + "\n")

@@ -227,7 +227,14 @@ class Stack:
 
     @property
     def pids(self) -> dict[str, int | None]:
-        return {n: (p.popen.pid if p.popen else None) for n, p in self._procs.items()}
+        with self._lock:
+            return {n: (p.popen.pid if p.popen else None) for n, p in self._procs.items()}
+
+    @property
+    def spare_pids(self) -> dict[str, int | None]:
+        """Each stage process's standby (standby=True), None where it has none now."""
+        with self._lock:
+            return {n: (p.spare.pid if p.spare else None) for n, p in self._procs.items()}
 
     def standby_ready(self, name: str) -> bool:
         """Whether `name` has a standby that has finished its imports (standby=True only)."""
