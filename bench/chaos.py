@@ -1,8 +1,10 @@
 """Chaos soak: nothing lost under faults at 2x load (issue 34, item 4).
 
 One `hasctl.launch.Stack`: 2 encode, 2 prefill and 2 decode instances of the random-weight
-Qwen2.5-VL checkpoint at `--scale` (bench), each with a standby (`standby=True`), the gateway with
-`--admission reject` on a `hasctl profile` of the checkpoint. Steps:
+Qwen2.5-VL checkpoint at `--scale` (bench), restarted from the fork server that imported the
+stage code once (`--restarts fork`, `hasctl.forked`) or each with a pre-imported standby
+(`--restarts standby`), the gateway with `--admission reject` on a `hasctl profile` of the
+checkpoint. Steps:
 1. with the same deployment but admission off: the unloaded TTFT and TPOT of each modality through
    the stack (requests one at a time), and the capacity C: the completion rate of an overloaded
    open-loop probe (--probe-rate for --probe-s, the rate doubled while the stack keeps up with 70 %
@@ -85,6 +87,10 @@ def parse_args(argv=None):
     ap.add_argument("--scale", default="bench", choices=("tiny", "bench"),
                     help="size of the default checkpoint (bench: its model work, not the load client, sets the "
                          "capacity; at tiny the stack outruns what one client process on these cores can send)")
+    ap.add_argument("--restarts", default="fork", choices=("fork", "standby"),
+                    help="how a killed or added instance comes up: forked from the stack's fork server (no "
+                         "imports), or a promoted standby process per stage process (imports done ahead, "
+                         "each standby's own ~4 CPU-s spent beside the serving ones)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
     ap.add_argument("--profile", default=None, help="hasctl profile of the checkpoint (default: made once)")
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
@@ -352,15 +358,30 @@ def _unheld_shm() -> int:
     return sum(f"/dev/shm/{n}" not in held for n in os.listdir("/dev/shm") if n.startswith("easerve"))
 
 
+FD_READS = 4  # the fewest open fds of this many reads 0.5 s apart: a leak stays, the socket of a
+              # /metrics read (just before) or a reconnecting peer does not
+
+
+def _stage_fds(stack) -> int:
+    n = 0
+    for name, pid in stack.pids.items():
+        if name != "gateway" and pid:
+            try:
+                n += len(os.listdir(f"/proc/{pid}/fd"))
+            except FileNotFoundError:
+                pass
+    return n
+
+
 def snapshot(stack) -> dict:
     out = dict.fromkeys(GAUGES, 0.0)
     for url in stack.endpoints.metrics.values():
         for k, v in _gauges(url).items():
             out[k] += v
-    fds = 0
-    for name, pid in stack.pids.items():
-        if name != "gateway" and pid:
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
+    fds = _stage_fds(stack)
+    for _ in range(FD_READS - 1):
+        time.sleep(0.5)
+        fds = min(fds, _stage_fds(stack))
     gw_port = int(stack.endpoints.http.rsplit(":", 1)[1])
     return {**out, "open_streams": _established(gw_port), "shm_segments_unheld": _unheld_shm(), "fds": fds}
 
@@ -401,7 +422,7 @@ def token_mismatches(clean: list[dict], faulty: list[dict]) -> tuple[int, int]:
 
 
 # ---- the flow ------------------------------------------------------------------------------------
-def start_stack(model: str, profile: str, tier: str, admission: str = "reject"):
+def start_stack(model: str, profile: str, tier: str, admission: str = "reject", restarts: str = "fork"):
     from hasctl.deployment import Deployment, Worker
     from hasctl.launch import Stack
     one = {"threads": 1}
@@ -409,7 +430,7 @@ def start_stack(model: str, profile: str, tier: str, admission: str = "reject"):
                    encode=(Worker(flags={"max-batch": 8, "remote-fraction": 1.0, **one}),) * 2,
                    prefill=(Worker(flags=one),) * 2, decode=(Worker(flags=one),) * 2)
     d = d.with_gateway_ports(0, 0).with_flags("gateway", profile=profile, admission=admission, slo_tier=tier)
-    return Stack(d, standby=True, metrics=True,
+    return Stack(d, standby=restarts == "standby", fork=restarts == "fork", metrics=True,
                  env={"EASERVE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}).start(timeout=900)
 
 
@@ -465,7 +486,7 @@ def main(argv=None) -> int:
     duration = args.minutes * 60.0
     log = lambda msg: print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     name = Path(model).name
-    probe_stack = start_stack(model, profile, args.tier, admission="off")
+    probe_stack = start_stack(model, profile, args.tier, admission="off", restarts=args.restarts)
     try:  # capacity and the unloaded latency, with admission off: what the stack itself can do
         url = probe_stack.endpoints.http
         asyncio.run(run_load(url, plan(1.0, 3.0, args.seed + 1, name, args, False), args.deadline_s, time.monotonic()))
@@ -477,7 +498,7 @@ def main(argv=None) -> int:
     slo = profile_format.load(profile).slo(args.tier)
     log("unloaded through the stack (TTFT, TPOT ms): " + ", ".join(
         f"{m} {t * 1e3:.0f} / {p * 1e3:.1f}" for m, (t, p) in alone.items()) + f"; SLO {args.tier}: {slo.to_dict()}")
-    stack = start_stack(model, profile, args.tier)
+    stack = start_stack(model, profile, args.tier, restarts=args.restarts)
     try:
         url = stack.endpoints.http
         log(f"stack up in {stack.run_dir}")
@@ -531,7 +552,7 @@ def main(argv=None) -> int:
            "faults": {k: sum(e["kind"] == k for e in events) for k in ("kill", "stop", "drain")},
            "fault_errors": [e for e in events if e["result"] != "ok" and not e["result"].startswith("exit code 0")
                             and e["kind"] != "link_cut"][:10],
-           "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts,
+           "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts, "restart_mode": args.restarts,
            "cpu_clean": cpu_clean.summary(), "cpu_faults": cpu_faults.summary(),
            "serving_cpu_faults_over_clean": round(
                cpu_faults.summary()["serving_cpu_s"] / cpu_clean.summary()["serving_cpu_s"], 3)}

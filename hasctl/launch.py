@@ -40,6 +40,7 @@ from easerve.healthcheck import check
 from easerve.rpc.tls import NO_TLS, Tls
 from easerve.stages.common.peer_sources import write_peers_file
 from easerve.transport.shm_reclaim import reclaim_stale
+from hasctl.forked import ForkedProcess, ForkServer, forkable
 from hasctl.deployment import (STAGES, Command, Deployment, Worker, command_stop_s, peer_roles, peer_lists,
                                process_names, stage_command, to_commands)
 
@@ -182,9 +183,11 @@ class Stack:
     def __init__(self, deployment: Deployment, *, host: str = "127.0.0.1", base_port: int | None = None,
                  run_dir: str | Path | None = None, python: str | None = None, restart: bool = True,
                  backoff_s: tuple[float, float] = (0.5, 15.0), env: dict[str, str] | None = None,
-                 tls: Tls = NO_TLS, standby: bool = False, metrics: bool = False):
+                 tls: Tls = NO_TLS, standby: bool = False, metrics: bool = False, fork: bool = False):
         """`metrics`: every stage process serves /metrics (encode also /trace) on a free port
-        (`endpoints.metrics`) unless its flags name --metrics-listen (`hasctl up` turns it on)."""
+        (`endpoints.metrics`) unless its flags name --metrics-listen (`hasctl up` turns it on).
+        `fork`: stage processes and their restarts are forked from a process that did their
+        imports once (`hasctl.forked`), instead of standbys (`standby`) or cold starts."""
         if not deployment.model:
             raise ValueError("the deployment has no model; call deployment.with_model(path) first")
         self.tls = tls
@@ -192,6 +195,9 @@ class Stack:
             deployment = with_tls(deployment, tls)
         self.deployment, self.host, self.restart = deployment, host, restart
         self.backoff_s, self._env, self.standby, self.metrics = backoff_s, dict(env or {}), standby, metrics
+        if fork and standby:
+            raise ValueError("fork and standby are two ways to skip a restart's imports; choose one")
+        self.fork, self._forks = fork, None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="easerve-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ports = assign_ports(deployment, host, base_port)
@@ -312,6 +318,8 @@ class Stack:
             for p in procs:                            # reaped by init once orphaned: stop returns after that
                 while _group_alive(p.popen.pid) and time.monotonic() < reap_by:
                     time.sleep(0.02)
+            if self._forks is not None:
+                self._forks.close()
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -417,12 +425,18 @@ class Stack:
                 write_peers_file(p.peers_file, peer_lists(self._roles(p), addrs))
 
     # ---- processes ------------------------------------------------------------------------------
-    def _popen(self, p: _Proc, argv: tuple[str, ...], what: str, stdin) -> subprocess.Popen:
+    def _popen(self, p: _Proc, argv: tuple[str, ...], what: str, stdin) -> subprocess.Popen | ForkedProcess:
         env = {**dict(p.cmd.env), **os.environ, "PYTHONUNBUFFERED": "1", **self._env}  # the command's are defaults
         env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO), env.get("PYTHONPATH", "")) if x)
+        fork = self.fork and stdin is subprocess.DEVNULL and forkable(argv, self._python)
+        if fork and (self._forks is None or not self._forks.alive):
+            self._forks = ForkServer(self._python, env, str(_REPO), str(self.run_dir / "fork-server.log"))
         with open(p.log, "ab") as out:
-            out.write(f"=== {time.strftime('%H:%M:%S')} {what}: {' '.join(argv)}\n".encode())
+            out.write(f"=== {time.strftime('%H:%M:%S')} {what}{' (forked)' if fork else ''}: {' '.join(argv)}\n".encode())
             out.flush()
+        if fork:
+            return self._forks.spawn(argv, str(p.log), env, str(_REPO))
+        with open(p.log, "ab") as out:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
                                     env=env, cwd=str(_REPO), start_new_session=True)
 
@@ -516,7 +530,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def _signal_group(popen: subprocess.Popen | ForkedProcess, sig: int) -> None:
     try:
         os.killpg(popen.pid, sig)
     except (ProcessLookupError, PermissionError):

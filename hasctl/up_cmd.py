@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--standby", action="store_true",
                    help="keep a pre-imported standby per stage process: a restart after a crash takes seconds, "
                         "not a cold start (costs one idle process's memory per stage process)")
+    p.add_argument("--fork", action="store_true",
+                   help="fork every stage process, and each restart, from one process that imported the stage "
+                        "code once (no per-process standby; a restart costs its model load, not ~4 CPU-s of imports)")
     p.add_argument("--no-metrics", action="store_true",
                    help="do not serve each stage's /metrics (and encode's /trace) on the free ports `up` prints")
     p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
@@ -117,7 +120,7 @@ def run(args) -> int:
         raise ValueError("--autoscale reads the encode instances' /metrics: drop --no-metrics")
     tls = Tls(*(str(Path(f).resolve()) if f else "" for f in (args.tls_cert, args.tls_key, args.tls_ca)))
     stack = Stack(resolve(args), host=args.host, base_port=args.base_port, run_dir=args.run_dir, tls=tls,
-                  standby=args.standby, metrics=not args.no_metrics)
+                  standby=args.standby, fork=args.fork, metrics=not args.no_metrics)
     _notice_if_tiny(stack.deployment.model)
     print(f"starting {stack.deployment.name} ({len(stack.pids)} processes), logs in {stack.run_dir}", flush=True)
     done, scaler = threading.Event(), None
