@@ -1,10 +1,10 @@
 """The chaos soak's 90-second version (`bench/chaos.py --quick`, issue 34): 2 encode, 2 prefill and
-2 decode instances of the bench-scale random-weight Qwen2.5-VL with standbys, admission on, at 2x
-the measured capacity, with instances killed (kill -9), stopped (SIGSTOP 5 s) and drained on a
-seeded schedule: no accepted request is lost or hangs, no answer gains or loses a token against
-the fault-free run of the same requests, nothing leaks, every malformed request gets 400, and the
-SLO (a multiple of the stack's own unloaded latency) is met by some requests of the clean run, so
-goodput has a reference."""
+2 decode instances of the bench-scale random-weight Qwen2.5-VL, each process and each restart
+forked from the stack's fork server, admission on, at 2x the measured capacity, with instances
+killed (kill -9), stopped (SIGSTOP 5 s) and drained on a seeded schedule: no accepted request is
+lost or hangs, no answer gains or loses a token against the fault-free run of the same requests,
+nothing leaks, every malformed request gets 400, and the SLO (a multiple of the stack's own
+unloaded latency) is met by some requests of the clean run, so goodput has a reference."""
 from __future__ import annotations
 
 import json
