@@ -1,11 +1,11 @@
 """Stage processes forked from a process that has done their imports once.
 
-A cold stage process spends about 4 CPU seconds importing torch, transformers and the stage's
-code before it loads a model (bench checkpoint, this machine: decode 4.4, encode 4.1, prefill
-4.0 CPU-s, against 0.3-2.2 from then to SERVING). A `hasctl.launch.Stack` with `fork=True`
-runs one fork server, `python -m hasctl.forked`, which imports every stage entry point
-(`services.<stage>.__main__`) once and then forks each stage process, and each restart, from
-itself: a restart costs the model load, and no standby sits beside each stage process.
+Most of a cold stage process's start is importing torch, transformers and the stage's code,
+before it loads a model (`bench/restart_cost.py` measures each way of restarting side by side).
+A `hasctl.launch.Stack` with `fork=True` runs one fork server, `python -m hasctl.forked`,
+which imports every stage entry point (`services.<stage>.__main__`) once and then forks each
+stage process, and each restart, from itself: a restart costs the model load, and no standby
+sits beside each stage process.
 
 The fork server reads one JSON request per line on stdin ({"argv", "log", "env", "cwd"}),
 forks, and writes {"pid"} back, later {"pid", "exit"} when that child ends (JSON only: no
