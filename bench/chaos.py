@@ -534,6 +534,7 @@ def main(argv=None) -> int:
     rec_clean = recoveries(clean_recs)  # the same instants, no fault: the floor
     mism, checked = token_mismatches(clean, faulty)
     leak_detail = {k: [before[k], after[k]] for k in before}
+    cpu_c, cpu_f = cpu_clean.summary(), cpu_faults.summary()
     c = counts(faulty)
     out = {**{k: c[k] for k in ("sent", "completed", "refused_retryable", "failed_retryable", "lost", "hung")},
            "duplicated_or_missing_tokens": mism,
@@ -553,9 +554,8 @@ def main(argv=None) -> int:
            "fault_errors": [e for e in events if e["result"] != "ok" and not e["result"].startswith("exit code 0")
                             and e["kind"] != "link_cut"][:10],
            "link_cut": LINK_CUT, "leak_detail": leak_detail, "restarts": stack.restarts, "restart_mode": args.restarts,
-           "cpu_clean": cpu_clean.summary(), "cpu_faults": cpu_faults.summary(),
-           "serving_cpu_faults_over_clean": round(
-               cpu_faults.summary()["serving_cpu_s"] / cpu_clean.summary()["serving_cpu_s"], 3)}
+           "cpu_clean": cpu_c, "cpu_faults": cpu_f,
+           "serving_cpu_faults_over_clean": round(cpu_f["serving_cpu_s"] / cpu_c["serving_cpu_s"], 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean,
                                           "fault_results": faulty}, indent=1) + "\n")

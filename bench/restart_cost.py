@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness.proc_cpu import cpu_s  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
 from hasctl.forked import ForkServer  # noqa: E402
 from hasctl.launch import free_port, health_ok  # noqa: E402
+from hasctl.profile_host import cpu_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"encode": ("easerve.v1.Encode", ["--prefill", "127.0.0.1:9"]),
@@ -108,11 +108,7 @@ def forked(stage: str, model: str, server: ForkServer, log_path: str) -> dict:
     try:
         cpu, wall = until_serving(stage, port, child.pid, child.poll, t0)
     finally:
-        try:
-            os.killpg(child.pid, 9)
-        except ProcessLookupError:
-            pass
-        child.wait(30)
+        stop(child)
     return {"cpu_per_restart_s": cpu, "wall_to_serving_s": wall}
 
 

@@ -434,9 +434,8 @@ class Stack:
         with open(p.log, "ab") as out:
             out.write(f"=== {time.strftime('%H:%M:%S')} {what}{' (forked)' if fork else ''}: {' '.join(argv)}\n".encode())
             out.flush()
-        if fork:
-            return self._forks.spawn(argv, str(p.log), env, str(_REPO))
-        with open(p.log, "ab") as out:
+            if fork:
+                return self._forks.spawn(argv, str(p.log), env, str(_REPO))
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
                                     env=env, cwd=str(_REPO), start_new_session=True)
 

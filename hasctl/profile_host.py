@@ -22,23 +22,38 @@ from easerve.policy.service_model import HOST_STAGES
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (None once the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_of(fields: list[str]) -> float:
+    """utime + stime of stat_fields, seconds (fields 14 and 15 of stat)."""
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def cpu_s(pid: int) -> float | None:
+    """utime + stime of `pid` alone so far, seconds (None once it is gone)."""
+    f = stat_fields(pid)
+    return None if f is None else cpu_of(f)
+
+
 def tree_cpu_s(pids: list[int]) -> float:
     """utime + stime of `pids` and all their descendants, seconds."""
     kids: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
+        if d.isdigit() and (f := stat_fields(d)) is not None:
             stats[int(d)] = f
             kids.setdefault(int(f[1]), []).append(int(d))
     total, todo = 0.0, list(pids)
     while todo:
         p = todo.pop()
         if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / TICK
+            total += cpu_of(stats[p])
         todo += kids.get(p, [])
     return total
 

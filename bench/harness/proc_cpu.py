@@ -13,18 +13,7 @@ import os
 import threading
 import time
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of `pid` so far (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime: fields 14 and 15 of stat
-
+from hasctl.profile_host import cpu_s
 
 class CpuLedger:
     def __init__(self, stack, period_s: float = 0.5) -> None:

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.proc_cpu import CpuLedger, cpu_s
+from bench.harness.proc_cpu import CpuLedger
+from hasctl.profile_host import cpu_s
 
 BURN = """
 import sys, time
