@@ -166,3 +166,50 @@ def test_a_bias_learned_in_an_overload_refuses_a_light_load_only_until_its_first
     assert probes[0] is True and not any(probes[1:])  # one probe was enough: then the admitted report back
     refused, probes = _locked_out(probe_s=0.0)       # without probes nothing ever reports back
     assert (refused, probes) == (600, [])
+
+
+def _noisy(clock: ManualClock, cal: Calibration, pred: LatencyPredictor, err: float, n: int = 200) -> None:
+    """n requests whose actual TTFT and TPOT are exp(+-err) x the raw prediction, alternately."""
+    for i in range(n):
+        clock.advance(0.1)
+        p = pred.predict(IMAGE, LiveState(clock.now()))
+        k = math.exp(err if i % 2 else -err)
+        cal.observe_ttft(p.raw_ttft_s, k * p.raw_ttft_s)
+        cal.observe_tpot(p.raw_tpot_s, k * p.raw_tpot_s)
+
+
+def test_the_spread_is_the_calibrated_predictions_recent_error_and_stays_within_its_bound():
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    pred = LatencyPredictor(SVC, clock, cal)
+    assert pred.spread() == (0.0, 0.0) and LatencyPredictor(SVC, clock).spread() == (0.0, 0.0)
+    _noisy(clock, cal, pred, err=0.2)   # the fast factor chases the last sample: error 0.2-0.3 a request
+    assert 0.15 < cal.ttft_spread() < 0.35 and 0.15 < cal.tpot_spread() < 0.35
+    _noisy(clock, cal, pred, err=0.0)   # exact from now on: the spread decays with the residual swing
+    assert cal.ttft_spread() < 0.02
+    _noisy(clock, cal, pred, err=3.0)
+    assert cal.ttft_spread() == pytest.approx(math.log(cal.max_spread))
+
+
+def test_a_request_predicted_just_over_its_limit_is_admitted_one_predicted_well_over_is_refused():
+    """With a spread of ~0.25 learned, margin 1 lets in a request predicted 10 % over its TTFT
+    (or TPOT) limit and refuses one 60 % over; margin 0 refuses both."""
+    from easerve.policy.admission import Admission, TierLimits
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    predictor = LatencyPredictor(SVC, clock, cal)
+    _noisy(clock, cal, predictor, err=0.2)
+    p = predictor.predict(IMAGE, LiveState(clock.now()))
+    actions = {}
+    for margin in (0.0, 1.0):
+        adm = Admission("reject", predictor, clock, probe_s=0.0, margin=margin)
+        for over in (1.1, 1.6):
+            for which, tier in (("ttft", TierLimits(p.ttft_s / over, 10.0)), ("tpot", TierLimits(10.0, p.tpot_s / over))):
+                actions[margin, over, which] = adm.decide(IMAGE, LiveState(clock.now()), tier, "interactive",
+                                                          clock.now()).action
+    assert actions == {(0.0, 1.1, "ttft"): "reject", (0.0, 1.1, "tpot"): "reject",
+                       (0.0, 1.6, "ttft"): "reject", (0.0, 1.6, "tpot"): "reject",
+                       (1.0, 1.1, "ttft"): "admit", (1.0, 1.1, "tpot"): "admit",
+                       (1.0, 1.6, "ttft"): "reject", (1.0, 1.6, "tpot"): "reject"}
+    with pytest.raises(ValueError, match="--admission-margin must be >= 0"):
+        Admission("reject", predictor, clock, margin=-1.0)
