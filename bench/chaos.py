@@ -27,7 +27,12 @@ duplicated_or_missing_tokens: fault-run answers that differ from the clean run's
 same request (both completed). recovery_s: after each kill, seconds until the goodput of the
 next --window-s is back within 10 % of the clean run's mean goodput (the run's end when never);
 recovery_s_clean_p99: the same figure on the clean run at the same instants (its noise floor: a
-2x load's goodput per second varies with no fault at all).
+2x load's goodput per second varies with no fault at all). recovery_s_epoch: the kills superposed
+(`bench/chaos_recovery.py` epoch_recovery: the fault run's good completions over the clean run's
+at each second after a kill, summed over the kills), the first second from which that ratio stays
+within 10 % of 1 until the next kill (null: it does not), with a bootstrap 95 % interval over the
+kills; recovery_s_epoch_isolated: the same over the kills with no stop or drain from 5 s before to
+10 s after them. `recovery_epoch` holds both curves.
 leaks: how many of the resources in `leak_detail` (gateway and stage in-flight gauges, KV usage
 and KV bytes held for decode, open client connections, unheld /dev/shm segments, open fds of
 the stage processes) are higher after the fault run, once the stack is idle and SERVING again,
@@ -62,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.admission import profile_of  # noqa: E402
 from bench.chaos_faults import Fault, schedule  # noqa: E402
+from bench.chaos_recovery import epoch_recovery, good_per_s, isolated, recovery_s, window_mean  # noqa: E402
 from bench.harness.proc_cpu import CpuLedger  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
 from easerve.slo import SLO, RequestRecord  # noqa: E402
@@ -394,27 +400,6 @@ def counts(results: list[dict]) -> dict:
     return {"sent": len(results), **c}
 
 
-def goodput_series(recs: list[RequestRecord], slo: SLO, duration_s: float, window_s: float) -> np.ndarray:
-    """Requests meeting the SLO per second, averaged over the window_s starting at each whole second
-    (what the stack delivers from then on: a trailing window would still hold the dip itself)."""
-    per_s = np.zeros(int(duration_s + 3 * window_s) + 1)
-    for r in recs:
-        if slo.met(r) and r.end_s is not None:
-            per_s[min(int(r.end_s), len(per_s) - 1)] += 1
-    w = int(window_s)
-    return np.convolve(per_s, np.ones(w) / w)[w - 1: w - 1 + len(per_s)]
-
-
-def recovery_s(series: np.ndarray, target: float, kills: list[float]) -> list[float]:
-    """Per kill: seconds from it to the first whole second after it from which the goodput of the
-    next window is within 10 % of `target` (the run's end when never)."""
-    out = []
-    for k in kills:
-        after = [t for t in range(int(k) + 1, len(series)) if series[t] >= 0.9 * target]
-        out.append(float(after[0] - k if after else len(series) - k))
-    return out
-
-
 def token_mismatches(clean: list[dict], faulty: list[dict]) -> tuple[int, int]:
     ref = {r["index"]: r for r in clean if r["outcome"] == "completed"}
     both = [(ref[r["index"]], r) for r in faulty if r["outcome"] == "completed" and r["index"] in ref]
@@ -527,11 +512,15 @@ def main(argv=None) -> int:
     good_clean = sum(slo.met(r) for r in wanted)
     good_faults = sum(slo.met(r) for p, r in zip(plans, faulty_recs) if not p.malformed and not p.cancel_after)
     kills = [f.at_s for f in faults if f.kind == "kill"]
-    recoveries = lambda recs: recovery_s(goodput_series(  # noqa: E731
-        [r for p, r in zip(plans, recs) if not p.cancel_after], slo, duration, args.window_s),
-        good_clean / duration, kills)
-    rec_s = recoveries(faulty_recs)
-    rec_clean = recoveries(clean_recs)  # the same instants, no fault: the floor
+    good = {name: good_per_s([r.end_s for p, r in zip(plans, recs) if not p.cancel_after and slo.met(r)], duration)
+            for name, recs in (("clean", clean_recs), ("faults", faulty_recs))}
+    target = good_clean / duration
+    rec_s = recovery_s(window_mean(good["faults"], int(args.window_s)), target, kills)
+    rec_clean = recovery_s(window_mean(good["clean"], int(args.window_s)), target, kills)  # no fault: the floor
+    others = [f.at_s for f in faults if f.kind in ("stop", "drain")]
+    lone = isolated(kills, others, before_s=5.0, after_s=10.0)
+    epochs = {"all": epoch_recovery(good["faults"], good["clean"], kills, seed=args.seed),
+              "isolated": epoch_recovery(good["faults"], good["clean"], lone, seed=args.seed)}
     mism, checked = token_mismatches(clean, faulty)
     leak_detail = {k: [before[k], after[k]] for k in before}
     cpu_c, cpu_f = cpu_clean.summary(), cpu_faults.summary()
@@ -542,6 +531,10 @@ def main(argv=None) -> int:
            "recovery_s_p99": round(float(np.percentile(rec_s, 99)), 2) if rec_s else None,
            "recovery_s": [round(x, 1) for x in rec_s],
            "recovery_s_clean_p99": round(float(np.percentile(rec_clean, 99)), 2) if rec_clean else None,
+           "recovery_s_epoch": epochs["all"].get("recovered_s"),
+           "recovery_s_epoch_ci95": epochs["all"].get("recovered_s_ci95"),
+           "recovery_s_epoch_isolated": epochs["isolated"].get("recovered_s"),
+           "recovery_epoch": epochs,
            "leaks": sum(a > b for b, a in leak_detail.values()),
            "cancelled": c["cancelled"], "rejected_invalid": c["rejected_invalid"],
            "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,
@@ -557,8 +550,11 @@ def main(argv=None) -> int:
            "cpu_clean": cpu_c, "cpu_faults": cpu_f,
            "serving_cpu_faults_over_clean": round(cpu_f["serving_cpu_s"] / cpu_c["serving_cpu_s"], 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean,
-                                          "fault_results": faulty}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({**out, "events": events, "clean_results": clean, "fault_results": faulty,
+                                          "good_per_s": {k: v.tolist() for k, v in good.items()},
+                                          "records": {"clean": [r.to_dict() for r in clean_recs],
+                                                      "faults": [r.to_dict() for r in faulty_recs]}},
+                                         indent=1) + "\n")
     finish("chaos", args, out, argv)
     return 0
 

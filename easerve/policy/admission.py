@@ -10,13 +10,6 @@ spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit
 predicted TPOT over the TPOT limit. The prediction knows the request's deadline and whether it
 yields (`batch`), so it counts only the queued requests the deadline order puts ahead of it.
 
-A prediction is off by some amount for any one request (the calibration's spread: the recent mean
-|log(actual / predicted)|). With `margin` m, a request counts as a predicted miss only when it is
-predicted over its limit by more than m spreads (limit x exp(m x spread), TTFT and TPOT each with
-its own): one predicted a few percent over the limit meets it about as often as not, and refusing
-it turns away a request the stack would have served in time. 0: every prediction over the limit
-is a miss.
-
 A `reject` admission that has admitted nothing for `probe_s` admits the next predicted miss as a
 probe (`Decision.probe`): the calibration then takes that request's actual latency as the present
 truth (easerve/policy/calibration.py). Without it, a correction learned in an overload could
@@ -24,7 +17,6 @@ refuse every later request for ever, since only admitted requests report back.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -71,18 +63,14 @@ class Decision:
 
 
 class Admission:
-    def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock, probe_s: float = 1.0,
-                 margin: float = 0.0) -> None:
+    def __init__(self, mode: AdmissionMode, predictor: LatencyPredictor, clock: Clock, probe_s: float = 1.0) -> None:
         """`probe_s`: in `reject` mode, the longest run of refusals before a predicted miss is
-        admitted as a probe (0: never); `margin`: how many of the prediction's spreads over its
-        limit a request must be predicted to count as a miss (0: any amount over)."""
+        admitted as a probe (0: never)."""
         if mode not in ADMISSION_MODES:
             raise ValueError(f"--admission must be one of {list(ADMISSION_MODES)}, got {mode!r}")
         if probe_s < 0:
             raise ValueError(f"--admission-probe-s must be >= 0 (0: no probes), got {probe_s}")
-        if margin < 0:
-            raise ValueError(f"--admission-margin must be >= 0 (0: refuse any predicted miss), got {margin}")
-        self.mode, self.predictor, self.clock, self.probe_s, self.margin = mode, predictor, clock, probe_s, margin
+        self.mode, self.predictor, self.clock, self.probe_s = mode, predictor, clock, probe_s
         self._last_admit = clock.now()
 
     def decide(self, req: RequestShape, state: LiveState, tier: TierLimits, priority: Priority,
@@ -91,9 +79,7 @@ class Admission:
         pred = self.predictor.predict(req, state, elapsed_s=max(0.0, now - received),
                                       due_s=tier.ttft_s, yields=priority == "batch")
         deadline = received + tier.ttft_s
-        spread_t, spread_p = self.predictor.spread() if self.margin else (0.0, 0.0)
-        ttft_over = tier.ttft_s * math.exp(self.margin * spread_t)   # a miss beyond the prediction's error
-        miss = pred.ttft_s > ttft_over or pred.tpot_s > tier.tpot_s * math.exp(self.margin * spread_p)
+        miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
         if not miss:
             self._last_admit = now
             return Decision("admit", tier, priority, pred, deadline)
@@ -103,7 +89,7 @@ class Admission:
                 self._last_admit = now
                 return Decision("admit", tier, priority, pred, deadline, retry, probe=True)
             # no actual will come back: the calibration scores its shadow
-            self.predictor.refused(pred, ttft_over)
+            self.predictor.refused(pred, tier.ttft_s)
             return Decision("reject", tier, priority, pred, deadline, retry)
         self._last_admit = now
         if self.mode == "best-effort":

@@ -22,12 +22,7 @@ its raw prediction by exp(the fast one):
   overload (whose queues the raw model does not see, so its samples pass for uncongested) would
   otherwise refuse every request for ever, the refusals' shadows pulling only toward that bias;
   after a probe, the requests it lets in teach the lasting bias again.
-Both stay within [1 / `max_factor`, `max_factor`].
-
-The spread (`ttft_spread`, `tpot_spread`): a moving average (`slow_alpha`) of |log(actual /
-calibrated prediction)| over the same requests, at most log(`max_spread`): how far the corrected
-prediction is off for one request, so that admission can refuse only what is predicted to miss by
-more than that (easerve/policy/admission.py, `margin`). Pure, with an injected clock."""
+Both stay within [1 / `max_factor`, `max_factor`]. Pure, with an injected clock."""
 from __future__ import annotations
 
 import math
@@ -40,7 +35,6 @@ from easerve.policy.clock import Clock
 class _LogRatio:
     value: float = 0.0   # the fast average at `at`
     base: float = 0.0    # the slow average
-    dev: float = 0.0     # the moving average of |sample - fast average|: the calibrated error
     at: float = 0.0
     samples: int = 0
 
@@ -52,28 +46,20 @@ class Calibration:
     slow_alpha: float = 0.1     # ... in the slow one
     half_life_s: float = 3.0    # relaxation of the fast average toward the slow one without samples
     max_factor: float = 8.0
-    max_spread: float = 2.0     # the spread's bound, as a factor
     _ttft: _LogRatio = field(default_factory=_LogRatio)
     _tpot: _LogRatio = field(default_factory=_LogRatio)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.alpha <= 1.0 and 0.0 < self.slow_alpha <= 1.0):
             raise ValueError(f"calibration alpha and slow_alpha must be in (0, 1], got {self.alpha}, {self.slow_alpha}")
-        if self.half_life_s <= 0.0 or self.max_factor < 1.0 or self.max_spread < 1.0:
-            raise ValueError("calibration half_life_s must be > 0, max_factor and max_spread >= 1")
+        if self.half_life_s <= 0.0 or self.max_factor < 1.0:
+            raise ValueError("calibration half_life_s must be > 0 and max_factor >= 1")
 
     def ttft_factor(self) -> float:
         return self._factor(self._ttft)
 
     def tpot_factor(self) -> float:
         return self._factor(self._tpot)
-
-    def ttft_spread(self) -> float:
-        """The calibrated TTFT prediction's recent error, as |log(actual / predicted)|."""
-        return min(math.log(self.max_spread), self._ttft.dev)
-
-    def tpot_spread(self) -> float:
-        return min(math.log(self.max_spread), self._tpot.dev)
 
     def observe_ttft(self, raw_predicted_s: float, actual_s: float, raw_queue_s: float = 0.0,
                      probe: bool = False) -> None:
@@ -109,7 +95,6 @@ class Calibration:
             return
         sample = math.log(actual_s / raw_predicted_s)
         current = self._relaxed(r)
-        r.dev += self.slow_alpha * (abs(sample - current) - r.dev)
         r.value = sample if r.samples == 0 or probe else current + self.alpha * (sample - current)
         if uncongested:
             r.base += self.slow_alpha * (sample - r.base)

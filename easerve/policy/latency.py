@@ -196,12 +196,6 @@ class LatencyPredictor:
         return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
                           demoted=behind_all and due_s is not None)
 
-    def spread(self) -> tuple[float, float]:
-        """The calibrated predictions' recent error (TTFT, TPOT) as |log(actual / predicted)|;
-        (0, 0) without a calibration."""
-        c = self.calibration
-        return (c.ttft_spread(), c.tpot_spread()) if c is not None else (0.0, 0.0)
-
     def observe_ttft(self, pred: Prediction, actual_s: float, probe: bool = False) -> None:
         """A request's first token came `actual_s` after it arrived: the calibration learns from
         the part that was predicted (what was already spent at the prediction is left out); from

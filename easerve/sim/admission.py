@@ -49,7 +49,7 @@ class SimAdmission:
         self._enc, self._pre, self._dec = enc, pre, dec
         calibration = None if cfg.no_admission_calibration else Calibration(clock)
         self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), clock, calibration), clock,
-                                cfg.admission_probe_s, cfg.admission_margin)
+                                cfg.admission_probe_s)
         self.unserved: dict[int, Unserved] = {}   # admitted, no first token yet
         self.decided: list[Decided] = []
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import math
 import os
 import time
 import urllib.request
@@ -106,9 +105,7 @@ def test_a_burst_past_the_tier_is_partly_refused_and_what_is_admitted_meets_it(a
         assert len(probes) <= 1, probes
         for k in set(ok) - set(probes):                             # the admitted on merit meet the tight tier
             rec = recs[f"burst-{k}"]
-            # within the limit, or over it by less than the prediction's spread (--admission-margin 1)
-            assert rec["decision"] == "admit"
-            assert rec["predicted_ttft_ms"] <= rec["ttft_limit_ms"] * math.exp(rec["spread"][0])
+            assert rec["decision"] == "admit" and rec["predicted_ttft_ms"] <= rec["ttft_limit_ms"]
             assert rec["ttft_ms"] <= rec["ttft_limit_ms"], rec
         time.sleep(4 * POLL_S)  # the gateway's view of the queues is its last load poll: let one see them empty
         after = _send(stub, BURST)                                  # queues drained: admitted again

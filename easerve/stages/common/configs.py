@@ -340,10 +340,6 @@ class GatewayConfig(PeerFields, StageConfig):
         1.0, "with --admission reject: after this many seconds in which every request was refused, admit the "
         "next one as a probe whose actual latency resets the calibration (0: never; a correction learned in "
         "an overload could then refuse every later request)")
-    admission_margin: NonNegFloat = opt(
-        1.0, "refuse (or mark best-effort) only a request predicted over its tier by more than this many times "
-        "the predictor's recent error (the mean |log(actual / predicted)| of recent requests): one predicted "
-        "just over its limit meets it about as often as not; 0: every predicted miss")
     admission_encode_batch: PosInt = opt(8, "the encode instances' --max-batch, for the latency predictor")
     admission_prefill_tokens: PosInt = opt(2048, "the prefill instances' --max-batched-tokens, for the latency "
                                            "predictor")

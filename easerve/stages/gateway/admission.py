@@ -19,9 +19,7 @@ What is added to a stage is spread evenly over its instances (easerve/policy/gat
 Retry-After is the decision's; `best-effort` lets it in marked best-effort. The predictor is
 calibrated online by the actual TTFT and TPOT of the requests it admitted
 (easerve/policy/calibration.py); after --admission-probe-s of refusals one request is admitted
-as a probe, so a correction learned in an overload cannot refuse every later request; with
---admission-margin m a request counts as a predicted miss only beyond m x the calibrated
-prediction's recent error. Each request's prediction and its actual TTFT / TPOT go to the
+as a probe, so a correction learned in an overload cannot refuse every later request. Each request's prediction and its actual TTFT / TPOT go to the
 metrics and to a bounded list of records served at GET /trace.
 """
 from __future__ import annotations
@@ -61,7 +59,7 @@ class GatewayAdmission:
         self.clock = clock or MonotonicClock()
         calibration = None if cfg.no_admission_calibration else Calibration(self.clock)
         self.policy = Admission(cfg.admission, LatencyPredictor(ServiceModel(profile), self.clock, calibration),
-                                self.clock, cfg.admission_probe_s, cfg.admission_margin)
+                                self.clock, cfg.admission_probe_s)
         self.records: deque[dict] = deque(maxlen=TRACE_RECORDS)
         self._unserved: dict[str, Unserved] = {}  # admitted, no first token yet
 
@@ -111,7 +109,6 @@ class GatewayAdmission:
                            "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
                            "predicted_tpot_ms": p.tpot_s * 1e3,
                            "ttft_factor": p.ttft_factor, "tpot_factor": p.tpot_factor,
-                           "spread": [round(x, 4) for x in self.policy.predictor.spread()],
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
