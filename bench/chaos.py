@@ -70,7 +70,7 @@ from bench.chaos_faults import Fault, schedule  # noqa: E402
 from bench.chaos_recovery import epoch_recovery, good_per_s, isolated, recovery_s, window_mean  # noqa: E402
 from bench.harness.proc_cpu import CpuLedger  # noqa: E402
 from bench.harness.results import add_save_flag, finish  # noqa: E402
-from easerve.slo import SLO, RequestRecord  # noqa: E402
+from easerve.slo import RequestRecord  # noqa: E402
 from hasctl.launch import StageExited  # noqa: E402
 from hasctl.workload import WorkloadSpec, arrival_times, synthesize  # noqa: E402
 
