@@ -20,8 +20,8 @@ S, measured on the off stack before the trace, is the highest rate on the grid `
 of C, from the top) at which --requests Poisson arrivals meet the tier at least --attainment of the
 time: the load the stack can carry within the tier. C itself is not that: at 0.7 C the off stack
 misses the tier for a third of the requests or more (the stored run's `light_of_burst`: 39 of 60
-met), and refusing those is what admission is for. The same light fractions of C are run too and reported
-apart (`light_of_burst`), with how many of their refusals would have met.
+met), and refusing those is what admission is for. The same light fractions of C are run too and
+reported apart (`light_of_burst`), with how many of their refusals would have met.
 
 Last stdout line: JSON, "goodput_on_over_off" first (target >= 1.5), "ttft_pred_rel_err_median"
 (<= 0.25), "refused_would_have_missed" (>= 0.9), "refused_share_light" (< 0.01), then the
@@ -189,17 +189,17 @@ def main(argv=None) -> int:
     refused = [i for i, r in enumerate(recs["on"]) if r.error_kind == "http_429"]
     missed = [i for i in refused if not scoring.met(recs["off"][i], limits)]
     off, on = (scoring.summary_with_refusals(recs[m], limits, walls[m]) for m in ("off", "on"))
+    (light_share, light_met), (burst_share, burst_met) = shares(light), shares(light_burst)
     print("off:", json.dumps(off), "\non:", json.dumps(on), file=sys.stderr)
     print(f"done after {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     out = {"goodput_on_over_off": scoring.ratio(on["goodput_rps"], off["goodput_rps"]),
            "ttft_pred_rel_err_median": float(np.median(errs)) if errs else None,
            "refused_would_have_missed": len(missed) / len(refused) if refused else None,
-           "refused_share_light": shares(light)[0],
-           "refused_light_would_have_met": shares(light)[1],
+           "refused_share_light": light_share, "refused_light_would_have_met": light_met,
            "slo_capacity_rps": round(slo_cap, 3), "light": light, "attainment": args.attainment,
            "slo_capacity_tried": tried,
-           "refused_share_light_of_burst": shares(light_burst)[0],
-           "refused_light_of_burst_would_have_met": shares(light_burst)[1], "light_of_burst": light_burst,
+           "refused_share_light_of_burst": burst_share, "refused_light_of_burst_would_have_met": burst_met,
+           "light_of_burst": light_burst,
            "capacity_rps": capacity, "rate_rps": rate, "requests": len(reqs), "tier": args.tier,
            "ttft_limit_ms": limits[0], "tpot_limit_ms": limits[1], "quick": args.quick,
            "predictions": len(errs), "off": off, "on": on}

@@ -47,7 +47,8 @@ def recovery_s(series: np.ndarray, target: float, kills: Sequence[float], fracti
     return out
 
 
-def _ratio_curve(faulty: np.ndarray, clean: np.ndarray, starts: np.ndarray, offsets: range, window_s: int) -> np.ndarray:
+def _ratio_curve(faulty: np.ndarray, clean: np.ndarray, starts: np.ndarray, offsets: range,
+                 window_s: int) -> np.ndarray:
     """Per offset: sum over the kills of the fault run's count in [k + o, k + o + window) over the
     clean run's (nan where the clean run had none)."""
     out = np.full(len(offsets), np.nan)
