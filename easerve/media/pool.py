@@ -66,6 +66,11 @@ class Decoded:
 _THREAD_TYPE = "AUTO"
 
 
+def _hold(seconds: float) -> int:
+    time.sleep(seconds)  # keeps this worker busy so that the next task starts another
+    return os.getpid()
+
+
 def _init_worker(thread_type: str) -> None:
     global _THREAD_TYPE
     _THREAD_TYPE = thread_type
@@ -191,6 +196,10 @@ class DecodePool:
             self.decoder, times = probe.submit(_probe).result()
         self._exec = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
                                                             initargs=(self.decoder,))
+        # every worker now, while no task is busy: the executor would start one per submit while
+        # none is idle, a fork-server round trip on the event loop under the first burst of media
+        for f in [self._exec.submit(_hold, 0.2) for _ in range(self.workers)]:
+            f.result()
         import av
         from PIL import Image, features
         log.info("media decode: %d worker processes; video: FFmpeg %s (PyAV %s) decoders, threading %s "

@@ -56,8 +56,8 @@ class MediaResolver:
         out = list(parts)
         if not todo:
             return out
-        refs = [p.ref for p in await self.fetch([parts[i] for i in todo])]
         on_cpu = on_cpu or (lambda s: None)
+        refs = [p.ref for p in await self.fetch([parts[i] for i in todo], on_cpu)]
         if self.pool is None:
             decoded = await asyncio.to_thread(cpu_timed(self.decode_all, on_cpu), refs)
         else:
@@ -104,18 +104,22 @@ class MediaResolver:
     async def resolve_messages(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
         return with_media(messages, await self.resolve(media_parts(messages)))
 
-    async def fetch(self, parts: list[MediaPart]) -> list[MediaPart]:
-        """`parts` with the URLs among their refs fetched concurrently: each such source becomes
-        the fetched bytes (what the encoder cache hashes); nothing is decoded. Resolving the
-        parts returned fetches nothing more."""
+    async def fetch(self, parts: list[MediaPart], on_cpu: Callable[[float], None] | None = None) -> list[MediaPart]:
+        """`parts` with the URLs among their refs fetched concurrently and every inline payload
+        (base64 or a data: URI, one file or a frame list) decoded to bytes, once, in a worker
+        thread (`on_cpu` is told its CPU time): each such source becomes bytes (what the encoder
+        cache hashes and the decode pool takes), nothing is decoded as media. Resolving the
+        parts returned fetches and converts nothing more. MediaError for bad base64."""
         refs = await asyncio.gather(*(self._fetch_ref(p.ref) for p in parts if not p.decoded))
+        if any(_inline(r.source) for r in refs):
+            refs = await asyncio.to_thread(cpu_timed(_inline_to_bytes, on_cpu or (lambda s: None)), refs)
         it = iter(refs)
         return [p if p.decoded else replace(p, ref=next(it)) for p in parts]
 
     async def _fetch_ref(self, ref: MediaRef) -> MediaRef:
         if is_url(ref.source):
             return replace(ref, source=await self.fetcher.fetch(ref.source))
-        if isinstance(ref.source, list):
+        if isinstance(ref.source, list) and any(is_url(f) for f in ref.source):
             return replace(ref, source=list(await asyncio.gather(
                 *(self.fetcher.fetch(f) if is_url(f) else _same(f) for f in ref.source))))
         return ref
@@ -162,9 +166,20 @@ class MediaResolver:
                             max_seconds=max_s, why=why)
 
 
+def _inline(source) -> bool:
+    return isinstance(source, str) or (isinstance(source, list) and any(isinstance(f, str) for f in source))
+
+
+def _inline_to_bytes(refs: list[MediaRef]) -> list[MediaRef]:
+    """Every inline (string) source among `refs` as its bytes (call from a worker thread)."""
+    def raw(v, what):
+        return to_bytes(v, what) if isinstance(v, str) else v
+    return [replace(r, source=[raw(f, f"{r.kind} frame") for f in r.source] if isinstance(r.source, list)
+                    else raw(r.source, r.kind)) if _inline(r.source) else r for r in refs]
+
+
 async def _same(x):
     return x
-
 
 
 # Families whose processor pads or *truncates* every clip to the encoder window (Ultravox's splits it).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -162,6 +163,7 @@ async def serve(
     restore = _install_signals(stop)
     try:
         await _warm(warmup, stop)
+        freeze_startup_heap()
         if health_state is not None:
             health_state._bind(health_servicer, names)
         if health_state is None or health_state.failed is None:
@@ -172,6 +174,19 @@ async def serve(
     finally:
         restore()
         await _drain(server, health_servicer, drain, options.drain_timeout_s, grace, settle)
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (the model, tokenizer, imported modules: hundreds of
+    thousands) into the collector's permanent generation, so that a full collection under load
+    scans only what requests made: without this one takes ~180 ms of a core on a stage process,
+    holding the GIL (the gateway's event loop, a decode step), at whatever moment it falls.
+    Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("froze %d start-up objects out of the garbage collector", n)
+    return n
 
 
 def _register(adder: Adder, server: grpc.aio.Server) -> None:

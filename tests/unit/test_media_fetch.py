@@ -267,3 +267,50 @@ def test_audio_url_part_is_fetched_and_resampled():
     assert part.kind == "audio" and part.value.shape == (8000,)
     got_energy, want_energy = float(np.mean(part.value ** 2)), float(np.mean(want ** 2))
     assert abs(got_energy - want_energy) < 0.01 * want_energy
+
+
+def test_fetch_turns_inline_payloads_into_bytes_once_in_a_worker_thread():
+    """A data: URI (and a frame list of base64 strings) becomes its bytes in fetch(), in a thread,
+    with the CPU time reported; the bytes are what the decode and the encoder cache use after."""
+    import base64
+    import threading
+
+    from easerve.media import common
+
+    raw = png()
+    uri = "data:image/png;base64," + base64.b64encode(raw).decode()
+    threads, cpu = [], []
+    real = common.to_bytes
+
+    def counted(data, what):
+        threads.append(threading.get_ident())
+        return real(data, what)
+
+    async def main():
+        parts = [MediaPart("image", MediaRef("image", uri)),
+                 MediaPart("video", MediaRef("video", [base64.b64encode(raw).decode(), raw]))]
+        fetched = await MediaResolver(MediaConfig()).fetch(parts, cpu.append)
+        return threading.get_ident(), fetched
+    import easerve.media.resolve as resolve_mod
+    saved = resolve_mod.to_bytes
+    resolve_mod.to_bytes = counted
+    try:
+        loop_thread, (image, video) = asyncio.run(main())
+    finally:
+        resolve_mod.to_bytes = saved
+    assert image.ref.source == raw and video.ref.source == [raw, raw]
+    assert len(threads) == 2 and loop_thread not in threads  # two strings, each decoded once, off the loop
+    assert len(cpu) == 1 and cpu[0] >= 0
+
+
+def test_fetch_refuses_bad_base64_naming_the_item():
+    async def main():
+        await MediaResolver(MediaConfig()).fetch([MediaPart("image", MediaRef("image", "data:image/png;base64,@@@"))])
+    with pytest.raises(MediaError, match="image is not valid base64"):
+        asyncio.run(main())
+
+
+def test_is_url_reads_only_the_scheme():
+    from easerve.media.common import is_url
+    assert is_url("  HTTPS://x/y.png") and is_url("file:///a.png") and not is_url("data:image/png;base64,aHR0cDov")
+    assert not is_url("aHR0cHM6Ly9" * 100_000) and not is_url(b"http://x")

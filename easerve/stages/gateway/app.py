@@ -15,6 +15,7 @@ from easerve.models.loader import load_adapter
 from easerve.rpc.server import ServerOptions, serve
 from easerve.stages.common.cli import write_port_file
 from easerve.stages.common.configs import GatewayConfig
+from easerve.stages.common.loop_lag import watch_lag
 from easerve.wire.v1 import gateway_pb2_grpc
 from easerve.stages.gateway.auth import ApiKeys, GrpcAuth, http_middleware, warn_if_open
 from easerve.stages.gateway.core import GatewayCore
@@ -55,10 +56,12 @@ async def main(cfg: GatewayConfig) -> None:
     write_port_file(cfg.http_port_file, site._server.sockets[0].getsockname()[1])
 
     async def warmup() -> None:
+        await core.warm()
         ready.set()
 
     stop = asyncio.Event()  # set on SIGTERM / SIGINT by serve(): the HTTP side refuses new work at once
     http_drain = asyncio.ensure_future(_drain_on(stop, http))
+    lag = asyncio.ensure_future(watch_lag(core.m.loop_lag))
 
     async def settle() -> None:  # the drain also waits for the HTTP requests in flight (new ones get 503)
         while core.limit.inflight:
@@ -70,6 +73,7 @@ async def main(cfg: GatewayConfig) -> None:
                     on_bound=lambda p: write_port_file(cfg.port_file, p), stop=stop, settle=settle)
     finally:
         http_drain.cancel()
+        lag.cancel()
         http.drain()
         ready.clear()
         await runner.cleanup()
