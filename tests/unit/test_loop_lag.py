@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from easerve.stages.common.loop_lag import lag_histogram, watch_lag
-from easerve.stages.common.metrics import new_registry
+from easerve.stages.common.loop_lag import watch_lag
+from easerve.stages.gateway.metrics import GatewayMetrics
 
 
 def _bucket(hist, le: float) -> float:
@@ -17,8 +17,7 @@ def _bucket(hist, le: float) -> float:
 
 
 def test_a_blocked_loop_is_observed_as_lag():
-    r = new_registry()
-    hist = lag_histogram(r, "gateway")
+    hist = GatewayMetrics().loop_lag
 
     async def main():
         task = asyncio.ensure_future(watch_lag(hist, period_s=0.005))

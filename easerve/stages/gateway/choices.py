@@ -66,6 +66,11 @@ async def decode_chunks(dcall, tail: asyncio.Future, addr: str, got: int,
     tokens before the first chunk). No chunk for `progress_s` seconds: DecodeStalled."""
     loop = asyncio.get_running_loop()
     while True:
+        if tail.done() and not tail.cancelled() and tail.exception() is None:  # the usual case, per token:
+            chunk = await _read_within(dcall, progress_s, addr, got)       # no task, no wait set
+            got += len(chunk.token_ids)
+            yield chunk
+            continue
         read = asyncio.ensure_future(dcall.read())
         until = None if progress_s is None else loop.time() + progress_s
         waits = {read} if tail.done() else {read, tail}
@@ -81,14 +86,34 @@ async def decode_chunks(dcall, tail: asyncio.Future, addr: str, got: int,
             read.cancel()
             raise
         try:
-            chunk = read.result()
+            chunk = _token_chunk(read.result(), addr, got)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e).where(f"decode instance {addr} after {got} token(s)") from None
-        if chunk is grpc.aio.EOF:
-            raise Unavailable(f"decode instance {addr} closed the stream after {got} token(s), "
-                              "before the request finished")
         got += len(chunk.token_ids)
         yield chunk
+
+
+async def _read_within(dcall, progress_s: float | None, addr: str, got: int):
+    """decode_chunks' next chunk once the handoff succeeded: one timer for the progress deadline
+    (asyncio.timeout) instead of a task and a wait set per token."""
+    try:
+        if progress_s is None:
+            chunk = await dcall.read()
+        else:
+            async with asyncio.timeout(progress_s):
+                chunk = await dcall.read()
+    except TimeoutError:
+        raise DecodeStalled(f"decode instance {addr} sent no token for {progress_s:g} s after {got} token(s)") from None
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc_error(e).where(f"decode instance {addr} after {got} token(s)") from None
+    return _token_chunk(chunk, addr, got)
+
+
+def _token_chunk(chunk, addr: str, got: int):
+    if chunk is grpc.aio.EOF:
+        raise Unavailable(f"decode instance {addr} closed the stream after {got} token(s), "
+                          "before the request finished")
+    return chunk
 
 
 async def _first_chunks(first, ucall, n: int) -> list:
