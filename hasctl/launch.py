@@ -6,7 +6,8 @@
 Each stage is a `python -m services.<stage>` child in its own process group, its stdout and
 stderr appended to <run_dir>/<name>.log. `start()` waits until every process reports
 grpc.health.v1 SERVING and fails fast, with the log's tail, when one exits first. Afterwards a
-supervisor thread restarts a process that dies (same argv and port, exponential backoff),
+supervisor thread restarts a process that dies (same argv and port; exponential backoff over
+the runs that died before answering SERVING, a crash loop; a run that served restarts at once),
 first unlinking the shared-memory slabs dead processes left (`shm_reclaim`), and counts it
 in `restarts`. With `standby=True` each stage process has a standby next to it that has
 done its imports already (`hasctl.standby`); a restart promotes it, skipping most of a cold
@@ -47,6 +48,7 @@ from hasctl.deployment import (STAGES, Command, Deployment, Worker, command_stop
 log = logging.getLogger("hasctl.launch")
 _REPO = Path(__file__).resolve().parents[1]
 _SPARE_AFTER_S = 10.0  # a standby is started this long after the process it stands by for
+_SERVED_POLL_S = 0.5  # the supervisor asks a run that has not answered SERVING yet this often
 GROUP_REAP_S = 5.0     # how long stop() waits for init to reap what a killed process group leaves
 
 
@@ -171,7 +173,9 @@ class _Proc:
     popen: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
-    failures: int = 0             # consecutive short-lived runs, for the backoff
+    failures: int = 0             # consecutive runs that died before SERVING (and within 60 s), for the backoff
+    served: bool = False          # this run has answered SERVING (seen by the supervisor)
+    checked_at: float = 0.0       # the supervisor's last health check of this run
     restart_at: float | None = None
     listed: bool = True           # in its callers' peers files
     peers_file: Path | None = None
@@ -459,7 +463,7 @@ class Stack:
                 spare = None
         if spare is None:
             p.popen = self._popen(p, p.cmd.argv, f"start #{p.restarts}", subprocess.DEVNULL)
-        p.started, p.restart_at = time.monotonic(), None
+        p.started, p.restart_at, p.served, p.checked_at = time.monotonic(), None, False, 0.0
 
     def _spawn_spare(self, p: _Proc) -> None:
         ready = self._ready_file(p)
@@ -494,8 +498,18 @@ class Stack:
             with self._lock:
                 if self._stopping.is_set():
                     return
+                now = time.monotonic()
                 for p in self._procs.values():
-                    self._tend(p, time.monotonic())
+                    self._tend(p, now)
+                unseen = [(n, p, p.popen) for n, p in self._procs.items() if p.popen is not None and not p.served
+                          and p.popen.poll() is None and now - p.checked_at >= _SERVED_POLL_S]
+                stages = dict(self.endpoints.stages) if unseen else {}
+            for name, p, popen in unseen:  # outside the lock: a health call may take its timeout
+                p.checked_at = time.monotonic()
+                if name in stages and health_ok(stages[name], p.cmd.health_service, timeout=0.5, tls=self.tls):
+                    with self._lock:
+                        if p.popen is popen:  # still the same run
+                            p.served = True
 
     def _tend(self, p: _Proc, now: float) -> None:
         rc = p.popen.poll() if p.popen else None
@@ -503,8 +517,8 @@ class Stack:
             if self.standby:
                 self._tend_spare(p, now)
             return
-        if p.restart_at is None:
-            p.failures = 0 if now - p.started > 60.0 else p.failures + 1
+        if p.restart_at is None:  # a run that served (or lived a minute) died of a fault, not a crash loop
+            p.failures = 0 if p.served or now - p.started > 60.0 else p.failures + 1
             delay = min(self.backoff_s[1], self.backoff_s[0] * 2 ** max(0, p.failures - 1))
             p.restart_at = now + delay
             _signal_group(p.popen, signal.SIGKILL)

@@ -99,3 +99,27 @@ def test_real_stack_restarts_a_killed_decode(tmp_path, tiny_model):
     finally:
         pids = dict(stack.pids)
         _stop_and_check_nothing_left(stack, pids)
+
+
+def test_a_run_that_served_restarts_without_backing_off(tmp_path, fake_python):
+    """Killed three times in a row, each time once it serves again (well within a minute): every
+    restart comes after the base delay (1 s here), not 1, 2 then 4 s; the backoff is for runs that
+    die before they serve (a crash loop)."""
+    d = preset("default").with_model("/no/model/needed").with_gateway_ports(0, 0)
+    stack = Stack(d, run_dir=tmp_path / "run", python=fake_python, backoff_s=(1.0, 8.0),
+                  env={"FAKE_KIDS": str(tmp_path / "kids")})
+    waits = []
+    try:
+        stack.start(timeout=60)
+        for k in range(1, 4):
+            _wait_for(lambda: stack._procs["decode-0"].served, 30, "the supervisor seeing decode-0 serve")
+            old = stack.pids["decode-0"]
+            t0 = time.monotonic()
+            os.kill(old, signal.SIGKILL)
+            _wait_for(lambda: stack.restarts["decode-0"] == k, 30, f"restart {k}")
+            waits.append(time.monotonic() - t0)
+            stack.wait_healthy(60)
+    finally:
+        pids = dict(stack.pids)
+        _stop_and_check_nothing_left(stack, pids)
+    assert max(waits) < 2.2, waits  # the third would wait 4 s with the backoff
