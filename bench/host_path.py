@@ -289,10 +289,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="few requests and repeats: checks the script, not a result")
     ap.add_argument("--model", default=None, help="checkpoint (default: the tiny Qwen2.5-VL build)")
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "tiny"))
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: framework, media, movement")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: framework, media, movement "
+                    "(a partial run is not saved unless --save says so)")
     results.add_save_flag(ap)
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip and args.save is None:  # a partial result must not replace the stored full one
+        args.save = False
     model = checkpoint(args.model, args.cache_dir, scale="tiny")
     fw = framework(args, model) if "framework" not in skip else {}
     md = media(args) if "media" not in skip else {}

@@ -35,3 +35,16 @@ def test_save_defaults_to_full_runs_only():
     results.add_save_flag(ap)
     assert [results.should_save(ap.parse_args(a)) for a in ([], ["--quick"], ["--quick", "--save"], ["--no-save"])] \
         == [True, False, True, False]
+
+
+def test_a_partial_host_path_run_is_not_saved_unless_asked(monkeypatch, capsys):
+    """`bench/host_path.py --skip ...` must not replace the stored full result with a partial one."""
+    import bench.host_path as hp
+
+    saved = []
+    monkeypatch.setattr(hp, "checkpoint", lambda *a, **k: "/no/model")
+    monkeypatch.setattr(results, "save_result", lambda *a, **k: saved.append(a) or results.RESULTS / "x.json")
+    hp.main(["--skip", "framework,media,movement"])
+    assert saved == [] and json.loads(capsys.readouterr().out.splitlines()[-1])["framework"] == {}
+    hp.main(["--skip", "framework,media,movement", "--save"])
+    assert len(saved) == 1
