@@ -37,7 +37,7 @@ from easerve.errors import Overloaded
 log = logging.getLogger("easerve.media")
 THREAD_TYPES = ("NONE", "SLICE", "FRAME", "AUTO")
 _KEY_TAG = b"easerve.media.pool/v1"
-WORKER_NICE = 5
+WORKER_NICE = 10
 SMALL_IMAGE_PIXELS = 1 << 20  # images up to this many pixels (1024 x 1024) are decoded in a gateway thread
 
 
