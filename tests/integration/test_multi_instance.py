@@ -123,6 +123,29 @@ def test_audio_on_2x2_equals_one_instance(tiny_root, audio_stack):
         assert run_all(stack, reqs) == want
 
 
+def test_both_decode_instances_send_tokens_several_a_message_and_the_same_tokens(vl_multi, vl_stack):
+    """--stream-interval-ms (STREAM_INTERVAL_MS on both decode instances of the 2x2 stack): a
+    stream's tokens after the first come several to a gRPC message, on each decode instance, and
+    they are the greedy tokens of the one-instance stack (default interval), none lost, none twice."""
+    no_media = no_media_ids(vl_multi.deployment.model)
+    ask = [dict(prompt=f"Count to {k}", max_tokens=40, ignore_eos=True, logit_bias=no_media) for k in range(6)]
+    want = [list(Client(vl_stack.endpoints.grpc, timeout=180).generate(**kw).token_ids) for kw in ask]
+    before = {n: sum(kv_received(vl_multi, n).values()) for n in ("decode-0", "decode-1")}
+    client = Client(vl_multi.endpoints.grpc, timeout=180)
+
+    def streamed(kw):
+        msgs = [list(m.token_ids) for m in client.generate(stream=True, **kw)]
+        return [t for m in msgs for t in m], sum(1 for m in msgs if m)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(streamed, ask))
+    assert [ids for ids, _ in got] == want
+    assert all(len(ids) == 40 for ids in want)
+    assert all(msgs <= 10 for _, msgs in got), [msgs for _, msgs in got]  # 40 tokens: 1 per message without it
+    after = {n: sum(kv_received(vl_multi, n).values()) for n in before}
+    assert all(after[n] > before[n] for n in before), (before, after)  # both instances decoded some
+
+
 def _finish(stream, first) -> int | Exception:
     """The stream's token count once it ends, or the error it ended with."""
     n = len(first.token_ids)

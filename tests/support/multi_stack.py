@@ -12,6 +12,7 @@ from tests.support.media import png_bytes
 
 
 N = 6
+STREAM_INTERVAL_MS = 200  # decode sends a stream's tokens at most every 200 ms (several tokens a message)
 
 
 ONE = {"threads": 1}
@@ -20,7 +21,8 @@ ONE = {"threads": 1}
 def start_multi(model: str, *, restart: bool = False) -> Stack:
     cores = sorted(os.sched_getaffinity(0))
     decode = tuple(Worker(f"cpu:{cores[i % len(cores)]}",
-                          flags={"num-slots": 8, "metrics-listen": f"127.0.0.1:{free_port()}"}) for i in range(2))
+                          flags={"num-slots": 8, "metrics-listen": f"127.0.0.1:{free_port()}",
+                                 "stream-interval-ms": STREAM_INTERVAL_MS}) for i in range(2))
     d = Deployment(
         model=model, name="2x2",
         encode=(Worker(flags={"max-batch": 4, **ONE}),),

@@ -185,7 +185,7 @@ SAMPLE = {"grace-s": 1.0, "drain-timeout-s": 30.0, "threads": 1, "log-level": "I
           "profile": "/etc/easerve/profile.json", "admission-encode-batch": 4, "admission-prefill-tokens": 512, "admission-probe-s": 2.0, "no-admission-calibration": True,
           "no-prefix-cache": True, "prefix-cache-gb": 0.5, "prefix-block-tokens": 32,
           "online": True, "online-batch": "2:16", "online-remote-fraction": "0.2:1",
-          "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0,
+          "online-tolerance": "0:0.3", "online-instances": "1:2", "online-window-s": 10.0, "online-dwell-s": 20.0, "stream-interval-ms": 10.0,
           "online-instances-file": "/tmp/instances.json", "online-util": "0.3:0.6:0.9",
           "migration-limit": 2, "decode-progress-timeout-s": 10.0, "media-workers": 2, "media-queue": 32}
 

@@ -28,7 +28,10 @@ from easerve.policy.batcher import BatchMode, BatcherConfig
 from easerve.policy.online import OnlineBounds, OnlineConfig
 from easerve.policy.partitioner import PartitionerConfig, Policy
 from easerve.rpc.tls import check_tls_flags
+from easerve.stages.decode.stream_interval import DEFAULT_STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS
 from easerve.transport import EmbedTransportKind, KVTransportKind
+
+StreamIntervalMs = Annotated[float, Field(ge=0, le=MAX_STREAM_INTERVAL_MS, allow_inf_nan=False)]
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -92,7 +95,16 @@ class RendezvousFields:
 
 
 @dataclass(frozen=True)
-class DecodeConfig(EngineConfig, RendezvousFields, StageConfig):
+class StreamFields:
+    """How the Decode service streams a request's tokens (easerve.stages.decode.stream_interval)."""
+    stream_interval_ms: StreamIntervalMs = opt(
+        DEFAULT_STREAM_INTERVAL_MS, "send a stream's tokens at most this often, held tokens together in one "
+        "message (0: each token as it comes); the first token and the last are never held, a held one waits at "
+        "most this plus one decode step; it saves a gRPC write on decode and a read on the gateway per token held")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(EngineConfig, StreamFields, RendezvousFields, StageConfig):
     """The decode stage: its engine flags are EngineConfig's fields; the engine takes it as is."""
 
     def __post_init__(self) -> None:
@@ -266,7 +278,7 @@ class EncodeConfig(PrefillFields, StageConfig):
 
 
 @dataclass(frozen=True)
-class MonolithConfig(EngineConfig, EncodeConfig):
+class MonolithConfig(EngineConfig, StreamFields, EncodeConfig):
     """Encode, prefill and decode in one process (the aggregated, vLLM-like baseline): it
     serves the Encode, Prefill and Decode services on one port; KV stays in-process."""
 

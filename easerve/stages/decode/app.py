@@ -40,7 +40,7 @@ async def main(cfg: DecodeConfig) -> None:
     engine = build_engine(cfg, adapter, health, metrics)
     opts = ServerOptions.of(cfg)
     kv_in, extra = receivers(cfg.torch_device, rendezvous_listen(cfg))
-    servicer = DecodeServicer(engine, kv_in, cfg.max_waiting, metrics)
+    servicer = DecodeServicer(engine, kv_in, cfg.max_waiting, metrics, cfg.stream_interval_ms)
     pairs = kv_in.transports.get("nccl")
     node = replace(local_identity(cfg.torch_device), kv_rendezvous=pairs.address if pairs is not None else "")
 

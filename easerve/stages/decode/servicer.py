@@ -1,7 +1,7 @@
 """easerve.v1.Decode <-> the async engine front (thin).
 
 Open holds the reservation and streams the request's tokens after the first (prefill sent
-that one) straight to the gateway; Submit takes the KV prefill hands over. While the stage
+that one) straight to the gateway, at most one message per `--stream-interval-ms`; Submit takes the KV prefill hands over. While the stage
 drains (easerve.rpc.drain), new reservations (Open) are refused UNAVAILABLE, but Submit is
 still taken (`DRAIN_ALLOWS`) for the reservations held, whose streams the drain waits for:
 removing a decode instance under load loses no accepted request.
@@ -14,6 +14,7 @@ from easerve.wire.protoconv import token_chunk
 from easerve.rpc.deadline import Deadline
 from easerve.rpc.errors import grpc_errors
 from easerve.errors import InvalidRequest
+from easerve.stages.decode.stream_interval import Coalescer
 from easerve.types import MAX_N
 from easerve.wire.v1 import common_pb2 as cpb
 from easerve.wire.v1 import decode_pb2, decode_pb2_grpc
@@ -24,8 +25,11 @@ DRAIN_ALLOWS = ("/easerve.v1.Decode/Submit", "/easerve.v1.Decode/Cancel", "/ease
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None):
+    def __init__(self, engine, kv_receiver, max_waiting: int, metrics=None, stream_interval_ms: float = 0.0):
+        """`stream_interval_ms`: send a stream's tokens at most this often (stream_interval.py)."""
         self.engine, self.kv, self.max_waiting, self.m = engine, kv_receiver, max_waiting, metrics
+        self.stream_interval_s = stream_interval_ms / 1000
+        Coalescer(self.stream_interval_s, time.monotonic)  # a bad interval fails here, at start
         self._kv_ms: dict[str, float] = {}
 
     @grpc_errors
@@ -43,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         async with self.engine.open(rid, request.num_tokens, request.max_new_tokens, ttl, request.n or 1) as stream:
             yield cpb.TokenChunk(request_id=rid)  # the place is held
             counts: dict[int, int] = {}  # tokens per choice
+            pending = Coalescer(self.stream_interval_s, time.monotonic)
             try:
                 async for o in stream:
                     if o.index == 0 and not o.finished:
@@ -50,13 +55,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     ids = [o.token_id] if o.token_id is not None and o.index > 0 else []
                     lps = [o.logprobs] if ids and o.logprobs is not None else []
                     n = counts[o.choice] = max(counts.get(o.choice, 1), o.index + 1)
-                    if not o.finished:
-                        yield token_chunk(rid, ids, text=o.text_delta, logprobs=lps, index=o.choice)
-                        continue
-                    if self.m is not None:
-                        self.m.finished.labels(finished_reason=o.finish_reason).inc()
-                    yield token_chunk(rid, ids, o.finish_reason, text=o.text_delta, usage=(request.num_tokens, n),
-                                      logprobs=lps, index=o.choice, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
+                    for h in pending.add(o.choice, ids, o.text_delta, lps, o.finished):
+                        if not h.finished:
+                            yield token_chunk(rid, h.ids, text=h.text, logprobs=h.logprobs, index=h.choice)
+                            continue
+                        if self.m is not None:
+                            self.m.finished.labels(finished_reason=o.finish_reason).inc()
+                        yield token_chunk(rid, h.ids, o.finish_reason, text=h.text, usage=(request.num_tokens, n),
+                                          logprobs=h.logprobs, index=h.choice, kv_transfer_ms=self._kv_ms.get(rid, 0.0))
             finally:
                 self._kv_ms.pop(rid, None)
 

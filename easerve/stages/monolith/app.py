@@ -59,7 +59,7 @@ async def main(cfg: MonolithConfig) -> None:
                                         before_scrape=refresh)
     adders = [enc.adders()[0], (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(enc.local, embedding_receiver(cfg.torch_device))),
               (decode_pb2_grpc.add_DecodeServicer_to_server,
-               DecodeServicer(engine, KVReceiver(), cfg.max_waiting, dmetrics)),
+               DecodeServicer(engine, KVReceiver(), cfg.max_waiting, dmetrics, cfg.stream_interval_ms)),
               stage_load.adder(stage_load.StageServicer("monolith", enc.node, load))]
     try:
         await serve(adders, cfg.listen, health_services=["easerve.v1.Encode", "easerve.v1.Prefill",
