@@ -90,10 +90,13 @@ class AsyncEngine:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while await self._call(lambda: self.engine.has_work):
+                more = True
+                while more:
                     t0 = time.monotonic()
-                    outs = await self._call(self.engine.step)
+                    outs, more = await self._call(self._step)
                     t1 = time.monotonic()
+                    if outs is None:  # no work after all
+                        break
                     self.pace.observe(t1 - t0, len(outs))
                     batch, context = getattr(self.engine, "last_step", (0, 0))
                     if batch:
@@ -106,6 +109,14 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - every stream learns why, then health goes NOT_SERVING
             log.exception("decode step failed; failing %d open requests", len(self._streams))
             self._fail_all(e)
+
+    def _step(self) -> tuple[list | None, bool]:
+        """On the engine thread: a step's outputs (None: no work) and whether there is work after
+        it (one hand-over to the thread per step, not two)."""
+        if not self.engine.has_work:
+            return None, False
+        outs = self.engine.step()
+        return outs, self.engine.has_work
 
     def _fail_all(self, e: BaseException) -> None:
         self.failed = e
