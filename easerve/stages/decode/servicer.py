@@ -1,10 +1,11 @@
 """easerve.v1.Decode <-> the async engine front (thin).
 
 Open holds the reservation and streams the request's tokens after the first (prefill sent
-that one) straight to the gateway, at most one message per `--stream-interval-ms`; Submit takes the KV prefill hands over. While the stage
-drains (easerve.rpc.drain), new reservations (Open) are refused UNAVAILABLE, but Submit is
-still taken (`DRAIN_ALLOWS`) for the reservations held, whose streams the drain waits for:
-removing a decode instance under load loses no accepted request.
+that one) straight to the gateway, at most one message per `--stream-interval-ms`
+(stream_interval.py); Submit takes the KV prefill hands over. While the stage drains
+(easerve.rpc.drain), new reservations (Open) are refused UNAVAILABLE, but Submit is still taken
+(`DRAIN_ALLOWS`) for the reservations held, whose streams the drain waits for: removing a
+decode instance under load loses no accepted request.
 """
 from __future__ import annotations
 
