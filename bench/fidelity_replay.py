@@ -163,7 +163,14 @@ def _workers(spans: Mapping[str, Sequence[Span]], where: Mapping[str, Placement]
 
 def neighbour_factor(span: Span, worker: _Worker, model: ServiceModel) -> float:
     """The slowdown `Compute.factor` gives this worker, averaged over the span's time, from the
-    neighbours' spans that overlap it (1.0 with none)."""
+    neighbours' spans that overlap it, times its environment's factor (`Compute.wire_env`: a
+    CPU worker whose cores another process's worker uses runs with the shared-cores one)."""
+    env = model.shared_env(worker.kind) if worker.cpu and any(
+        n.instance != worker.instance for n in worker.neighbours) else 1.0
+    return env * _busy_factor(span, worker, model)
+
+
+def _busy_factor(span: Span, worker: _Worker, model: ServiceModel) -> float:
     if span.duration <= 0:
         return 1.0
     busy = [(n, s) for n in worker.neighbours for s in n.overlapping(span.start, span.end)]
@@ -266,6 +273,9 @@ class MeasuredModel(ServiceModel):
         return 1.0
 
     def sharing(self, stage: str, busy: tuple[str, ...]) -> float:
+        return 1.0
+
+    def shared_env(self, stage: str) -> float:
         return 1.0
 
 

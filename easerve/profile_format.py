@@ -27,8 +27,9 @@ from pydantic.dataclasses import dataclass
 from easerve.slo import SLO
 
 FORMAT = "easerve.profile/v1"
-REVISION = 5                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing;
-#                                  5: gateway points are the live gateway's preprocessing CPU (hasctl/profile_gateway.py)
+REVISION = 6                      # what hasctl profile writes: 2 adds gateway, transfer, interference; 4 adds sharing;
+#                                  5: gateway points are the live gateway's preprocessing CPU (hasctl/profile_gateway.py);
+#                                  6 adds shared_env
 ROOFLINE_REVISION = 3             # 3 adds measured, tp, roofline (written by hasctl profile --roofline)
 OLD_STARTUP_FORMAT = "easerve.sm_profile"  # the encode start-up's own file before profile/v1
 TIERS = ("tight", "moderate", "loose")
@@ -220,6 +221,16 @@ class SharingPoint:
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class SharedEnvPoint:
+    """Revision 6: `stage`'s reference call alone in a process started with the environment of
+    the workers that share CPU cores (hasctl.deployment.SHARED_CORES_ENV) over the same call
+    alone in the profiling process, where every latency of the file is timed: the factor such a
+    worker runs at with no neighbour busy (the sharing curve is relative to it)."""
+    stage: Stage
+    slowdown: Annotated[float, Field(gt=0)]
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Roofline:
     """Revision 3: how a derived (`measured: false`) profile was computed (`hasctl profile --roofline`):
     the device spec, its figures' source and the efficiency factors applied (easerve/roofline/spec.py)."""
@@ -254,7 +265,7 @@ class Profile:
     format: Literal["easerve.profile/v1"] = FORMAT
     scope: Literal["full", "encode"] = "full"
     # revision 2 (all optional: a revision-1 file loads with none of them)
-    revision: Literal[1, 2, 3, 4, 5] = 1
+    revision: Literal[1, 2, 3, 4, 5, 6] = 1
     gateway: tuple[GatewayPoint, ...] = ()
     transfer: Transfer | None = None
     interference: tuple[Interference, ...] = ()
@@ -264,6 +275,8 @@ class Profile:
     roofline: Roofline | None = None
     # revision 4 (optional): CPU sharing between processes
     sharing: tuple[SharingPoint, ...] = ()
+    # revision 6 (optional): the shared-cores environment's own cost
+    shared_env: tuple[SharedEnvPoint, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scope == "encode":
@@ -339,6 +352,11 @@ class Profile:
     def slowdown(self, stage: str, by: str) -> float:
         """Latency factor of `stage` while `by` shares its device or cores (1.0 when not profiled)."""
         return next((x.slowdown for x in self.interference if x.stage == stage and x.by == by), 1.0)
+
+    def shared_env_slowdown(self, stage: str) -> float:
+        """Latency factor of `stage` in a worker started with the shared-cores environment, no
+        neighbour busy (1.0 when not measured)."""
+        return next((x.slowdown for x in self.shared_env if x.stage == stage), 1.0)
 
     def sharing_slowdown(self, stage: str, by: str, busy: int) -> float | None:
         """Latency factor of `stage` while `busy` other processes running `by` compute on its

@@ -18,7 +18,8 @@ the decode role's LM, as in `easerve.pipeline`):
 - revision 2 and 4: the gateway's preprocessing per media size, transfer sizes and link
   speeds, the in-process interference of encode and prefill, and on CPU cores the sharing
   curve: each stage alone and while 1 .. `sharing_busy` other processes compute on the same
-  cores (hasctl/profile_sharing.py).
+  cores (hasctl/profile_sharing.py); revision 6: each stage alone in the shared-cores
+  environment over alone here.
 Every cell is the median of --repeats timed calls after one warm-up call
 (`profiler.time_call`: the clock is read after CUDA work is synchronized). `--quick`: a few small points, one repeat (tests).
 """
@@ -72,7 +73,7 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
         gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()
         import torch
-        sharing = measure_sharing(prof, torch.get_num_threads(), len(os.sched_getaffinity(0)), plan.sharing_busy,
+        sharing, shared_env = measure_sharing(prof, torch.get_num_threads(), len(os.sched_getaffinity(0)), plan.sharing_busy,
                                   quick)
     finally:
         bar.close()
@@ -80,7 +81,7 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
                       tuple(prefill), tuple(decode), tuple(unloaded), pf.tiers_from(unloaded, multipliers),
                       ep.utc_now(), quick, revision=pf.REVISION,
                       gateway=tuple(gateway), transfer=transfer, interference=tuple(interference),
-                      sharing=tuple(sharing))
+                      sharing=tuple(sharing), shared_env=tuple(shared_env))
 
 
 def add_parser(sub) -> None:

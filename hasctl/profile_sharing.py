@@ -10,6 +10,9 @@ checkpoint, prints "ready" and runs KIND's reference call in a loop until it is 
 The reference calls (`reference_calls`): encode of one item of the reference media, prefill of
 one prompt of the plan's middle length, and decode steps of a batch of 4 at the smallest profiled
 context. The slowdown of a point is the median call while k neighbours run over the median alone.
+Revision 6 adds `shared_env`: each reference call alone in that process over the same call
+alone in the profiling process (where the grid is timed, in the environment it was started
+with): what the shared-cores environment itself costs a stage.
 """
 from __future__ import annotations
 
@@ -68,22 +71,28 @@ def decode_call(prof: Profiler, batch: int, ctx: int) -> Callable[[], object]:
     return call
 
 
-def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int, quick: bool = False) -> list[pf.SharingPoint]:
+def measure_sharing(prof: Profiler, threads: int, cores: int, max_busy: int,
+                    quick: bool = False) -> tuple[list[pf.SharingPoint], list[pf.SharedEnvPoint]]:
     """Every stage's reference call with k = 1 .. max_busy neighbours of each kind on these cores,
     measured in a process of its own started with SHARED_CORES_ENV, as are its neighbours: the
     stages that share cores run with it (OpenMP threads that sleep at a barrier), and this
     process's own thread pool started without it. Spinning threads measure another machine:
-    bench/sharing_env.py (bench/results/sharing_env/) has both curves side by side."""
+    bench/sharing_env.py (bench/results/sharing_env/) has both curves side by side. Also each
+    reference call alone there over the same call alone here (`shared_env`), timed just before."""
     if prof.device.startswith("cuda") or max_busy < 1:
-        return []
-    points = run_measurement(prof.model, threads, max_busy, cores, quick, dict(SHARED_CORES_ENV), prof.tick)
-    return [pf.SharingPoint(**x) for x in points]
+        return [], []
+    here = {stage: prof.timed(fn) for stage, fn in reference_calls(prof).items()}
+    alone: dict[str, float] = {}
+    points = run_measurement(prof.model, threads, max_busy, cores, quick, dict(SHARED_CORES_ENV), prof.tick, alone)
+    env = [pf.SharedEnvPoint(stage, alone[stage] / here[stage]) for stage in here if stage in alone]
+    return [pf.SharingPoint(**x) for x in points], env
 
 
 def run_measurement(model: str, threads: int, max_busy: int, cores: int, quick: bool, env: dict[str, str],
-                    tick: Callable[[str], None] | None = None) -> list[dict]:
+                    tick: Callable[[str], None] | None = None, alone: dict[str, float] | None = None) -> list[dict]:
     """`measure_here` in a process of its own whose environment is this one's without the
-    SHARED_CORES_ENV variables, plus `env` (its neighbours inherit it); its points as dicts."""
+    SHARED_CORES_ENV variables, plus `env` (its neighbours inherit it); its points as dicts.
+    `alone`, when given, receives each reference call's time alone there (seconds)."""
     env = {**{k: v for k, v in os.environ.items() if k not in dict(SHARED_CORES_ENV)}, **env}
     p = subprocess.Popen([sys.executable, "-m", "hasctl.profile_sharing", "measure", model, str(threads),
                           str(max_busy), str(cores), "quick" if quick else "full"],
@@ -95,6 +104,9 @@ def run_measurement(model: str, threads: int, max_busy: int, cores: int, quick: 
                 tick(line[5:].strip())
         elif line.startswith("env "):
             log.info("sharing measured with %s", line[4:].strip())
+        elif line.startswith("alone "):
+            if alone is not None:
+                alone.update(json.loads(line[6:]))
         elif line.startswith("points "):
             points = json.loads(line[7:])
     if p.wait() != 0 or points is None:
@@ -103,8 +115,8 @@ def run_measurement(model: str, threads: int, max_busy: int, cores: int, quick: 
 
 
 def measure_here(model: str, threads: int, max_busy: int, cores: int, plan: str) -> None:
-    """The body of `run_measurement`, in the process it starts: prints "tick WHAT" lines and,
-    last, "points JSON"."""
+    """The body of `run_measurement`, in the process it starts: prints "tick WHAT" lines,
+    "alone JSON" (stage -> seconds) and, last, "points JSON"."""
     import torch
     torch.set_num_threads(threads)
     print("env " + " ".join(f"{k}={os.environ.get(k, '')}" for k, _ in SHARED_CORES_ENV), flush=True)
@@ -112,6 +124,7 @@ def measure_here(model: str, threads: int, max_busy: int, cores: int, plan: str)
     prof = Profiler(model, "cpu", QUICK if quick else Plan())
     calls = reference_calls(prof)
     alone = {stage: prof.timed(fn) for stage, fn in calls.items()}
+    print("alone " + json.dumps(alone), flush=True)
     out = []
     for kind in calls:
         procs: list[subprocess.Popen] = []

@@ -23,6 +23,8 @@ simulator (easerve/sim) and the serving latency predictor (easerve/policy/latenc
     processes running one stage compute on its cores; for a mix, the mean over the k of the
     curve of each one's stage), or, for a profile without one, 1 + k (CPU_SHARE_SLOWDOWN - 1):
     k + 1 compute-bound processes with a thread per core each run at 1 / (k + 1) speed;
+  - a worker launched with the shared-cores environment (its CPU cores are another process's
+    too): times `shared_env(stage)` throughout, the profile's measured cost of that environment;
   - a monolith's encode, prefill and decode are workers of one process (ModelConfig.monolith
     "threads", the default), or with "serial" they take turns and never slow each other.
 """
@@ -169,6 +171,14 @@ class ServiceModel:
                 return 1.0 + k * (CPU_SHARE_SLOWDOWN - 1.0)
             return sum(vals) / k
         return self._memo(("sh", stage, busy), f)
+
+    def shared_env(self, stage: str) -> float:
+        """`stage`'s latency factor in a worker launched with the shared-cores environment, no
+        neighbour busy: the profile's `shared_env` point (1.0 when it has none)."""
+        def f() -> float:
+            measured = getattr(self.profile, "shared_env_slowdown", None)
+            return measured(stage) if measured is not None else 1.0
+        return self._memo(("env", stage), f)
 
     def cores(self, device: str) -> int:
         """CPU cores of `device` ('cpu:0-3'), or the profile machine's for plain 'cpu'."""

@@ -9,6 +9,10 @@ process that run one job at a time.
 - `process`: the workers of one process (an encode instance and its co-located prefill; a
   monolith's encode, prefill and decode) slow each other by the profile's measured pairs;
   workers of other processes on the same CPU cores by the profile's sharing curve.
+- the environment: a model worker on CPU cores that a worker of another process also computes
+  on is launched with SHARED_CORES_ENV (hasctl/deployment.py `shares_cores`), which slows
+  each of its jobs by the profile's `shared_env` factor even with no neighbour busy
+  (`shared_cores_env`; the sharing curve is relative to that environment's own time).
 - `serial`: a `SerialGroup` the workers of one monolith share with ModelConfig(monolith="serial"):
   its encode batches, prefill batches and decode steps run one at a time, as in a process whose
   one interpreter and thread pool admit one stage at a time: a worker that has work while
@@ -44,6 +48,7 @@ class Compute:
         self.busy_kind: str | None = None
         self.neighbours: list[Compute] = []
         self.busy_s = 0.0
+        self.env = 1.0            # the environment's factor (wire_env)
         self._left = 0.0          # the running job's work left, in unshared seconds, at self._since
         self._since = 0.0
         self._factor = 1.0
@@ -59,8 +64,9 @@ class Compute:
     def factor(self, skip: Compute | None = None) -> float:
         """This worker's slowdown now: 1 + the sum of (measured pair - 1) over its busy
         neighbours of the same process (and, on a GPU, of any process), times the sharing
-        slowdown of the busy neighbours of other processes on the same CPU cores, times the
-        cores taken by busy host threads (easerve/sim/host.py). A host job's own: the runnable
+        slowdown of the busy neighbours of other processes on the same CPU cores, times its
+        environment's factor (`env`), times the cores taken by busy host threads
+        (easerve/sim/host.py). A host job's own: the runnable
         threads on its cores (one per busy host job, one per core for each busy model job) over
         the cores, at least 1."""
         model, f, others, hosts, jobs = self.model, 1.0, [], 0, 0
@@ -80,8 +86,18 @@ class Compute:
         if self.kind == "host":
             cores = model.cores(self.device)
             return max(1.0, (1 + hosts + jobs * cores) / cores)
-        f = f * model.sharing(self.kind, tuple(sorted(others))) if others else f
+        f = (f * model.sharing(self.kind, tuple(sorted(others))) if others else f) * self.env
         return f * (1.0 + hosts / model.cores(self.device)) if hosts and self.cpu and model.cores_shared else f
+
+    def shared_cores_env(self) -> bool:
+        """Whether the live launcher starts this worker with SHARED_CORES_ENV: a model worker on
+        CPU cores that a model worker of another process also computes on."""
+        return self.cpu and self.kind != "host" and any(
+            n.kind != "host" and n.process != self.process for n in self.neighbours)
+
+    def wire_env(self) -> None:
+        """Set `env` from the neighbours (call once they are wired)."""
+        self.env = self.model.shared_env(self.kind) if self.shared_cores_env() else 1.0
 
     # ---- one process, one job at a time ------------------------------------------------------------
     def acquire(self, kick: Callable[[], None]) -> bool:

@@ -77,6 +77,8 @@ class Sim:
                           self.encoders + self.remote_prefills + self.decoders]}.values())
         for c in computes:
             c.neighbours = [o for o in computes if o is not c and shares_compute(c.device, o.device, c.tp, o.tp)]
+        for c in computes:
+            c.wire_env()
         self._computes = computes
         self.outcomes: list[Req] = []
         self.online = online

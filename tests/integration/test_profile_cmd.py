@@ -53,10 +53,11 @@ def test_profile_quick_writes_a_loadable_profile(tiny_root, tmp_path, capsys):
     assert slo.tier == "tight" and slo.limits("video")[0] == pytest.approx(p.unloaded_for("video").ttft_s * 2e3)
 
     # revision 2: what the simulator reads besides the stage latencies, and hasctl simulate on it
-    assert p.revision == 5 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
+    assert p.revision == 6 and p.transfer.kv_bytes_per_token > 0 and p.transfer.embed_bytes_per_token > 0
     stages = ("encode", "prefill", "decode")  # revision 4: each stage while one process of each kind shares the cores
     assert sorted((x.stage, x.by, x.busy) for x in p.sharing) == sorted((s, b, 1) for s in stages for b in stages)
     assert all(x.slowdown >= 1.0 and x.cores == p.hardware.cores for x in p.sharing)
+    assert sorted(x.stage for x in p.shared_env) == sorted(stages)  # revision 6: alone there over alone here
     assert p.link("same_host").gb_per_s > 0 and p.link("other_host") is None
     assert {(g.modality, g.media) for g in p.gateway} == {("image", "56x56"), ("video", "2x56x56"), ("text", "")}
     assert {(x.stage, x.by) for x in p.interference} == {("encode", "prefill"), ("prefill", "encode")}
@@ -81,12 +82,13 @@ def test_the_sharing_curve_is_measured_as_stages_that_share_cores_run(tiny_root,
 
     prof = Profiler(str(cached_tiny("qwen2.5-vl", tiny_root)), "cpu", QUICK)
     with caplog.at_level(logging.INFO, "hasctl.profile_sharing"):
-        points = measure_sharing(prof, 1, 1, 1, quick=True)
+        points, env = measure_sharing(prof, 1, 1, 1, quick=True)
     assert dict(SHARED_CORES_ENV) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert "sharing measured with OMP_WAIT_POLICY=PASSIVE" in caplog.text, caplog.text
     stages = ("encode", "prefill", "decode")
     assert sorted((x.stage, x.by, x.busy) for x in points) == sorted((s, b, 1) for s in stages for b in stages)
     assert all(x.slowdown >= 1.0 and x.cores == 1 for x in points)
+    assert sorted(x.stage for x in env) == sorted(stages) and all(x.slowdown > 0 for x in env)
 
 
 @pytest.mark.slow

@@ -63,6 +63,26 @@ def test_overlapping_neighbours_on_shared_cores_count_their_slowdown():
     assert err["prefill"].median == pytest.approx(math.log(1.5))  # predicted p, measured 1.5 p
 
 
+def test_a_worker_on_cores_another_process_uses_is_predicted_at_its_environments_cost():
+    """A prefill on the cores of another process's worker runs with the shared-cores environment:
+    predicted at the profile's shared_env factor even while nothing overlaps it (as the
+    simulator's Compute.wire_env has it); on cores of its own at the profile's time; the
+    replay's MeasuredModel, whose times already hold it, does not apply it again."""
+    import dataclasses
+
+    from easerve.profile_format import SharedEnvPoint
+    prof = dataclasses.replace(make_profile(), shared_env=(SharedEnvPoint("prefill", 1.5),))
+    model = ServiceModel(prof)
+    p = model.prefill_s(64, 1)
+    spans = {"encode-0": [Span("encode-0", "encode", 0.0, 0.01, batch=1)],
+             "prefill-0": [Span("prefill-0", "prefill", 1.0, 1.0 + 1.5 * p, batch=1, tokens=64)]}
+    shared = {"encode-0": Placement("cpu"), "prefill-0": Placement("cpu")}
+    assert service_time_errors(spans, model, shared, IMG)["prefill"].median == pytest.approx(0.0, abs=1e-9)
+    apart = {"encode-0": Placement("cpu:0"), "prefill-0": Placement("cpu:1")}
+    assert service_time_errors(spans, model, apart, IMG)["prefill"].median == pytest.approx(math.log(1.5))
+    assert MeasuredModel(prof, spans, where=shared, media=IMG).shared_env("prefill") == 1.0
+
+
 def test_trace_shapes_and_urls():
     enc = {"now": 5.0, "buckets": [],
            "spans": [{"kind": "encode", "start": 1.0, "end": 1.5, "share": 0.5, "batch": 3},

@@ -156,3 +156,18 @@ def test_revision_4_sharing_curve_round_trips_interpolates_and_older_files_have_
     raw["sharing"][0]["busy"] = 0
     with pytest.raises(ValueError, match=r"sharing\[0\].busy"):
         Profile.from_dict(raw)
+
+
+def test_revision_6_shared_env_round_trips_and_older_files_cost_nothing(tmp_path):
+    from easerve.profile_format import SharedEnvPoint
+    old = make_profile()
+    assert old.shared_env == () and old.shared_env_slowdown("decode") == 1.0
+    pts = (SharedEnvPoint("encode", 1.32), SharedEnvPoint("decode", 1.7))
+    new = load(dump(dataclasses.replace(old, revision=6, shared_env=pts), tmp_path / "p.json"))
+    assert new.shared_env == pts
+    assert (new.shared_env_slowdown("encode"), new.shared_env_slowdown("decode")) == (1.32, 1.7)
+    assert new.shared_env_slowdown("prefill") == 1.0   # not measured
+    raw = json.loads(json.dumps(new.to_dict()))
+    raw["shared_env"][0]["slowdown"] = 0
+    with pytest.raises(ValueError, match=r"shared_env\[0\].slowdown"):
+        Profile.from_dict(raw)

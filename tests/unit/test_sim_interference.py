@@ -11,7 +11,7 @@ import pytest
 from easerve.sim import simulate
 from easerve.policy.service_model import ModelConfig
 from easerve.sim.run import Sim
-from easerve.profile_format import Interference, SharingPoint
+from easerve.profile_format import Interference, SharedEnvPoint, SharingPoint
 from tests.support.profiles import make_profile
 from tests.support.sim_topology import poisson, topo
 
@@ -53,6 +53,58 @@ def test_a_measured_pair_slows_workers_of_one_process_and_the_sharing_curve_thos
     assert remote.factor() == 1.3
     dec.busy_kind = "decode"
     assert remote.factor() == pytest.approx((1.8 + 1.4) / 2)   # k = 2: each neighbour's curve at 2
+
+
+ENV = (SharedEnvPoint("encode", 1.4), SharedEnvPoint("prefill", 1.5), SharedEnvPoint("decode", 1.7))
+
+
+def test_a_worker_launched_with_the_shared_cores_environment_runs_at_its_measured_cost():
+    """A model worker whose CPU cores another process's worker also uses runs with
+    SHARED_CORES_ENV: the profile's shared_env factor, with no neighbour busy and under the
+    sharing curve's slowdown when one is; a worker alone on its cores, or a monolith (one
+    process), runs at the profile's time."""
+    prof = dataclasses.replace(make_profile(), shared_env=ENV)
+    enc, pre, dec = computes("cpu", prof)
+    assert (enc.factor(), pre.factor(), dec.factor()) == (1.4, 1.5, 1.7)
+    enc.busy_kind = "encode"
+    assert dec.factor() == pytest.approx(1.7 * 2.0)     # times processor sharing (no curve in the profile)
+    assert all(c.factor() == 1.0 for c in computes("cpu:{i}", prof))
+    mono = Sim(topo(n_enc=0, n_pre=0, n_dec=0, n_mono=1, device="cpu"), prof)
+    assert all(c.factor() == 1.0 for c in (mono.monolith[0].compute, mono.monolith[0].local.compute,
+                                           mono.mono_decode[0].compute))
+    sim = Sim(topo(device="cpu"), prof)
+    ends = {}
+    sim.decoders[0].compute.start("decode", 0.5, lambda: ends.setdefault("decode", sim.events.now()))
+    sim.events.run()
+    assert ends == {"decode": pytest.approx(0.85)}
+
+
+@pytest.mark.parametrize("name", ["default", "dynamo-like", "colocated", "monolith", "split", "monolith+decode"])
+def test_the_simulator_gives_the_shared_cores_environment_to_the_workers_the_launcher_does(name):
+    """hasctl.deployment.shares_cores (the live launcher's rule) against Compute.shared_cores_env
+    on the same deployment's topology (hasctl.simulate.topology), worker by worker."""
+    from hasctl.deployment import STAGES, Worker, preset, shares_cores
+    from hasctl.simulate import topology
+    if name == "split":      # encode and prefill on core 0, decode alone on core 1
+        d = dataclasses.replace(preset("default"), encode=(Worker(device="cpu:0"),), prefill=(Worker(device="cpu:0"),),
+                                decode=(Worker(device="cpu:1"),))
+    elif name == "monolith+decode":   # a monolith alone on core 0, a prefill and a decode on core 1
+        d = dataclasses.replace(preset("monolith"), monolith=(Worker(device="cpu:0"),), decode=(Worker(device="cpu:1"),),
+                                prefill=(Worker(device="cpu:1"),))
+    else:
+        d = preset(name)
+    sim = Sim(topology(d), dataclasses.replace(make_profile(), shared_env=ENV))
+    workers = {("encode", i): [e.compute] + ([e.local.compute] if e.local else []) for i, e in enumerate(sim.encode)}
+    workers |= {("prefill", i): [p.compute] for i, p in enumerate(sim.remote_prefills)}
+    workers |= {("decode", i): [x.compute] for i, x in enumerate(sim.decode)}
+    workers |= {("monolith", i): [m.compute, m.local.compute, sim.mono_decode[i].compute]
+                for i, m in enumerate(sim.monolith)}
+    assert sorted(workers) == sorted((s, i) for s in STAGES for i in range(len(getattr(d, s))))
+    live = {key: shares_cores(d, *key) for key in workers}
+    simulated = {key: {c.shared_cores_env() for c in cs} for key, cs in workers.items()}
+    assert simulated == {key: {v} for key, v in live.items()}
+    assert set(live.values()) == ({False, True} if name in ("split", "monolith+decode") else
+                                  {False} if name == "monolith" else {True})
 
 
 def test_a_job_is_slowed_only_while_a_neighbour_runs_processor_sharing():
