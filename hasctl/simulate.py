@@ -94,7 +94,7 @@ def run_simulation(d: Deployment, profile, config: BenchConfig, model: ModelConf
     `service_model`: service times other than the profile's (bench/fidelity_replay.py MeasuredModel)."""
     reqs = sim_requests(config, profile) if requests is None else requests
     kv = profile.roofline.kv_gib_per_device if getattr(profile, "roofline", None) is not None else None
-    result = simulate(topology(d, kv), profile, reqs, model, tp_profiles, online, service_model)
+    result = simulate(topology(d, kv), profile, reqs, model, tp_profiles, online, service_model=service_model)
     records = [RequestRecord.from_dict(r) for r in result.records]
     metrics = compute_metrics(records, config.slo)
     return BenchResult(config, profile.model.path, metrics, records), result

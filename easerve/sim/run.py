@@ -162,7 +162,7 @@ def trace_of(trace, now: float, window: float | None = None) -> dict:
 
 
 def simulate(topology: Topology, profile: Any, requests: Sequence[SimRequest],
-             model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None,
+             model_config: ModelConfig | None = None, profiles: Sequence[Any] = (), online=None, *,
              exact_placement: bool = False, service_model: ServiceModel | None = None) -> SimResult:
     """Run `requests` through `topology` with service times from `profile` (and, for instances of
     another tensor-parallel degree, from the one of `profiles` taken with it); `online`: an

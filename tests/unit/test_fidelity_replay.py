@@ -128,6 +128,26 @@ def test_measured_model_reproduces_the_measured_calls_of_one_request():
     assert base.records[0]["chunk_s"][0] == pytest.approx(wait + model.encode_s(1, 1.0, *IMG) + model.prefill_s(80, 1))
 
 
+def test_hasctl_simulates_a_replay_with_the_measured_call_times_it_is_given():
+    """hasctl.simulate.run_simulation (what bench/sim_fidelity's replay calls) runs the
+    simulator on the service model it is given: the records of simulate(service_model=mm),
+    not the profile's (it once passed the model where exact placement was expected)."""
+    from hasctl.bench import BenchConfig
+    from hasctl.deployment import preset
+    from hasctl.simulate import run_simulation, topology
+    from hasctl.workload import WorkloadSpec
+    truth, prof = make_profile(encode_s_per_item=0.3), make_profile(encode_s_per_item=0.1)
+    d = preset("dynamo-like")
+    reqs = poisson(20, 2.0, seed=5)
+    live = simulate(topology(d), truth, reqs)
+    mm = MeasuredModel(prof, {n: spans_of(n, t) for n, t in live.traces.items()}, media=IMG)
+    cfg = BenchConfig(url="http://simulated.invalid", rate=2.0, num_requests=20, seed=5,
+                      workload=WorkloadSpec(image_size=(224, 224), output_tokens=8), progress=False)
+    got = run_simulation(d, prof, cfg, requests=reqs, service_model=mm)[1].records
+    assert got == simulate(topology(d), prof, reqs, service_model=mm).records
+    assert got != simulate(topology(d), prof, reqs).records
+
+
 def test_replay_with_measured_calls_matches_live_and_the_profile_does_not():
     """'Live': a stack whose encode is 3x the profile's; its encode spans are its trace's. The
     replay with the measured call times gets its TTFTs; the profile's times do not."""
