@@ -228,9 +228,10 @@ def service_time_errors(spans: Mapping[str, Sequence[Span]], model: ServiceModel
 # ---- 3. the simulator with the measured call times -------------------------------------------------
 class MeasuredModel(ServiceModel):
     """A ServiceModel whose encode, prefill and decode call times are the live run's: the
-    profile's time for the call times the median measured / predicted-alone ratio of the live
-    spans of that stage and batch size (so a call of the sizes a bucket saw takes its median
-    measured duration), else of that stage at any batch size, else the profile's time as it is.
+    profile's time for the call times the mean measured / predicted-alone ratio of the live
+    spans of that stage and batch size (so a bucket's calls keep their measured busy time, which
+    is what a queue waits on: a median would drop the slow calls' tail), else of that stage at
+    any batch size, else the profile's time as it is.
     The gateway's likewise when gateway spans are given. The measured spans already hold the
     interference the live calls met, so `slowdown` and `sharing` are 1.0: neighbours do not slow
     a replayed call again. Transfers, media tokens and everything else are the profile's."""
@@ -249,7 +250,7 @@ class MeasuredModel(ServiceModel):
                 if s.duration > 0 and p > 0:
                     for key in ((s.kind, s.batch), (s.kind, None)):
                         ratios.setdefault(key, []).append(s.duration / p)
-        self.ratios = {k: statistics.median(v) for k, v in ratios.items()}
+        self.ratios = {k: statistics.fmean(v) for k, v in ratios.items()}
 
     def ratio(self, kind: str, batch: int | None) -> float:
         r = self.ratios.get((kind, batch))

@@ -128,6 +128,18 @@ def test_measured_model_reproduces_the_measured_calls_of_one_request():
     assert base.records[0]["chunk_s"][0] == pytest.approx(wait + model.encode_s(1, 1.0, *IMG) + model.prefill_s(80, 1))
 
 
+def test_a_replayed_call_keeps_its_buckets_measured_busy_time():
+    """Three live prefills of one batch size, 1x, 1x and 4x the profile's time: a replayed call of
+    that size takes 2x (their mean, so the stage stays as busy as it was), not 1x (the median)."""
+    prof = make_profile()
+    model = ServiceModel(prof)
+    p = model.prefill_s(64, 1)
+    spans = {"prefill-0": [Span("prefill-0", "prefill", 10.0 * i, 10.0 * i + p * f, batch=1, tokens=64)
+                           for i, f in enumerate((1.0, 1.0, 4.0))]}
+    mm = MeasuredModel(prof, spans, where=GPUS, media=IMG)
+    assert mm.prefill_s(64, 1) == pytest.approx(2.0 * p)
+
+
 def test_hasctl_simulates_a_replay_with_the_measured_call_times_it_is_given():
     """hasctl.simulate.run_simulation (what bench/sim_fidelity's replay calls) runs the
     simulator on the service model it is given: the records of simulate(service_model=mm),
