@@ -107,6 +107,35 @@ def collect_spans(metrics: Mapping[str, str], window_s: float = 600.0, last: int
     return out
 
 
+LATENCY_METRICS = {"easerve:stage_latency_seconds": None, "easerve:time_to_first_token_seconds": "ttft"}
+
+
+def phase_totals(text: str) -> dict[str, tuple[float, float]]:
+    """From the gateway's /metrics text: phase -> (seconds summed, requests) of its per-request
+    phases (easerve:stage_latency_seconds by stage: preprocess, queue, encode, prefill,
+    embed_transfer) and of "ttft" (easerve:time_to_first_token_seconds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            for name, fixed in LATENCY_METRICS.items():
+                if smp.name in (name + "_sum", name + "_count"):
+                    phase = fixed or smp.labels.get("stage", "")
+                    out.setdefault(phase, [0.0, 0.0])[smp.name.endswith("_count")] += smp.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def phase_means_ms(before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """Phase -> mean milliseconds per request over what the gateway counted between two
+    `phase_totals` (a phase no request went through in between is left out)."""
+    out = {}
+    for phase, (s1, n1) in after.items():
+        s0, n0 = before.get(phase, (0.0, 0.0))
+        if n1 > n0:
+            out[phase] = round((s1 - s0) / (n1 - n0) * 1e3, 2)
+    return out
+
+
 def placements(deployment) -> dict[str, Placement]:
     """Process name -> device and tp, from a hasctl Deployment (its stage lists of workers)."""
     return {f"{s}-{i}": Placement(w.device, getattr(w, "tp", 1))

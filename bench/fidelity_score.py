@@ -113,6 +113,23 @@ def rank_separable(cells: dict[str, dict], other: str) -> tuple[int, int]:
     return agree, total
 
 
+def mean_phases(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Phase -> the mean over runs of each run's mean milliseconds (phases every run has)."""
+    common = set.intersection(*(set(r) for r in runs)) if runs else set()
+    return {p: round(statistics.fmean(r[p] for r in runs), 2) for p in sorted(common)}
+
+
+def phase_bias(pairs: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, float]:
+    """Phase -> the median over (sim, live) pairs of log(sim / live), where both have it and
+    the live mean is over 0.1 ms (> 0: the simulator's phase is longer than live)."""
+    out: dict[str, list[float]] = {}
+    for sim, live in pairs:
+        for phase, ms in live.items():
+            if ms > 0.1 and sim.get(phase, 0.0) > 0.0:
+                out.setdefault(phase, []).append(math.log(sim[phase] / ms))
+    return {p: round(statistics.median(v), 4) for p, v in sorted(out.items())}
+
+
 def median_abs(values: Sequence[float]) -> float | None:
     vals = [abs(v) for v in values if v is not None]
     return round(statistics.median(vals), 4) if vals else None

@@ -28,12 +28,17 @@ monolith and bench/deployments/two-decode.yaml; audio: default and dynamo-like):
    bias (log sim / live) and excess error; the same figures for each live repeat against the
    others (`live_vs_live`); rank agreement over the deployment pairs whose live intervals do not
    overlap; and, from the live call spans (bench/fidelity_replay.py), the service-time error per
-   stage and the error of a replay of the live arrivals with the measured call times.
+   stage and the error of a replay of the live arrivals with the measured call times; and where
+   the time to first token went: each cell's per-request phases as the live gateway counts them
+   (its easerve:stage_latency_seconds and TTFT between the cell's start and end: preprocess,
+   encode queue, encode, prefill, embed_transfer, ttft) beside the simulator's and the replay's
+   (easerve/sim/phases.py), the median log ratio per phase over the cells.
 
 Last stdout line: JSON with "capacity_bias_max", "capacity_bias" (per deployment),
 "coverage", "bias_median", "excess_median", "service_time_err_median", "replay_ttft_p50_err_median",
 "rank_agreement_separable" (and "separable_pairs"), "overload" (cells scored apart),
-"live_vs_live", "miss_from" (service time, queueing or policy), "flagged", "minutes".
+"live_vs_live", "phase_bias" and "replay_phase_bias" (phase -> median log(sim / live)),
+"miss_from" (service time, queueing or policy), "flagged", "minutes".
 
   python bench/sim_fidelity.py                                   # the whole run (~75 min here)
   python bench/sim_fidelity.py --modalities image --deployments default,dynamo-like,monolith
@@ -221,7 +226,10 @@ def probe(d, profile, spec, slo, url: str, args, host_s) -> dict:
 def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -> dict:
     """One live cell (re-run once when steal time was over STEAL_FLAG); its result file, with
     `spans` its stages' call spans beside it, and flags."""
+    from bench import fidelity_replay as fr
+    gateway = stack.endpoints.metrics.get("gateway")
     for attempt in range(2):
+        before = gateway_phases(gateway)
         t0, since = cpu_ticks(), time.monotonic()
         res = asyncio.run(run_bench(cfg))
         steal = steal_share(t0, cpu_ticks())
@@ -230,10 +238,25 @@ def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -
         say(f"    steal {steal:.1%} during the cell: run again")
     path.write_text(res.to_json())
     if spans:
-        from bench import fidelity_replay as fr
         got = fr.collect_spans(stack.endpoints.metrics, since=since, last=1000)
         path.with_name(path.stem + "-spans.json").write_text(json.dumps(store.spans_to_json(got)) + "\n")
-    return {"file": path.name, "steal": round(steal, 4), "flagged": steal > STEAL_FLAG}
+    return {"file": path.name, "steal": round(steal, 4), "flagged": steal > STEAL_FLAG,
+            "phases_ms": fr.phase_means_ms(before, gateway_phases(gateway))}
+
+
+def gateway_phases(url: str | None) -> dict:
+    """The gateway's per-request phase totals now (bench/fidelity_replay.py phase_totals; {}
+    when it has no metrics endpoint or does not answer)."""
+    import urllib.request
+
+    from bench import fidelity_replay as fr
+    if url is None:
+        return {}
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            return fr.phase_totals(r.read().decode())
+    except OSError:
+        return {}
 
 
 def live_capacity(url: str, d, profile, spec, slo, args, mc, path: Path, stack) -> dict:
@@ -312,7 +335,7 @@ def score_deployment(args, modality: str, name: str, ctx: dict, st: dict) -> dic
         cfg = config_of(docs[0][0])
         rate = cfg.rate
         outcomes = [fs.steady_outcomes(recs, slo) for _, recs in docs]
-        sim_res = run_simulation(d, profile, cfg, mc)[0]
+        sim_res, sim_run = run_simulation(d, profile, cfg, mc)
         (run_dir / f"sim-{load}.json").write_text(sim_res.to_json())
         sim_good = fs.steady_goodput(sim_res.records, slo, rate)
         mean, lo, hi = fs.interval(outcomes, rate)
@@ -322,9 +345,15 @@ def score_deployment(args, modality: str, name: str, ctx: dict, st: dict) -> dic
              "ttft_p50_ms": {"live": docs[0][0].get("median_ttft_ms"), "sim": sim_res.metrics.get("median_ttft_ms")},
              "tpot_p50_ms": {"live": docs[0][0].get("median_tpot_ms"), "sim": sim_res.metrics.get("median_tpot_ms")}}
         c |= fs.score_cell(sim_good, mean, lo, hi)
+        live_phases = [i["phases_ms"] for i in infos if i.get("phases_ms")]
+        if live_phases:  # where the time to first token went, as the live gateway counts it
+            c["phases_ms"] = {"live": fs.mean_phases(live_phases), "sim": sim_run.phases_ms}
         c["live_vs_live"] = fs.leave_one_out(outcomes, rate)
         out["cells"][load] = c
     out["replay"] = store.score_replay(args.out_dir, modality, d, ctx, mc)
+    for load, ph in out["replay"].pop("phases_ms", {}).items():
+        if "phases_ms" in out["cells"].get(load, {}):
+            out["cells"][load]["phases_ms"]["replay"] = ph
     return out
 
 
@@ -346,6 +375,7 @@ def summarize(per: dict, replay: dict) -> dict:
                 lvl_agree, lvl_total = lvl_agree + a, lvl_total + t
     coverage = round(sum(c["inside"] for c in normal) / len(normal), 4) if normal else None
     service = replay.get("service_time_err_median", {})
+    phased = [c["phases_ms"] for c in normal if "phases_ms" in c]
     replay_err = replay.get("replay_ttft_p50_err_median")
     return {
         "capacity_bias_max": max((abs(v) for v in caps.values()), default=None), "capacity_bias": caps,
@@ -360,6 +390,8 @@ def summarize(per: dict, replay: dict) -> dict:
                          "excess_median": fs.median_abs([x["excess"] for x in lvl]),
                          "rank_agreement_separable": round(lvl_agree / lvl_total, 4) if lvl_total else None,
                          "separable_pairs": lvl_total, "scored": len(lvl)},
+        "phase_bias": fs.phase_bias([(p["sim"], p["live"]) for p in phased]),
+        "replay_phase_bias": fs.phase_bias([(p["replay"], p["live"]) for p in phased if "replay" in p]),
         "miss_from": fs.attribute(service, replay_err, coverage),
         "flagged": sum(c["flagged"] for _, _, _, c in scored)}
 
@@ -376,6 +408,24 @@ def table(per: dict) -> str:
                              f"{c['hi']:.3f}] | {', '.join(f'{x:.3f}' for x in c['live'])} | {c['sim']:.3f} | "
                              f"{'yes' if c['inside'] else 'no'} | {c['bias']:+.3f} |")
     return "\n".join(lines)
+
+
+PHASE_ORDER = ("preprocess", "queue", "encode", "embed_transfer", "prefill", "ttft")
+
+
+def phase_table(per: dict) -> str:
+    """Per cell with live phases: each phase's mean ms live / simulated / replayed."""
+    head = "| modality | deployment | load | " + " | ".join(PHASE_ORDER) + " |"
+    lines = [head, "|" + " --- |" * (3 + len(PHASE_ORDER))]
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for m, deps in per.items():
+        for n, s in deps.items():
+            for load, c in s["cells"].items():
+                p = c.get("phases_ms")
+                if p:
+                    cols = [" / ".join(fmt(p.get(k, {}).get(ph)) for k in ("live", "sim", "replay")) for ph in PHASE_ORDER]
+                    lines.append(f"| {m} | {n} | {load}x | " + " | ".join(cols) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def prepare(args, modality: str) -> dict:
@@ -411,6 +461,8 @@ def main(argv=None) -> int:
                for n in args.by_modality[m] if state[m].get(deployment(n).name, {}).get("cells")} for m in state}
     replay = store.summarize_replay({f"{m}/{n}": s.pop("replay") for m, deps in per.items() for n, s in deps.items()})
     text = table(per)
+    if phases := phase_table(per):
+        text += "\n\nPer-request phases, mean ms: live / simulated / replayed with the measured call times\n\n" + phases
     print(text)
     out = summarize(per, replay)
     out["minutes"] = round((time.monotonic() - t0) / 60, 2)

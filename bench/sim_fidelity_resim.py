@@ -54,7 +54,8 @@ def load_run(args) -> tuple[dict, dict]:
 
 def score_replay(out_dir: Path, modality: str, d, ctx: dict, mc) -> dict:
     """Over the cells of deployment `d` that kept their spans: per stage the median |log(pred /
-    measured)| of its calls, and the replay of the live arrivals with the measured call times."""
+    measured)| of its calls, and the replay of the live arrivals with the measured call times
+    (its TTFT error, and its per-request phases by cell load: "phases_ms")."""
     from easerve.policy.service_model import ServiceModel
     from easerve.slo import RequestRecord
     from hasctl.simulate import run_simulation
@@ -62,7 +63,7 @@ def score_replay(out_dir: Path, modality: str, d, ctx: dict, mc) -> dict:
     label = media_label(profile, modality)
     where = fr.placements(d)
     per_stage: dict[str, list[float]] = {}
-    replays = []
+    replays, phases = [], {}
     for sp in sorted(run_dir.glob("live-r0-*-spans.json")):
         spans = spans_from_json(json.loads(sp.read_text()))
         errs = fr.service_time_errors(spans, ServiceModel(profile, mc), where=where, media=(modality, label))
@@ -73,10 +74,11 @@ def score_replay(out_dir: Path, modality: str, d, ctx: dict, mc) -> dict:
         live = [RequestRecord.from_dict(r) for r in live_doc["records"]]
         mm = fr.MeasuredModel(profile, spans, mc, where=where, media=(modality, label))
         reqs = fr.replay_requests(live, mm, {modality: label})
-        sim = run_simulation(d, profile, config_of(live_doc), mc, requests=reqs, service_model=mm)[0]
+        sim, run = run_simulation(d, profile, config_of(live_doc), mc, requests=reqs, service_model=mm)
         replays.append(fr.replay_ttft_error(live, sim.records)["replay_ttft_p50_err"])
+        phases[sp.name.removeprefix("live-r0-").removesuffix("-spans.json")] = run.phases_ms
     return {"service_time_err": {s: round(statistics.median(v), 4) for s, v in per_stage.items()},
-            "replay_ttft_p50_err": [round(x, 4) for x in replays if x is not None]}
+            "replay_ttft_p50_err": [round(x, 4) for x in replays if x is not None], "phases_ms": phases}
 
 
 def summarize_replay(by_deployment: dict) -> dict:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from easerve.sim import phases
 from easerve.sim.compute import SerialGroup
 from easerve.sim.events import EventQueue
 from easerve.sim.reports import Poller
@@ -31,6 +32,7 @@ class SimResult:
     admissions: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # decode -> admitted per step
     busy_s: dict[str, float] = field(default_factory=dict)      # worker -> seconds busy
     decisions: list = field(default_factory=list)  # the gateway admission's (easerve/sim/admission.py Decided)
+    phases_ms: dict[str, float] = field(default_factory=dict)  # phase -> mean ms per request (easerve/sim/phases.py)
 
     @property
     def speed(self) -> float:
@@ -150,7 +152,8 @@ class Sim:
             routes={n: e.routes for n, e in zip(names, self.encoders)},
             admissions={d.name: d.admissions for d in self.decoders},
             busy_s={f"{c.kind}@{c.device}#{i}": c.busy_s for i, c in enumerate(self._computes)},
-            decisions=list(self.gateway.admission.decided) if self.gateway.admission is not None else [])
+            decisions=list(self.gateway.admission.decided) if self.gateway.admission is not None else [],
+            phases_ms=phases.means_ms(reqs))
 
 
 def trace_of(trace, now: float, window: float | None = None) -> dict:

@@ -114,6 +114,7 @@ class Gateway:
     def _take(self, req: Req) -> None:
         if req.done:
             return
+        req.mark("taken", self.sim.events.now())
         self.queue.append(req)
         self._start()
 
@@ -131,6 +132,7 @@ class Gateway:
         if req.done:
             return
         sim, now = self.sim, self.sim.events.now()
+        req.mark("preprocessed", now)
         if self.admission is not None:
             d = req.admission = self.admission.admit(req)
             if d.action == "reject":
@@ -267,6 +269,8 @@ class PrefillWorker:
                 self.prefix.done(rid)
             if req is None or req.done:
                 continue
+            req.mark("prefill_start", t0)
+            req.mark("prefill_end", now)
             req.stage = None
             req.tokens.append(now)  # the first token leaves prefill for the gateway at once
             self.sim.gateway.first_token(req)
@@ -315,6 +319,7 @@ class EncodeInstance:
         """Held media skip the batcher; media another request encodes wait for it; the rest queue."""
         if req.done:
             return
+        req.mark("encode_in", self.sim.events.now())
         state = self.cache.lookup(req) if self.cache is not None else MISS
         if state == HIT:
             self._route(req)
@@ -382,6 +387,8 @@ class EncodeInstance:
         self.batching.worker_free(now)
         model = self.sim.model
         for req in reqs:
+            req.mark("encode_start", t0)
+            req.mark("encode_end", now)
             size = model.embed_bytes(req.media_tokens) or req.media_tokens * DEFAULT_EMBED_BYTES_PER_TOKEN
             waiters = self.cache.encoded(req, size) if self.cache is not None else []
             for r in (req, *waiters):

@@ -60,6 +60,7 @@ class Req:
         "end",
         "error",
         "error_kind",
+        "marks",
         "media_tokens",
         "prompt_tokens",
         "slo",
@@ -82,6 +83,10 @@ class Req:
         self.at_gateway = False
         self.admission = None    # the gateway admission's Decision (with --profile)
         self.slo: tuple[float, bool] | None = None  # (deadline, yields) the stages order it by
+        self.marks: dict[str, float] = {}  # phase boundary -> when it was first crossed (easerve/sim/phases.py)
+
+    def mark(self, what: str, at: float) -> None:
+        self.marks.setdefault(what, at)
 
     def record(self) -> dict:
         """The fields of easerve.slo.RequestRecord.to_dict()."""

@@ -106,17 +106,20 @@ def test_resim_of_the_simulators_own_run_scores_no_error(tmp_path, capsys):
         run_dir = tmp_path / "image" / name
         run_dir.mkdir(parents=True)
 
-        def write(file: str, rate: float, n: int, seed: int) -> None:
+        def write(file: str, rate: float, n: int, seed: int) -> dict:
             cfg = BenchConfig(url="http://simulated.invalid", rate=rate, num_requests=n, seed=seed, workload=spec,
                               ignore_eos=True, slo=slo, label=name, progress=False)
-            (run_dir / file).write_text(run_simulation(d, prof, cfg, mc)[0].to_json())
+            bench, run = run_simulation(d, prof, cfg, mc)
+            (run_dir / file).write_text(bench.to_json())
+            return run.phases_ms
         write("capacity.json", 40.0, 200, 7)
         cells = {}
         for j, load in enumerate(("0.5", "0.8")):
             cells[load] = []
             for k in range(2):
-                write(f"live-r{k}-{load}.json", 2.0 + 2 * j, 60, j)
-                cells[load].append({"file": f"live-r{k}-{load}.json", "steal": 0.0, "flagged": False})
+                phases = write(f"live-r{k}-{load}.json", 2.0 + 2 * j, 60, j)
+                cells[load].append({"file": f"live-r{k}-{load}.json", "steal": 0.0, "flagged": False,
+                                    "phases_ms": phases})
         state["image"][name] = {"overhead_s": 0.01, "live_capacity": fs.steady_capacity(
             [RequestRecord.from_dict(r) for r in json.loads((run_dir / "capacity.json").read_text())["records"]]),
             "cells": cells, "blocks": []}
@@ -126,4 +129,6 @@ def test_resim_of_the_simulators_own_run_scores_no_error(tmp_path, capsys):
     assert last["capacity_bias_max"] == 0.0 and last["coverage"] == 1.0 and last["bias_median"] == 0.0
     assert set(last["capacity_bias"]) == {"image/default", "image/monolith"}
     assert last["live_vs_live"]["coverage"] == 1.0
+    phases = {"queue", "encode", "prefill", "ttft"}  # preprocess: 0 ms in a profile without gateway points
+    assert set(last["phase_bias"]) == phases and set(last["phase_bias"].values()) == {0.0}
     assert (tmp_path / "image" / "default" / "sim-0.5.json").is_file() and (tmp_path / "fidelity.md").is_file()
