@@ -125,7 +125,8 @@ def phase_totals(text: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def phase_means_ms(before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+def phase_means_ms(before: Mapping[str, tuple[float, float]],
+                   after: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     """Phase -> mean milliseconds per request over what the gateway counted between two
     `phase_totals` (a phase no request went through in between is left out)."""
     out = {}

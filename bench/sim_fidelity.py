@@ -423,7 +423,8 @@ def phase_table(per: dict) -> str:
             for load, c in s["cells"].items():
                 p = c.get("phases_ms")
                 if p:
-                    cols = [" / ".join(fmt(p.get(k, {}).get(ph)) for k in ("live", "sim", "replay")) for ph in PHASE_ORDER]
+                    cols = [" / ".join(fmt(p.get(k, {}).get(ph)) for k in ("live", "sim", "replay"))
+                            for ph in PHASE_ORDER]
                     lines.append(f"| {m} | {n} | {load}x | " + " | ".join(cols) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

@@ -73,8 +73,8 @@ def run_profile(model: str, device: str, devices: tuple[str, ...], plan: Plan,
         prefill, decode, unloaded = prof.measure_prefill(), prof.measure_decode(), prof.measure_unloaded()
         gateway, transfer, interference = prof.measure_gateway(), prof.measure_transfer(), prof.measure_interference()
         import torch
-        sharing, shared_env = measure_sharing(prof, torch.get_num_threads(), len(os.sched_getaffinity(0)), plan.sharing_busy,
-                                  quick)
+        sharing, shared_env = measure_sharing(prof, torch.get_num_threads(), len(os.sched_getaffinity(0)),
+                                              plan.sharing_busy, quick)
     finally:
         bar.close()
     return pf.Profile(ep.hardware(device, devices), ep.versions(), ep.model_info(model, prof.modalities), encode,

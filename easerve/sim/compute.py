@@ -66,9 +66,8 @@ class Compute:
         neighbours of the same process (and, on a GPU, of any process), times the sharing
         slowdown of the busy neighbours of other processes on the same CPU cores, times its
         environment's factor (`env`), times the cores taken by busy host threads
-        (easerve/sim/host.py). A host job's own: the runnable
-        threads on its cores (one per busy host job, one per core for each busy model job) over
-        the cores, at least 1."""
+        (easerve/sim/host.py). A host job's own: the runnable threads on its cores (one per busy
+        host job, one per core for each busy model job) over the cores, at least 1."""
         model, f, others, hosts, jobs = self.model, 1.0, [], 0, 0
         if self.kind == "host" and not model.cores_shared:
             return 1.0

@@ -89,8 +89,8 @@ def test_the_simulator_gives_the_shared_cores_environment_to_the_workers_the_lau
         d = dataclasses.replace(preset("default"), encode=(Worker(device="cpu:0"),), prefill=(Worker(device="cpu:0"),),
                                 decode=(Worker(device="cpu:1"),))
     elif name == "monolith+decode":   # a monolith alone on core 0, a prefill and a decode on core 1
-        d = dataclasses.replace(preset("monolith"), monolith=(Worker(device="cpu:0"),), decode=(Worker(device="cpu:1"),),
-                                prefill=(Worker(device="cpu:1"),))
+        d = dataclasses.replace(preset("monolith"), monolith=(Worker(device="cpu:0"),),
+                                decode=(Worker(device="cpu:1"),), prefill=(Worker(device="cpu:1"),))
     else:
         d = preset(name)
     sim = Sim(topology(d), dataclasses.replace(make_profile(), shared_env=ENV))
