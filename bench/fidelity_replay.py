@@ -110,13 +110,13 @@ def collect_spans(metrics: Mapping[str, str], window_s: float = 600.0, last: int
 LATENCY_METRICS = {"easerve:stage_latency_seconds": None, "easerve:time_to_first_token_seconds": "ttft"}
 
 
-def phase_totals(text: str) -> dict[str, tuple[float, float]]:
-    """From the gateway's /metrics text: phase -> (seconds summed, requests) of its per-request
-    phases (easerve:stage_latency_seconds by stage: preprocess, queue, encode, prefill,
-    embed_transfer) and of "ttft" (easerve:time_to_first_token_seconds)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def phase_totals(families: Iterable) -> dict[str, tuple[float, float]]:
+    """From the gateway's metric families (bench/harness/stack.py metric_families): phase ->
+    (seconds summed, requests) of its per-request phases (easerve:stage_latency_seconds by
+    stage: preprocess, queue, encode, prefill, embed_transfer) and of "ttft"
+    (easerve:time_to_first_token_seconds)."""
     out: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families:
         for smp in fam.samples:
             for name, fixed in LATENCY_METRICS.items():
                 if smp.name in (name + "_sum", name + "_count"):

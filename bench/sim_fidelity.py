@@ -227,9 +227,8 @@ def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -
     """One live cell (re-run once when steal time was over STEAL_FLAG); its result file, with
     `spans` its stages' call spans beside it, and flags."""
     from bench import fidelity_replay as fr
-    gateway = stack.endpoints.metrics.get("gateway")
     for attempt in range(2):
-        before = gateway_phases(gateway)
+        before = gateway_phases(stack)
         t0, since = cpu_ticks(), time.monotonic()
         res = asyncio.run(run_bench(cfg))
         steal = steal_share(t0, cpu_ticks())
@@ -241,20 +240,16 @@ def run_live(url: str, cfg: BenchConfig, path: Path, args, spans: bool, stack) -
         got = fr.collect_spans(stack.endpoints.metrics, since=since, last=1000)
         path.with_name(path.stem + "-spans.json").write_text(json.dumps(store.spans_to_json(got)) + "\n")
     return {"file": path.name, "steal": round(steal, 4), "flagged": steal > STEAL_FLAG,
-            "phases_ms": fr.phase_means_ms(before, gateway_phases(gateway))}
+            "phases_ms": fr.phase_means_ms(before, gateway_phases(stack))}
 
 
-def gateway_phases(url: str | None) -> dict:
-    """The gateway's per-request phase totals now (bench/fidelity_replay.py phase_totals; {}
-    when it has no metrics endpoint or does not answer)."""
-    import urllib.request
-
+def gateway_phases(stack) -> dict:
+    """The stack's gateway's per-request phase totals now (bench/fidelity_replay.py
+    phase_totals; {} when it does not answer)."""
     from bench import fidelity_replay as fr
-    if url is None:
-        return {}
+    from bench.harness.stack import metric_families
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            return fr.phase_totals(r.read().decode())
+        return fr.phase_totals(metric_families(stack, "gateway"))
     except OSError:
         return {}
 

@@ -84,21 +84,22 @@ def test_a_worker_on_cores_another_process_uses_is_predicted_at_its_environments
 
 
 def test_the_live_gateways_phases_per_request_between_two_scrapes():
-    """phase_totals reads the gateway's own metrics text (stage latencies by stage and TTFT);
+    """phase_totals reads the gateway's own metrics (stage latencies by stage and TTFT);
     phase_means_ms is the mean per request of what was counted between two scrapes."""
     from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     from bench.fidelity_replay import phase_means_ms, phase_totals
     from easerve.stages.gateway.metrics import GatewayMetrics
     m = GatewayMetrics()
     m.stage_latency.observe(1.0, stage="encode")   # before the cell
     m.ttft.observe(2.0)
-    before = phase_totals(generate_latest(m.registry).decode())
+    before = phase_totals(text_string_to_metric_families(generate_latest(m.registry).decode()))
     for enc, pre, ttft in ((0.05, 0.010, 0.3), (0.07, 0.030, 0.5)):
         m.stage_latency.observe(enc, stage="encode")
         m.stage_latency.observe(pre, stage="preprocess")
         m.ttft.observe(ttft)
-    after = phase_totals(generate_latest(m.registry).decode())
+    after = phase_totals(text_string_to_metric_families(generate_latest(m.registry).decode()))
     assert after["encode"] == (pytest.approx(1.12), 3.0) and after["ttft"] == (pytest.approx(2.8), 3.0)
     assert phase_means_ms(before, after) == {"encode": pytest.approx(60.0), "preprocess": pytest.approx(20.0),
                                              "ttft": pytest.approx(400.0)}
