@@ -368,15 +368,30 @@ FD_READS = 4  # the fewest open fds of this many reads 0.5 s apart: a leak stays
               # /metrics read (just before) or a reconnecting peer does not
 
 
-def _stage_fds(stack) -> int:
-    n = 0
+def _fd_kinds(pid: int) -> dict[str, int]:
+    """A process's open fds by kind (socket, pipe, anon_inode:[eventfd], /dev/shm, file...)."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":[")[0] if ":[" in target and not target.startswith("anon_inode") else target
+        kind = "/dev/shm" if kind.startswith("/dev/shm/") else "file" if kind.startswith("/") else kind
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def _stage_fds(stack) -> dict[str, dict[str, int]]:
+    """Each stage process's (gateway excluded) open fds by kind."""
+    out = {}
     for name, pid in stack.pids.items():
         if name != "gateway" and pid:
             try:
-                n += len(os.listdir(f"/proc/{pid}/fd"))
+                out[name] = _fd_kinds(pid)
             except FileNotFoundError:
                 pass
-    return n
+    return out
 
 
 def snapshot(stack) -> dict:
@@ -384,12 +399,25 @@ def snapshot(stack) -> dict:
     for url in stack.endpoints.metrics.values():
         for k, v in _gauges(url).items():
             out[k] += v
-    fds = _stage_fds(stack)
+    reads = [_stage_fds(stack)]
     for _ in range(FD_READS - 1):
         time.sleep(0.5)
-        fds = min(fds, _stage_fds(stack))
+        reads.append(_stage_fds(stack))
+    fewest = min(reads, key=lambda r: sum(sum(k.values()) for k in r.values()))
     gw_port = int(stack.endpoints.http.rsplit(":", 1)[1])
-    return {**out, "open_streams": _established(gw_port), "shm_segments_unheld": _unheld_shm(), "fds": fds}
+    return {**out, "open_streams": _established(gw_port), "shm_segments_unheld": _unheld_shm(),
+            "fds": sum(sum(k.values()) for k in fewest.values()), "fds_by_process": fewest}
+
+
+def fd_growth(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per process, the fd kinds whose count changed from `before` to `after` (where a leak lives)."""
+    out = {}
+    for name in sorted(set(before) | set(after)):
+        b, a = before.get(name, {}), after.get(name, {})
+        diff = {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
+        if diff:
+            out[name] = diff
+    return out
 
 
 # ---- scoring -------------------------------------------------------------------------------------
@@ -522,7 +550,7 @@ def main(argv=None) -> int:
     epochs = {"all": epoch_recovery(good["faults"], good["clean"], kills, seed=args.seed),
               "isolated": epoch_recovery(good["faults"], good["clean"], lone, seed=args.seed)}
     mism, checked = token_mismatches(clean, faulty)
-    leak_detail = {k: [before[k], after[k]] for k in before}
+    leak_detail = {k: [before[k], after[k]] for k in before if k != "fds_by_process"}
     cpu_c, cpu_f = cpu_clean.summary(), cpu_faults.summary()
     c = counts(faulty)
     out = {**{k: c[k] for k in ("sent", "completed", "refused_retryable", "failed_retryable", "lost", "hung")},
@@ -536,6 +564,7 @@ def main(argv=None) -> int:
            "recovery_s_epoch_isolated": epochs["isolated"].get("recovered_s"),
            "recovery_epoch": epochs,
            "leaks": sum(a > b for b, a in leak_detail.values()),
+           "fd_growth": fd_growth(before["fds_by_process"], after["fds_by_process"]),
            "cancelled": c["cancelled"], "rejected_invalid": c["rejected_invalid"],
            "malformed_not_400": c["malformed_not_400"], "tokens_checked": checked,
            "lost_details": sorted({r["detail"][:120] for r in faulty if r["outcome"] in ("lost", "hung")})[:10],

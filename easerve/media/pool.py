@@ -12,7 +12,8 @@ An image of at most SMALL_IMAGE_PIXELS (read from its header) is decoded in a th
 gateway instead: the hop to a worker and back (pickling the bytes out and the pixels in) costs
 more CPU than decoding a small image, and Pillow lets go of the GIL while it decodes, so the
 event loop keeps running. Larger images, video and audio go
-to the workers.
+to the workers. A worker's large array comes back through shared memory, not the pipe
+(easerve/media/shipping.py).
 
 At start the pool times FFmpeg's decoder threading modes on a probe clip in a worker and keeps
 the fastest (`decoder`), which it logs.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import io
 import logging
 import multiprocessing
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from easerve.media.content_hash import media_hash
+from easerve.media.shipping import receive, ship
 from easerve.errors import Overloaded
 
 log = logging.getLogger("easerve.media")
@@ -108,6 +111,14 @@ def _decode(kind: str, raw: bytes, opts: tuple) -> Decoded:
     return Decoded(out.kind, out.array, out.fps, time.process_time() - t0)
 
 
+def _decode_shipped(kind: str, raw: bytes, opts: tuple) -> Decoded:
+    """`_decode` in a worker, its array shipped through shared memory when large (in transit its
+    `array` is then a `shipping.Shipped`; `_received` turns it back); the copy counts in cpu_s."""
+    d = _decode(kind, raw, opts)
+    t0 = time.process_time()
+    return Decoded(d.kind, ship(d.array), d.fps, d.cpu_s + time.process_time() - t0)
+
+
 def _probe_clip() -> bytes:
     """A 2 s 640x360 H.264 clip (made here, with PyAV's encoder) to time the decoders on."""
     import av
@@ -175,6 +186,25 @@ def _decode_here(raw: bytes, opts: tuple) -> Decoded | None:
 
 
 # ---- in the gateway -----------------------------------------------------------------------
+def _received(answer: concurrent.futures.Future) -> concurrent.futures.Future:
+    """A worker's answer with a shipped array mapped back, done as soon as the answer arrives
+    (in the pool's thread), so that its segment is unlinked even if nobody awaits it any more."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        if f.cancelled():
+            out.cancel()
+            return
+        try:
+            d = f.result()
+            out.set_result(dataclasses.replace(d, array=receive(d.array)))
+        except BaseException as e:  # noqa: BLE001 - the worker's error (a MediaError) goes to the awaiting call
+            out.set_exception(e)
+
+    answer.add_done_callback(done)
+    return out
+
+
 class DecodePool:
     def __init__(self, workers: int = 0, max_pending: int = 0, cache_mb: float = 256.0):
         """`workers` 0: one per core given to the gateway; `max_pending` 0: 16 per worker, at least 64."""
@@ -247,7 +277,7 @@ class DecodePool:
             if out is not None:
                 self.in_thread += 1
                 return out
-        return await asyncio.wrap_future(self._exec.submit(_decode, kind, raw, opts))
+        return await asyncio.wrap_future(_received(self._exec.submit(_decode_shipped, kind, raw, opts)))
 
     def _remember(self, key: bytes, out: Decoded) -> None:
         if out.nbytes > self.cache_bytes // 4:

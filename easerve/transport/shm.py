@@ -10,25 +10,25 @@ Nothing leaks: the receiver unlinks one-off segments on recv; the sender unlinks
 not taken on `release(handle)`, on `close()` and after `ttl_s`; the slab is unlinked on
 close() and, should the process die, by Python's resource tracker (should the tracker die
 with it, by the next sender or the launcher: `shm_reclaim`). Segments are made with
-`_posixshmem` (what multiprocessing.shared_memory uses) to keep the tracker out of one-offs.
+`segments` (`_posixshmem`, what multiprocessing.shared_memory uses) to keep the tracker out of one-offs.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
 import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
-import _posixshmem
 import torch
 
 from easerve.wire import codec
-from easerve.errors import InvalidRequest, NotFound, Overloaded
+from easerve.errors import InvalidRequest, Overloaded
 from easerve.transport.base import KVTransport, off_loop
+from easerve.transport import segments
 from easerve.transport.handles import Handle, ShmHandle
 from easerve.transport.shm_reclaim import claim, reclaim_stale, release_claim, slab_name
 from easerve.transport.shm_slab import SlabReader, SlabWriter
@@ -36,6 +36,7 @@ from easerve.transport.shm_slab import SlabReader, SlabWriter
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _MAX_REGION = 1 << 48
+TIDY_S = 1.0  # a receiver looks this often for the slabs of senders gone (while it maps any)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ShmTransport(KVTransport):
         self._slab_off = False
         self._slab_claim: int | None = None  # fd holding the owner's lock on the slab (shm_reclaim)
         self._reader = SlabReader()
+        self._tidy: asyncio.TimerHandle | None = None
 
     @property
     def pending(self) -> list[str]:
@@ -104,7 +106,7 @@ class ShmTransport(KVTransport):
         if self.config.slab_bytes == 0 or size > self.config.slab_bytes:
             return None
         if self._slab is None:
-            free = _shm_free_bytes()
+            free = segments.free_bytes()
             if free is not None and free < 2 * self.config.slab_bytes:  # a full tmpfs means SIGBUS
                 log.warning("/dev/shm has %d bytes free, too little for a %d-byte slab: using one-off "
                             "segments (raise the container's shm_size)", free, self.config.slab_bytes)
@@ -122,12 +124,12 @@ class ShmTransport(KVTransport):
         self._slab_claim = claim(self._slab.name)
 
     async def _send_segment(self, header: bytes, tensors: Sequence[torch.Tensor], size: int) -> str:
-        free = _shm_free_bytes()
+        free = segments.free_bytes()
         if free is not None and size > free:
             raise Overloaded(f"/dev/shm has {free} bytes free, the payload needs {size} "
                              "(raise the container's shm_size)")
-        name = f"{self.config.prefix}-{uuid.uuid4().hex}"
-        mm = _create(name, size)
+        name = segments.one_off_name(self.config.prefix)
+        mm = segments.create(name, size)
         self._pending[name] = (time.monotonic() + self.config.ttl_s, size)
         try:
             await off_loop(size, _write, header, tensors, mm)
@@ -135,7 +137,7 @@ class ShmTransport(KVTransport):
             self._unlink(name)
             raise
         finally:
-            _close(mm)
+            segments.close(mm)
         return name
 
     async def recv(self, handle: Handle, *, timeout: float | None = None) -> tuple[bytes, list[torch.Tensor]]:
@@ -145,15 +147,16 @@ class ShmTransport(KVTransport):
         copy = self.config.copy_out
         if handle.slab:
             buf = self._reader.take(handle.name, handle.offset, handle.size, handle.generation)
+            self._tidy_later()
             out = await off_loop(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
         else:
-            mm = _open_and_unlink(handle.name, handle.offset + handle.size)
+            mm = segments.open_and_unlink(handle.name, handle.offset + handle.size)
             self._pending.pop(handle.name, None)
             buf = memoryview(mm)[handle.offset: handle.offset + handle.size]
             out = await off_loop(handle.size if copy else 0, codec.split_parts, buf, copy=copy)
             if copy:
                 del buf
-                _close(mm)
+                segments.close(mm)
         self._measured(handle.size, t0)
         return out
 
@@ -173,7 +176,22 @@ class ShmTransport(KVTransport):
             self._slab = None
         release_claim(self._slab_claim)
         self._slab_claim = None
+        if self._tidy is not None:
+            self._tidy.cancel()
+            self._tidy = None
         self._reader.close()
+
+    def _tidy_later(self) -> None:
+        """While this receiver maps any slab, every TIDY_S it forgets those of senders gone
+        (`SlabReader.drop_dead`): a dead sender's slab (256 MiB of /dev/shm) is freed within
+        a second or two, not when the next new slab happens to arrive."""
+        if self._tidy is None and self._reader.mapped:
+            self._tidy = asyncio.get_running_loop().call_later(TIDY_S, self._tidy_now)
+
+    def _tidy_now(self) -> None:
+        self._tidy = None
+        self._reader.drop_dead()
+        self._tidy_later()
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -183,10 +201,7 @@ class ShmTransport(KVTransport):
 
     def _unlink(self, name: str) -> None:
         self._pending.pop(name, None)
-        try:
-            _posixshmem.shm_unlink("/" + name)
-        except FileNotFoundError:
-            pass  # the receiver took it
+        segments.unlink(name)  # unless the receiver took it
 
 
 def check_handle(h: ShmHandle) -> None:
@@ -197,48 +212,6 @@ def check_handle(h: ShmHandle) -> None:
                              "(1-255 characters of A-Z a-z 0-9 . _ -, not starting with '.')")
     if h.size < 1 or h.offset + h.size > _MAX_REGION:
         raise InvalidRequest(f"shm region [{h.offset}, +{h.size}) is empty or past {_MAX_REGION} bytes")
-
-
-def _shm_free_bytes() -> int | None:
-    """Free bytes of the tmpfs behind POSIX shm (None where there is no /dev/shm)."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _create(name: str, size: int) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    except BaseException:
-        _posixshmem.shm_unlink("/" + name)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _open_and_unlink(name: str, size: int) -> mmap.mmap:
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-    except FileNotFoundError:
-        raise NotFound(f"shared memory segment {name!r} is gone (already received, released or expired)") from None
-    try:
-        _posixshmem.shm_unlink("/" + name)
-        if os.fstat(fd).st_size < size:
-            raise NotFound(f"segment {name!r} holds {os.fstat(fd).st_size} bytes, handle says {size}")
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # a view is still alive somewhere: the mapping goes with it
-        pass
 
 
 def _write(header: bytes, tensors: Sequence[torch.Tensor], mm: mmap.mmap) -> None:

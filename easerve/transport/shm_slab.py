@@ -220,11 +220,24 @@ class SlabReader:
         weakref.finalize(arr, _let_go, m, off)
         return arr
 
+    @property
+    def mapped(self) -> int:
+        """How many slabs this reader maps now."""
+        return len(self._maps)
+
+    def drop_dead(self) -> list[str]:
+        """Forget the slabs whose sender is gone (`_sender_gone`), so that their memory is freed
+        once no view of them is left; their names."""
+        gone = [n for n, m in self._maps.items() if _sender_gone(n, m)]
+        for name in gone:
+            del self._maps[name]
+        return gone
+
     def _map(self, name: str) -> _Mapped:
         if name in self._maps:
             self._maps.move_to_end(name)
             return self._maps[name]
-        _drop_unlinked(self._maps)
+        self.drop_dead()
         m = self._maps[name] = _Mapped(name)
         while len(self._maps) > self.max_slabs:  # views of an evicted slab keep it (and its fd) alive
             self._maps.popitem(last=False)
@@ -234,11 +247,25 @@ class SlabReader:
         self._maps.clear()
 
 
-def _drop_unlinked(maps: OrderedDict) -> None:
-    """Forget the mappings of slabs whose name is gone (their sender closed or died and the
-    slab was reclaimed), so their memory is freed once no view of them is left."""
-    for name in [n for n in maps if not os.path.exists(f"/dev/shm/{n}")]:
-        del maps[name]
+def _sender_gone(name: str, m: _Mapped) -> bool:
+    """Whether a mapped slab's sender is gone: its name is unlinked (the sender closed it or a
+    reclaim took it), or nobody holds the owner's lock of an owned slab (`shm_reclaim.claim`:
+    the sender died). The receiver then unlinks that slab itself: the launcher's reclaim skips a
+    slab younger than its `min_age_s`, and comes only with the next restart. A sender hands out
+    a slab's regions only after claiming it, so a receiver never sees the unclaimed instant."""
+    if not os.path.exists(f"/dev/shm/{name}"):
+        return True
+    if not name.endswith("-owned"):
+        return False  # a slab of a version before the owner's lock: never taken for dead
+    try:
+        fcntl.flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this mapping's own descriptor
+    except BlockingIOError:
+        return False
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
+    return True
 
 
 def _let_go(m: _Mapped, off: int) -> None:

@@ -31,6 +31,6 @@ def test_chaos_quick_loses_nothing_hangs_nothing_and_leaks_nothing(tiny_root, tm
     assert result["completed"] > 0 and result["tokens_checked"] > 0, result
     bad = {k: result[k] for k in ("lost", "hung", "duplicated_or_missing_tokens", "leaks", "malformed_not_400")
            if result[k] != 0}
-    assert not bad, (bad, result["lost_details"], result["leak_detail"], result["fault_errors"])
+    assert not bad, (bad, result["lost_details"], result["leak_detail"], result["fd_growth"], result["fault_errors"])
     assert result["rejected_invalid"] > 0                      # the 5 % malformed were sent and refused 400
     assert result["goodput_faults_over_clean"] is not None, result["slo"]  # the clean run met its SLO

@@ -40,3 +40,11 @@ def no_media_ids(model: str) -> dict[int, float]:
     such a request instead of migrating it)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
     return {cfg[k]: -100.0 for k in ("image_token_id", "video_token_id")}
+
+
+def mapped(a) -> bool:
+    """Whether an array's memory is a mapping (numpy's base chain ends in a memoryview of an mmap)."""
+    import mmap
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
+    return isinstance(a, mmap.mmap)

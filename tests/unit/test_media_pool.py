@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 
 import numpy as np
 import pytest
 
 from easerve.errors import MediaError, Overloaded
 from easerve.media.pool import DecodePool
+from easerve.media.shipping import Shipped
 from easerve.media.video import VideoSampling, decode_video_file
-from tests.support.media import png_bytes
+from tests.support.media import mapped as _mapped, png_bytes
 from tests.models.media_clips import decode_all_frames, smooth_frames
 
 pytestmark = pytest.mark.slow  # starts worker processes
@@ -94,8 +96,31 @@ def test_small_images_decode_in_a_thread_large_ones_in_a_worker_and_bad_bytes_ar
     d, _ = _run(pool.decode("image", large, opts, pool.key("image", large, opts)))
     assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(large)).convert("RGB")))
     assert not d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 1
+    assert not _mapped(d.array)  # 3.3 MB of pixels: through the pipe, cheaper below SHIP_MIN_BYTES
     with pytest.raises(MediaError, match="could not be decoded"):
         _run(pool.decode("image", b"not an image", opts, pool.key("image", b"not an image", opts)))
+
+
+def test_a_shipped_answer_is_unlinked_on_arrival_even_when_nobody_awaits_it(pool):
+    """The segment of a worker's answer is mapped and unlinked as soon as the answer arrives,
+    before (or without) any await: a cancelled request leaves nothing in /dev/shm."""
+    import concurrent.futures
+
+    from easerve.media.pool import _decode_shipped, _received
+    raw = h264(60, gop=15, h=720, w=1280)
+    opts = (8192, 1024, 10**9, 108_000, 4.0, 8, 768, 1)  # 8 frames of 720p: 22 MB, past SHIP_MIN_BYTES
+    answer = pool._exec.submit(_decode_shipped, "video", raw, opts)
+    mapped = _received(answer)
+    shipped = answer.result(timeout=60).array
+    assert isinstance(shipped, Shipped)
+    d = mapped.result(timeout=10)
+    assert not os.path.exists(f"/dev/shm/{shipped.name}") and _mapped(d.array)
+    assert d.array.shape == (8, 720, 1280, 3)
+    assert np.array_equal(d.array, decode_video_file(raw, VideoSampling(fps=4.0, min_frames=8)).frames)
+    cancelled = concurrent.futures.Future()
+    follower = _received(cancelled)
+    cancelled.cancel()
+    assert follower.cancelled()
 
 
 def test_a_full_queue_is_overloaded(pool):

@@ -174,11 +174,77 @@ def test_small_dev_shm_disables_slab_then_refuses(monkeypatch):
 
     async def main():
         t = ShmTransport(ShmConfig(prefix=PREFIX, slab_bytes=1 << 20))
-        monkeypatch.setattr(shm, "_shm_free_bytes", lambda: 1 << 20)  # < 2 x slab: no slab
+        monkeypatch.setattr(shm.segments, "free_bytes", lambda: 1 << 20)  # < 2 x slab: no slab
         h, p = await send(t)
         assert not h.slab and same(codec.kv_from_parts(*await t.recv(h)), p)
-        monkeypatch.setattr(shm, "_shm_free_bytes", lambda: 100)
+        monkeypatch.setattr(shm.segments, "free_bytes", lambda: 100)
         with pytest.raises(Overloaded, match="shm_size"):
             await send(t)
         await t.close()
     run(main())
+
+
+SENDER = r"""
+import asyncio, sys
+from easerve.transport.base import handle_to_proto
+from easerve.transport.shm import ShmConfig, ShmTransport
+from easerve.wire import codec
+from tests.unit.test_transport_shm import PREFIX, kv
+
+async def main():
+    t = ShmTransport(ShmConfig(prefix=PREFIX, slab_bytes=1 << 20))
+    h = await t.send("r1", *codec.kv_to_parts(kv()))
+    print(handle_to_proto(h).SerializeToString().hex(), flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_dead_senders_slab_is_unlinked_and_unmapped_by_its_receiver():
+    """A sender killed with its whole process group (its resource tracker too, as the launcher
+    kills a dead stage's leftovers) leaves its slab in /dev/shm with nobody holding the owner's
+    lock; the receiver that maps it unlinks it and lets go of it within a few TIDY_S, without
+    any new slab arriving (the chaos soak saw a dead encode's slab held by a prefill to the end)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from easerve.transport import shm
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    child = subprocess.Popen([sys.executable, "-c", SENDER], stdout=subprocess.PIPE, env=env, cwd=root,
+                             start_new_session=True)
+
+    def fds_on(name: str) -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").endswith(name)
+            except OSError:
+                pass
+        return n
+
+    async def main():
+        line = await asyncio.to_thread(child.stdout.readline)
+        h = handle_from_proto(kv_pb2.KVTransfer.FromString(bytes.fromhex(line.decode().strip())))
+        t = ShmTransport(ShmConfig(prefix=PREFIX))
+        got = codec.kv_from_parts(*await t.recv(h))
+        assert h.slab and same(got, kv()) and t._reader.mapped == 1 and fds_on(h.name) >= 1
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        assert os.path.exists(f"/dev/shm/{h.name}")  # nobody else unlinks it
+        await asyncio.sleep(3 * shm.TIDY_S + 0.5)
+        assert t._reader.mapped == 0 and not os.path.exists(f"/dev/shm/{h.name}")
+        del got
+        gc.collect()
+        assert fds_on(h.name) == 0
+        await t.close()
+
+    try:
+        run(main())
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
