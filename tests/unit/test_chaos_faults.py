@@ -44,3 +44,14 @@ def test_target_picks_among_the_running_names_whatever_their_order():
     assert f.target(["decode-0", "decode-1"]) == "decode-1"
     assert f.target(["decode-2", "decode-0", "decode-3"]) == "decode-3"
     assert f.target([]) is None
+
+
+def test_leaks_compare_the_snapshots_and_fd_growth_names_process_and_kind():
+    from bench.chaos import fd_growth, leaked
+    before = {"in_flight": 0.0, "fds": 180, "shm_segments_unheld": 0,
+              "fds_by_process": {"prefill-0": {"socket": 9, "/dev/shm": 4}, "decode-0": {"pipe": 4}}}
+    after = {"in_flight": 0.0, "fds": 182, "shm_segments_unheld": 0,
+             "fds_by_process": {"prefill-0": {"socket": 9, "/dev/shm": 6}, "decode-2": {"pipe": 4}}}
+    assert leaked(before, after) == ["fds"] and leaked(after, before) == []
+    assert fd_growth(before["fds_by_process"], after["fds_by_process"]) == {
+        "decode-0": {"pipe": -4}, "decode-2": {"pipe": 4}, "prefill-0": {"/dev/shm": 2}}
