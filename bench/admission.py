@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--tier", default="moderate", choices=("tight", "moderate", "loose"))
     ap.add_argument("--mult", type=float, default=2.0, help="trace rate = this x the measured capacity")
     ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--light-requests", type=int, default=None,
+                    help="requests of each light load (default: --requests); more of them narrow refused_share_light")
     ap.add_argument("--burst", type=int, default=24, help="concurrent requests that measure the capacity")
     ap.add_argument("--attainment", type=float, default=0.9,
                     help="share of requests meeting the tier that defines the SLO capacity (the light loads' base)")
@@ -175,8 +177,9 @@ def main(argv=None) -> int:
         for mode in ("off", "on"):
             recs[mode], walls[mode] = run(urls[mode], reqs)
         # right after the overload: what the on stack's calibration learned there must not refuse these
-        light = light_loads(urls, run, slo_cap, args.requests, limits, args.seed + 10)
-        light_burst = light_loads(urls, run, capacity, args.requests, limits, args.seed + 20)
+        n_light = args.light_requests or args.requests
+        light = light_loads(urls, run, slo_cap, n_light, limits, args.seed + 10)
+        light_burst = light_loads(urls, run, capacity, n_light, limits, args.seed + 20)
         every = {m: stack.trace_records(u) for m, u in urls.items()}
         traced = [r for m in urls for r in every[m][before[m]:]]
         dump = ROOT / "runs" / "admission" / "last-run.json"  # with the warm-up and burst records, for study
