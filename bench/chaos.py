@@ -34,10 +34,11 @@ within 10 % of 1 until the next kill (null: it does not), with a bootstrap 95 % 
 kills; recovery_s_epoch_isolated: the same over the kills with no stop or drain from 5 s before to
 10 s after them. `recovery_epoch` holds both curves.
 leaks: how many of the resources in `leak_detail` (gateway and stage in-flight gauges, KV usage
-and KV bytes held for decode, open client connections, unheld /dev/shm segments, open fds of
-the stage processes) are higher after the fault run, once the stack is idle and SERVING again,
-than before it (looked at again up to 5 times 2 s apart while any is: a leak stays). fd_growth:
-per stage process, the kinds of fd whose count changed (socket, pipe, /dev/shm, ...).
+and KV bytes held for decode, open client connections, unheld /dev/shm segments, fds of the
+stage processes on dead /dev/shm segments, their other open fds) are higher after the fault
+run, once the stack is idle and SERVING again, than before it (looked at again up to 5 times
+2 s apart while any is: a leak stays). fd_growth: per stage process, the kinds of fd whose count
+changed (socket, pipe, /dev/shm, /dev/shm dead, ...).
 cpu_clean / cpu_faults (`bench/harness/proc_cpu.py`): the stack's CPU seconds in each run split
 into starting (processes being brought back: restarts, standbys' imports, scale-ups, until
 SERVING) and serving, with their shares of the machine; serving_cpu_faults_over_clean: what the
@@ -370,7 +371,11 @@ FD_READS = 4  # the fewest open fds of this many reads 0.5 s apart: a leak stays
 
 
 def _fd_kinds(pid: int) -> dict[str, int]:
-    """A process's open fds by kind (socket, pipe, anon_inode:[eventfd], /dev/shm, file...)."""
+    """A process's open fds by kind (socket, pipe, anon_inode:[eventfd], file...). Those on
+    /dev/shm count apart: "/dev/shm" those on segments in use, "/dev/shm dead" those on an
+    unlinked segment or on a slab whose owner is gone (`shm_reclaim`'s lock free): a receiver
+    maps each live sender's slab once it first takes from it, so how many live ones a process
+    holds follows which peers sent to it, and only the dead ones are a leak."""
     kinds: dict[str, int] = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -378,9 +383,20 @@ def _fd_kinds(pid: int) -> dict[str, int]:
         except OSError:
             continue
         kind = target.split(":[")[0] if ":[" in target and not target.startswith("anon_inode") else target
-        kind = "/dev/shm" if kind.startswith("/dev/shm/") else "file" if kind.startswith("/") else kind
+        if kind.startswith("/dev/shm/"):
+            kind = "/dev/shm dead" if _dead_segment(kind) else "/dev/shm"
+        elif kind.startswith("/"):
+            kind = "file"
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
+
+
+def _dead_segment(path: str) -> bool:
+    """An fd's /dev/shm target that is unlinked, or an owned slab nobody holds the owner's lock of."""
+    from easerve.transport.shm_reclaim import owner_alive
+    if path.endswith(" (deleted)"):
+        return True
+    return path.endswith("-owned") and not owner_alive(path)
 
 
 def _stage_fds(stack) -> dict[str, dict[str, int]]:
@@ -407,7 +423,9 @@ def snapshot(stack) -> dict:
     fewest = min(reads, key=lambda r: sum(sum(k.values()) for k in r.values()))
     gw_port = int(stack.endpoints.http.rsplit(":", 1)[1])
     return {**out, "open_streams": _established(gw_port), "shm_segments_unheld": _unheld_shm(),
-            "fds": sum(sum(k.values()) for k in fewest.values()), "fds_by_process": fewest}
+            "shm_dead_held": sum(k.get("/dev/shm dead", 0) for k in fewest.values()),
+            "fds": sum(n for k in fewest.values() for kind, n in k.items() if not kind.startswith("/dev/shm")),
+            "fds_by_process": fewest}
 
 
 def fd_growth(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

@@ -65,7 +65,8 @@ def release_claim(fd: int | None) -> None:
             pass
 
 
-def _owner_alive(path: str) -> bool:
+def owner_alive(path: str) -> bool:
+    """Whether someone holds the owner's lock on the segment at `path` (a gone one: yes, nothing to do)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -101,7 +102,7 @@ def reclaim_stale(prefix: str = "easerve", *, min_age_s: float = 10.0, one_off_m
         except FileNotFoundError:
             continue
         age = now - max(st.st_mtime, st.st_ctime)
-        if is_slab and (age < min_age_s or _owner_alive(e.path)):
+        if is_slab and (age < min_age_s or owner_alive(e.path)):
             continue
         if not is_slab and age < one_off_max_age_s:
             continue

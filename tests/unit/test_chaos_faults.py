@@ -55,3 +55,32 @@ def test_leaks_compare_the_snapshots_and_fd_growth_names_process_and_kind():
     assert leaked(before, after) == ["fds"] and leaked(after, before) == []
     assert fd_growth(before["fds_by_process"], after["fds_by_process"]) == {
         "decode-0": {"pipe": -4}, "decode-2": {"pipe": 4}, "prefill-0": {"/dev/shm": 2}}
+
+
+def test_fds_on_dev_shm_count_apart_and_dead_segments_are_named():
+    """A process's fd on a live owned slab is "/dev/shm"; on an owned slab nobody holds the
+    owner's lock of, or an unlinked segment, "/dev/shm dead" (the leak the soak counts)."""
+    import os
+
+    from bench.chaos import _fd_kinds
+    from easerve.transport import segments
+    from easerve.transport.shm_reclaim import claim, release_claim, slab_name
+
+    name = slab_name("easerve-t")
+    mm = segments.create(name, 4096)
+    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)  # the receiver's view of it, in this process
+    owner = claim(name)
+    try:
+        kinds = _fd_kinds(os.getpid())
+        assert kinds.get("/dev/shm dead", 0) == 0 and kinds["/dev/shm"] >= 2  # fd and the owner's claim
+        release_claim(owner)  # the owner died
+        owner = None
+        assert _fd_kinds(os.getpid())["/dev/shm dead"] == 2  # the fd and the mapping's own (mmap dups it)
+        segments.unlink(name)  # reclaimed: still held, "(deleted)"
+        assert _fd_kinds(os.getpid())["/dev/shm dead"] == 2
+    finally:
+        release_claim(owner)
+        os.close(fd)
+        segments.close(mm)
+        segments.unlink(name)
+    assert "/dev/shm dead" not in _fd_kinds(os.getpid())
