@@ -57,10 +57,15 @@ class PrefillStage:
         await self.senders.close()
 
     async def _target(self, addr: str):
+        """The decode peer at `addr`. No address: INVALID_ARGUMENT. An address this prefill does
+        not have (after looking the list up again): UNAVAILABLE, since that is an instance
+        drained or removed after the caller chose it (the caller retries with another)."""
+        if not addr:
+            raise InvalidRequest("the prefill request names no decode target; set PrefillRequest.decode.address")
         peer = await self.decode.lookup(addr)
         if peer is None:
-            raise InvalidRequest(f"decode target {addr or '(none)'!r} is not one of this prefill's decode "
-                                 f"instances ({', '.join(self.decode.addrs)}); set PrefillRequest.decode.address")
+            raise Unavailable(f"decode target {addr!r} is not one of this prefill's decode instances "
+                              f"({', '.join(self.decode.addrs)}): drained or removed; retry with another")
         return peer
 
     async def run(self, req: PrefillRequest, target: str, deadline: Deadline, slo: Deadline | None = None,
