@@ -39,6 +39,8 @@ import _posixshmem
 import numpy as np
 
 from easerve.errors import NotFound
+from easerve.transport import segments
+from easerve.transport.shm_reclaim import owner_alive
 
 REGION_HDR = 64
 _HDR = struct.Struct("<B7xQ")  # state, (lease byte, padding), generation
@@ -228,7 +230,7 @@ class SlabReader:
     def drop_dead(self) -> list[str]:
         """Forget the slabs whose sender is gone (`_sender_gone`), so that their memory is freed
         once no view of them is left; their names."""
-        gone = [n for n, m in self._maps.items() if _sender_gone(n, m)]
+        gone = [n for n in self._maps if _sender_gone(n)]
         for name in gone:
             del self._maps[name]
         return gone
@@ -247,7 +249,7 @@ class SlabReader:
         self._maps.clear()
 
 
-def _sender_gone(name: str, m: _Mapped) -> bool:
+def _sender_gone(name: str) -> bool:
     """Whether a mapped slab's sender is gone: its name is unlinked (the sender closed it or a
     reclaim took it), or nobody holds the owner's lock of an owned slab (`shm_reclaim.claim`:
     the sender died). The receiver then unlinks that slab itself: the launcher's reclaim skips a
@@ -257,14 +259,9 @@ def _sender_gone(name: str, m: _Mapped) -> bool:
         return True
     if not name.endswith("-owned"):
         return False  # a slab of a version before the owner's lock: never taken for dead
-    try:
-        fcntl.flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this mapping's own descriptor
-    except BlockingIOError:
+    if owner_alive(f"/dev/shm/{name}"):
         return False
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
+    segments.unlink(name)
     return True
 
 
