@@ -8,10 +8,17 @@ that finished their first token (TTFT) or their stream (TPOT), and the predictor
 its raw prediction by exp(the fast one):
 - the slow one (`slow_alpha`) is the deployment's lasting bias (e.g. a profile taken with
   more threads than the stage runs), learned only from requests predicted to wait in no
-  queue (a raw queue wait under a tenth of the raw TTFT), so an overload does not move it;
+  queue (`waits_in_no_queue`: a raw queue wait of at most a tenth of the raw TTFT; for TPOT, no
+  decode wait), so an overload does not move it;
 - the fast one (`alpha`) follows the load of the moment, and between samples it relaxes
   toward the slow one with a half-life of `half_life_s`, so a factor learned in a past
   overload cannot keep refusing requests once no admitted request reports back.
+- which one a prediction takes: a request predicted to wait in a queue takes the fast one; a
+  request predicted to wait in none (`uncongested=True`) takes the lesser of the two. The
+  lasting bias is what requests like it got; the fast average, a few requests' worth (alpha
+  0.3), swings by 20-40 % at a light load with no change in it (0.83-1.41 at 0.7x of the SLO
+  capacity in bench/admission.py's run at f51ad98), and a request near its limit with no queue
+  ahead is refused only when both say it misses.
 - a request refused for the correction alone (`refused`: its raw prediction met the limit) is
   scored against a shadow estimate of what it would have taken, its raw prediction times the
   lasting bias: the fast average moves toward the slow one as if it had come back so. The
@@ -29,6 +36,12 @@ import math
 from dataclasses import dataclass, field
 
 from easerve.policy.clock import Clock
+
+
+def waits_in_no_queue(raw_queue_s: float, raw_s: float) -> bool:
+    """A TTFT prediction of `raw_s` seconds (uncalibrated, from now) of which `raw_queue_s` are
+    queue waits counts as waiting in no queue when the waits are at most a tenth of it."""
+    return raw_queue_s <= 0.1 * raw_s
 
 
 @dataclass
@@ -55,17 +68,19 @@ class Calibration:
         if self.half_life_s <= 0.0 or self.max_factor < 1.0:
             raise ValueError("calibration half_life_s must be > 0 and max_factor >= 1")
 
-    def ttft_factor(self) -> float:
-        return self._factor(self._ttft)
+    def ttft_factor(self, uncongested: bool = False) -> float:
+        """The factor of a TTFT prediction; `uncongested`: the request is predicted to wait in no
+        queue (see the module docstring)."""
+        return self._factor(self._ttft, uncongested)
 
-    def tpot_factor(self) -> float:
-        return self._factor(self._tpot)
+    def tpot_factor(self, uncongested: bool = False) -> float:
+        return self._factor(self._tpot, uncongested)
 
     def observe_ttft(self, raw_predicted_s: float, actual_s: float, raw_queue_s: float = 0.0,
                      probe: bool = False) -> None:
         """One request's first token: its uncalibrated prediction, what it got, and the queue
         wait the raw prediction counted in; `probe`: admission's probe."""
-        self._observe(self._ttft, raw_predicted_s, actual_s, raw_queue_s <= 0.1 * raw_predicted_s, probe)
+        self._observe(self._ttft, raw_predicted_s, actual_s, waits_in_no_queue(raw_queue_s, raw_predicted_s), probe)
 
     def observe_tpot(self, raw_predicted_s: float, actual_s: float, uncongested: bool = True,
                      probe: bool = False) -> None:
@@ -85,9 +100,10 @@ class Calibration:
             return 0.0
         return r.base + (r.value - r.base) * 0.5 ** (max(0.0, self.clock.now() - r.at) / self.half_life_s)
 
-    def _factor(self, r: _LogRatio) -> float:
+    def _factor(self, r: _LogRatio, uncongested: bool = False) -> float:
         bound = math.log(self.max_factor)
-        return math.exp(min(bound, max(-bound, self._relaxed(r))))
+        log = min(self._relaxed(r), r.base) if uncongested and r.samples else self._relaxed(r)
+        return math.exp(min(bound, max(-bound, log)))
 
     def _observe(self, r: _LogRatio, raw_predicted_s: float, actual_s: float, uncongested: bool,
                  probe: bool = False) -> None:

@@ -21,7 +21,8 @@ where least-loaded placement sends the request):
   `waiting + 1` requests to finish, each `step * max_tokens / (2 * running)` on average, and
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
-got over what was predicted for them). The queue waits shrink by the age of the snapshot (they
+got over what was predicted for them; a request predicted to wait in no queue takes the lesser
+of the fast and the lasting one, easerve/policy/calibration.py). The queue waits shrink by the age of the snapshot (they
 drain while the state ages), never below zero.
 
 Deadline order (easerve/policy/slo_order.py): the encode batcher and the prefill planner serve
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from easerve.fields import Checked, NonNegFloat, NonNegInt, PosInt
-from easerve.policy.calibration import Calibration
+from easerve.policy.calibration import Calibration, waits_in_no_queue
 from easerve.policy.clock import Clock
 
 
@@ -184,17 +185,26 @@ class LatencyPredictor:
         age = max(0.0, self.clock.now() - state.taken_at)
         g = self.service.gateway_s(req.modality, req.media) if elapsed_s is None else 0.0
         spent = 0.0 if elapsed_s is None else max(0.0, elapsed_s)
-        kt, kp = (self.calibration.ttft_factor(), self.calibration.tpot_factor()) if self.calibration else (1.0, 1.0)
         behind_all = yields or due_s is None  # without a deadline no order is assumed
         queue, enc, pre = self._waits(req, state, age, behind_all)
+        kt = self._ttft_factor(queue, g + queue + enc + pre)
         if not behind_all and spent + kt * (g + queue + enc) > due_s:  # overdue before it leaves its queues
             behind_all = True
             queue, enc, pre = self._waits(req, state, age, behind_all)
+            kt = self._ttft_factor(queue, g + queue + enc + pre)
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
+        kp = self.calibration.tpot_factor(uncongested=dwait == 0.0) if self.calibration else 1.0
         return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
                           demoted=behind_all and due_s is not None)
+
+    def _ttft_factor(self, queue_s: float, raw_s: float) -> float:
+        """The calibration's TTFT factor for a raw prediction of `raw_s` with `queue_s` of waits
+        (the lesser one when it waits in no queue: easerve/policy/calibration.py)."""
+        if self.calibration is None:
+            return 1.0
+        return self.calibration.ttft_factor(uncongested=waits_in_no_queue(queue_s, raw_s))
 
     def observe_ttft(self, pred: Prediction, actual_s: float, probe: bool = False) -> None:
         """A request's first token came `actual_s` after it arrived: the calibration learns from
