@@ -22,7 +22,7 @@ where least-loaded placement sends the request):
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
 got over what was predicted for them; a request predicted to wait in no queue takes the lesser
-of the fast and the lasting one, easerve/policy/calibration.py). The queue waits shrink by the age of the snapshot (they
+of the fast and the lasting one while nothing is being refused, easerve/policy/calibration.py). The queue waits shrink by the age of the snapshot (they
 drain while the state ages), never below zero.
 
 Deadline order (easerve/policy/slo_order.py): the encode batcher and the prefill planner serve
@@ -215,10 +215,10 @@ class LatencyPredictor:
             self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s, probe)
 
     def refused(self, pred: Prediction, ttft_limit_s: float) -> None:
-        """`pred`'s request was refused: when its raw TTFT met `ttft_limit_s` (the correction
-        alone refused it), the calibration scores it against its shadow estimate."""
-        if self.calibration is not None and pred.raw_ttft_s <= ttft_limit_s < pred.ttft_s:
-            self.calibration.refused()
+        """`pred`'s request was refused: the calibration notes it, and when its raw TTFT met
+        `ttft_limit_s` (the correction alone refused it) scores it against its shadow estimate."""
+        if self.calibration is not None:
+            self.calibration.refused(by_correction=pred.raw_ttft_s <= ttft_limit_s < pred.ttft_s)
 
     def observe_tpot(self, pred: Prediction, actual_s: float, probe: bool = False) -> None:
         if self.calibration is not None:
