@@ -4,8 +4,8 @@ measured through the gateway's own code as it runs live.
 For each modality and media size, a chat request body as `hasctl bench` sends it (media as a
 data URI, `hasctl.workload.synthesize`) goes through `http_api.parse_chat` and
 `GatewayCore.preprocess` of a gateway core built in this process, with its media decode pool:
-JSON and request parsing, media decode (as the live gateway's pool does it: a small image in a
-thread, anything else in a worker process) and the HF processor and tokenizer. The point is the CPU its "parse", "media" and "tokenize" phases charge to the
+JSON and request parsing, media decode (as the live gateway's pool does it: an image up to 4 M pixels in an idle
+decode thread, anything else in a worker process) and the HF processor and tokenizer. The point is the CPU its "parse", "media" and "tokenize" phases charge to the
 request (`HostAccount`, thread CPU time), the same figure the live gateway reports per request
 in GET /trace, which bench/fidelity_replay.py sets against it. Each repeat has media of its
 own, so the decode pool's cache never answers. Not included: the media content hash the

@@ -32,7 +32,11 @@ def to_rgb(im, what: str):
 def decode_image(data: bytes | str, max_side: int = 8192, what: str = "image",
                  budget: PixelBudget | None = None):
     """bytes / base64 / data: URI -> PIL.Image in RGB; its pixels are charged to `budget` first."""
-    im = open_image(to_bytes(data, what), what, max_side)
+    return decode_opened(open_image(to_bytes(data, what), what, max_side), what, budget)
+
+
+def decode_opened(im, what: str = "image", budget: PixelBudget | None = None):
+    """An `open_image` result -> PIL.Image in RGB; its pixels are charged to `budget` first."""
     if budget is not None:
         budget.take(im.size[0] * im.size[1], f"{what} ({im.size[0]}x{im.size[1]})")
     return to_rgb(im, what)

@@ -8,12 +8,14 @@ it. Items with the same content hash (`easerve.media.content_hash.media_hash` ov
 the decode settings) share one decode while it runs and, after, a small LRU of recent results.
 More than `max_pending` distinct decodes waiting or running: Overloaded (RESOURCE_EXHAUSTED / 429).
 
-An image of at most SMALL_IMAGE_PIXELS (read from its header) is decoded in a thread of the
-gateway instead: the hop to a worker and back (pickling the bytes out and the pixels in) costs
-more CPU than decoding a small image, and Pillow lets go of the GIL while it decodes, so the
-event loop keeps running. Larger images, video and audio go
-to the workers. A worker's large array comes back through shared memory, not the pipe
-(easerve/media/shipping.py).
+An image of at most THREAD_IMAGE_PIXELS (read from its header; a 1080p frame is 2.07 M) is
+decoded in one of the gateway's `threads` decode threads instead, when one is idle: the hop to a
+worker and back (pickling the bytes out and the pixels in, 6 MB for 1080p) costs the gateway's
+process more CPU than a third of the decode itself, and Pillow lets go of the GIL while it decodes,
+so the event loop keeps running. The threads run at the workers' niceness (the event loop comes
+first on a busy host), and an image that finds them all busy goes to a worker, so a burst of images
+spreads over the workers as before. Larger images, video and audio go to the workers. A worker's
+large array comes back through shared memory, not the pipe (easerve/media/shipping.py).
 
 At start the pool times FFmpeg's decoder threading modes on a probe clip in a worker and keeps
 the fastest (`decoder`), which it logs.
@@ -28,6 +30,7 @@ import io
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -41,7 +44,7 @@ log = logging.getLogger("easerve.media")
 THREAD_TYPES = ("NONE", "SLICE", "FRAME", "AUTO")
 _KEY_TAG = b"easerve.media.pool/v1"
 WORKER_NICE = 10
-SMALL_IMAGE_PIXELS = 1 << 20  # images up to this many pixels (1024 x 1024) are decoded in a gateway thread
+THREAD_IMAGE_PIXELS = 1 << 22  # images up to this many pixels (2048 x 2048) decode in a gateway thread when one is idle
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Decoded:
     array: np.ndarray           # image [H, W, 3]; video [T, H, W, 3] uint8; audio float32 [N]
     fps: float | None = None    # video: frames kept per second of video (None: not known)
     cpu_s: float = 0.0
-    in_thread: bool = False     # decoded in a thread of this process (a small image), not in a worker
+    in_thread: bool = False     # decoded in a decode thread of this process (an image), not in a worker
 
     @property
     def pixels(self) -> int:
@@ -164,25 +167,27 @@ def gateway_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _small_image(raw: bytes) -> bool:
-    """Whether an image's header says at most SMALL_IMAGE_PIXELS (an unreadable one: no, the
-    worker's decode says what is wrong with it)."""
-    from PIL import Image
+def _lower_priority() -> None:
+    """Run this thread at the workers' niceness (Linux: a thread has its own)."""
     try:
-        with Image.open(io.BytesIO(raw)) as im:  # reads the header, not the pixels
-            w, h = im.size
-    except Exception:  # noqa: BLE001 - any failure: leave it to the worker's decode and its message
-        return False
-    return w * h <= SMALL_IMAGE_PIXELS
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
+    except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
+        pass
 
 
 def _decode_here(raw: bytes, opts: tuple) -> Decoded | None:
-    """An image decoded in this thread when it is small (its CPU: this thread's), else None."""
-    if not _small_image(raw):
-        return None
+    """An image decoded in this thread when its header says at most THREAD_IMAGE_PIXELS (its CPU:
+    this thread's), else None; bad bytes: the MediaError a worker's decode would raise."""
+    from easerve.media.common import PixelBudget
+    from easerve.media.image import decode_opened, open_image
+
     t0 = time.thread_time()
-    d = _decode("image", raw, opts)
-    return Decoded(d.kind, d.array, d.fps, time.thread_time() - t0, in_thread=True)
+    max_side, pixels = opts
+    im = open_image(raw, "image", max_side)  # the header only
+    if im.size[0] * im.size[1] > THREAD_IMAGE_PIXELS:
+        return None
+    array = np.asarray(decode_opened(im, "image", PixelBudget(pixels)))
+    return Decoded("image", array, None, time.thread_time() - t0, in_thread=True)
 
 
 # ---- in the gateway -----------------------------------------------------------------------
@@ -206,9 +211,13 @@ def _received(answer: concurrent.futures.Future) -> concurrent.futures.Future:
 
 
 class DecodePool:
-    def __init__(self, workers: int = 0, max_pending: int = 0, cache_mb: float = 256.0):
-        """`workers` 0: one per core given to the gateway; `max_pending` 0: 16 per worker, at least 64."""
+    def __init__(self, workers: int = 0, max_pending: int = 0, cache_mb: float = 256.0, threads: int = 0):
+        """`workers` 0: one per core given to the gateway; `max_pending` 0: 16 per worker, at least 64;
+        `threads` (image decode threads in this process) 0: one per core given to the gateway."""
         self.workers = workers or gateway_cores()
+        self.threads = threads or gateway_cores()
+        self._idle_threads = self.threads
+        self._thread_exec: concurrent.futures.ThreadPoolExecutor | None = None
         self.max_pending = max_pending or max(64, 16 * self.workers)
         self.cache_bytes = int(cache_mb * (1 << 20))
         self.decoder = "AUTO"
@@ -217,7 +226,7 @@ class DecodePool:
         self._done: collections.OrderedDict[bytes, Decoded] = collections.OrderedDict()
         self._done_bytes = 0
         self.decodes = 0  # decodes run (shared and cached answers not counted)
-        self.in_thread = 0  # of those, small images decoded in a thread of this process
+        self.in_thread = 0  # of those, images decoded in a thread of this process
 
     def start(self) -> None:
         """Start the workers, after timing the decoders in one (logged)."""
@@ -226,6 +235,8 @@ class DecodePool:
             self.decoder, times = probe.submit(_probe).result()
         self._exec = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
                                                             initargs=(self.decoder,))
+        self._thread_exec = concurrent.futures.ThreadPoolExecutor(self.threads, "media-decode",
+                                                                  initializer=_lower_priority)
         # every worker now, while no task is busy: the executor would start one per submit while
         # none is idle, a fork-server round trip on the event loop under the first burst of media
         for f in [self._exec.submit(_hold, 0.2) for _ in range(self.workers)]:
@@ -242,6 +253,9 @@ class DecodePool:
         if self._exec is not None:
             self._exec.shutdown(wait=True, cancel_futures=True)
             self._exec = None
+        if self._thread_exec is not None:
+            self._thread_exec.shutdown(wait=True, cancel_futures=True)
+            self._thread_exec = None
 
     def key(self, kind: str, raw: bytes, opts: tuple) -> bytes:
         """The content hash that decodes are shared under (call off the event loop: it reads every byte)."""
@@ -271,9 +285,14 @@ class DecodePool:
         return out, True
 
     async def _run(self, kind: str, raw: bytes, opts: tuple) -> Decoded:
-        """A small image in a thread of this process, everything else in a worker."""
-        if kind == "image":
-            out = await asyncio.to_thread(_decode_here, raw, opts)
+        """An image in an idle decode thread of this process (unless its header says it is too
+        large), everything else in a worker."""
+        if kind == "image" and self._idle_threads > 0:
+            self._idle_threads -= 1
+            try:
+                out = await asyncio.wrap_future(self._thread_exec.submit(_decode_here, raw, opts))
+            finally:
+                self._idle_threads += 1
             if out is not None:
                 self.in_thread += 1
                 return out

@@ -1,5 +1,5 @@
 """The gateway's media decode pool (easerve.media.pool) with real worker processes: decodes
-match the in-process decoders, one decode per content hash, small images in a thread, a full
+match the in-process decoders, one decode per content hash, images in a thread while one is idle, a full
 queue is Overloaded, and a video file's kept frames come from seeking (only the GOPs holding
 them are decoded)."""
 from __future__ import annotations
@@ -80,25 +80,56 @@ def test_worker_decodes_match_in_process_and_same_content_decodes_once(pool):
     assert a.cpu_s > 0
 
 
-def test_small_images_decode_in_a_thread_large_ones_in_a_worker_and_bad_bytes_are_a_media_error(pool):
-    """Up to SMALL_IMAGE_PIXELS an image is decoded in a thread of the gateway (the hop to a
-    worker costs more than the decode); above, in a worker; both give the in-process pixels."""
+def test_images_decode_in_a_thread_large_ones_in_a_worker_and_bad_bytes_are_a_media_error(pool):
+    """Up to THREAD_IMAGE_PIXELS (1080p included) an image is decoded in a decode thread of the
+    gateway (the hop to a worker costs the gateway more than a third of the decode); above, in a
+    worker; both give the in-process pixels."""
     from PIL import Image
 
-    from easerve.media.pool import SMALL_IMAGE_PIXELS
+    from easerve.media.pool import THREAD_IMAGE_PIXELS
     opts = (8192, 10**9)
-    small, large = png_bytes(40, 30, seed=3), png_bytes(1100, 1000, seed=4)
-    assert 1200 <= SMALL_IMAGE_PIXELS < 1100 * 1000
+    small, hd, large = png_bytes(40, 30, seed=3), png_bytes(1920, 1080, seed=4), png_bytes(2050, 2050, seed=5)
+    assert 1920 * 1080 <= THREAD_IMAGE_PIXELS < 2050 * 2050
     before = pool.in_thread
-    d, _ = _run(pool.decode("image", small, opts, pool.key("image", small, opts)))
-    assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(small)).convert("RGB"))) and d.pixels == 1200
-    assert d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 1
+    for raw, pixels in ((small, 1200), (hd, 1920 * 1080)):
+        d, _ = _run(pool.decode("image", raw, opts, pool.key("image", raw, opts)))
+        assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))) and d.pixels == pixels
+        assert d.in_thread and d.cpu_s > 0
+    assert pool.in_thread == before + 2
     d, _ = _run(pool.decode("image", large, opts, pool.key("image", large, opts)))
     assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(large)).convert("RGB")))
-    assert not d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 1
-    assert not _mapped(d.array)  # 3.3 MB of pixels: through the pipe, cheaper below SHIP_MIN_BYTES
+    assert not d.in_thread and d.cpu_s > 0 and pool.in_thread == before + 2
+    assert not _mapped(d.array)  # 12.6 MB of pixels: through the pipe, cheaper below SHIP_MIN_BYTES
     with pytest.raises(MediaError, match="could not be decoded"):
         _run(pool.decode("image", b"not an image", opts, pool.key("image", b"not an image", opts)))
+
+
+def test_an_image_that_finds_every_decode_thread_busy_goes_to_a_worker_and_the_threads_yield_to_the_loop():
+    """With one decode thread, of two images arriving together the first takes the thread and
+    the second a worker (a burst spreads over the workers); the thread runs at the workers'
+    niceness."""
+    from PIL import Image
+
+    from easerve.media.pool import WORKER_NICE
+    p = DecodePool(workers=1, threads=1)
+    p.start()
+    try:
+        opts = (8192, 10**9)
+        a, b = png_bytes(640, 480, seed=6), png_bytes(640, 480, seed=7)
+
+        async def both():
+            return await asyncio.gather(p.decode("image", a, opts, p.key("image", a, opts)),
+                                        p.decode("image", b, opts, p.key("image", b, opts)))
+        (da, _), (db, _) = _run(both())
+        assert [da.in_thread, db.in_thread] == [True, False] and p.in_thread == 1
+        for d, raw in ((da, a), (db, b)):
+            assert np.array_equal(d.array, np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")))
+        d, _ = _run(p.decode("image", b, opts, b"another key"))  # the thread is idle again
+        assert d.in_thread and p.in_thread == 2
+        nice = p._thread_exec.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result()
+        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
+    finally:
+        p.close()
 
 
 def test_a_shipped_answer_is_unlinked_on_arrival_even_when_nobody_awaits_it(pool):
