@@ -322,8 +322,9 @@ class GatewayConfig(PeerFields, StageConfig):
     media_timeout_s: float = opt(10.0, "time limit of one media URL fetch")
     media_max_mpixels: float = opt(256.0, "decoded pixels per request (all images and video frames), millions")
     media_workers: NonNegInt = opt(0, "worker processes decoding media files (0: one per core the gateway may run "
-                                      "on); images of at most 1 megapixel are decoded in a gateway thread; a decoded "
-                                      "array of 16 MiB or more comes back through /dev/shm")
+                                      "on); images of at most 4 megapixels are decoded in the gateway's own decode "
+                                      "threads (one per core) while one is idle; a decoded array of 16 MiB or more "
+                                      "comes back through /dev/shm")
     media_queue: NonNegInt = opt(0, "media files decoding or waiting at once; past it: 429 / RESOURCE_EXHAUSTED "
                                  "(0: 16 per media worker, at least 64)")
     media_hash_entries: NonNegInt = opt(65536, "media content hashes remembered (hash -> the encode instance sent it, "
