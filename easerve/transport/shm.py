@@ -15,6 +15,7 @@ with it, by the next sender or the launcher: `shm_reclaim`). Segments are made w
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import mmap
 import os
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _MAX_REGION = 1 << 48
 TIDY_S = 1.0  # a receiver looks this often for the slabs of senders gone (while it maps any)
+DEAD_GC_S = 10.0  # while a dead sender's slab is still viewed, a full garbage collection at most this often
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class ShmTransport(KVTransport):
         self._slab_claim: int | None = None  # fd holding the owner's lock on the slab (shm_reclaim)
         self._reader = SlabReader()
         self._tidy: asyncio.TimerHandle | None = None
+        self._collected_at = float("-inf")
 
     @property
     def pending(self) -> list[str]:
@@ -184,13 +187,19 @@ class ShmTransport(KVTransport):
     def _tidy_later(self) -> None:
         """While this receiver maps any slab, every TIDY_S it forgets those of senders gone
         (`SlabReader.drop_dead`): a dead sender's slab (256 MiB of /dev/shm) is freed within
-        a second or two, not when the next new slab happens to arrive."""
-        if self._tidy is None and self._reader.mapped:
+        a second or two, not when the next new slab happens to arrive. Its mapping goes with
+        its last view; a view held only by a reference cycle (a failed call's traceback and
+        frames) would wait for a garbage collection that an idle process never runs, so while
+        a forgotten slab is still mapped, a full collection runs at most every DEAD_GC_S."""
+        if self._tidy is None and (self._reader.mapped or self._reader.dead_held):
             self._tidy = asyncio.get_running_loop().call_later(TIDY_S, self._tidy_now)
 
     def _tidy_now(self) -> None:
         self._tidy = None
         self._reader.drop_dead()
+        if self._reader.dead_held and time.monotonic() - self._collected_at >= DEAD_GC_S:
+            self._collected_at = time.monotonic()
+            gc.collect()
         self._tidy_later()
 
     def _sweep(self) -> None:

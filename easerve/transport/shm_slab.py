@@ -199,6 +199,7 @@ class SlabReader:
 
     def __init__(self, max_slabs: int = 16) -> None:
         self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self._dropped: list[weakref.ref[_Mapped]] = []  # dead senders' slabs forgotten, maybe still viewed
         self.max_slabs = max_slabs
 
     def take(self, name: str, offset: int, size: int, generation: int) -> np.ndarray:
@@ -232,8 +233,14 @@ class SlabReader:
         once no view of them is left; their names."""
         gone = [n for n in self._maps if _sender_gone(n)]
         for name in gone:
-            del self._maps[name]
+            self._dropped.append(weakref.ref(self._maps.pop(name)))
         return gone
+
+    @property
+    def dead_held(self) -> int:
+        """How many slabs `drop_dead` forgot are still mapped, because a view of them is alive."""
+        self._dropped = [r for r in self._dropped if r() is not None]
+        return len(self._dropped)
 
     def _map(self, name: str) -> _Mapped:
         if name in self._maps:
@@ -247,6 +254,7 @@ class SlabReader:
 
     def close(self) -> None:
         self._maps.clear()
+        self._dropped.clear()
 
 
 def _sender_gone(name: str) -> bool:

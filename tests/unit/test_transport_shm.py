@@ -206,6 +206,18 @@ def test_a_dead_senders_slab_is_unlinked_and_unmapped_by_its_receiver():
     kills a dead stage's leftovers) leaves its slab in /dev/shm with nobody holding the owner's
     lock; the receiver that maps it unlinks it and lets go of it within a few TIDY_S, without
     any new slab arriving (the chaos soak saw a dead encode's slab held by a prefill to the end)."""
+    _dead_sender(in_cycle=False)
+
+
+def test_a_dead_senders_slab_viewed_only_from_a_reference_cycle_is_let_go_without_outside_help():
+    """The same with the received tensors left in a reference cycle (as a failed call's traceback
+    holds its frames) and the garbage collector's automatic runs off (an idle process allocates
+    nothing to start one): the receiver's own tidying collects it and lets go of the slab (the
+    10-minute chaos soak at f625ed0 ended with a prefill holding a dead slab's 2 fds)."""
+    _dead_sender(in_cycle=True)
+
+
+def _dead_sender(in_cycle: bool) -> None:
     import signal
     import subprocess
     import sys
@@ -233,18 +245,26 @@ def test_a_dead_senders_slab_is_unlinked_and_unmapped_by_its_receiver():
         t = ShmTransport(ShmConfig(prefix=PREFIX))
         got = codec.kv_from_parts(*await t.recv(h))
         assert h.slab and same(got, kv()) and t._reader.mapped == 1 and fds_on(h.name) >= 1
+        if in_cycle:
+            gc.disable()
+            cycle = {"got": got}
+            cycle["self"] = cycle
+            del got, cycle
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         assert os.path.exists(f"/dev/shm/{h.name}")  # nobody else unlinks it
         await asyncio.sleep(3 * shm.TIDY_S + 0.5)
         assert t._reader.mapped == 0 and not os.path.exists(f"/dev/shm/{h.name}")
-        del got
-        gc.collect()
+        if not in_cycle:
+            del got
+            gc.collect()
         assert fds_on(h.name) == 0
+        assert t._reader.dead_held == 0
         await t.close()
 
     try:
         run(main())
     finally:
+        gc.enable()
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
