@@ -22,8 +22,9 @@ where least-loaded placement sends the request):
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
 got over what was predicted for them; a request predicted to wait in no queue takes the lesser
-of the fast and the lasting one while nothing is being refused, easerve/policy/calibration.py). The queue waits shrink by the age of the snapshot (they
-drain while the state ages), never below zero.
+of the fast and the lasting one while nothing is being refused, easerve/policy/calibration.py).
+The queue waits shrink by the age of the snapshot (they drain while the state ages), never
+below zero.
 
 Deadline order (easerve/policy/slo_order.py): the encode batcher and the prefill planner serve
 the requests that can still meet their tier first; a request that yields (best-effort, `batch`)
