@@ -82,16 +82,19 @@ class Admission:
         miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
         if not miss:
             self._last_admit = now
+            self.predictor.admitted()
             return Decision("admit", tier, priority, pred, deadline)
         retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, req.max_tokens)
         if self.mode == "reject":
             if self.probe_s and now - self._last_admit >= self.probe_s:
                 self._last_admit = now
+                self.predictor.admitted()
                 return Decision("admit", tier, priority, pred, deadline, retry, probe=True)
             # no actual will come back: the calibration scores its shadow
             self.predictor.refused(pred, tier.ttft_s)
             return Decision("reject", tier, priority, pred, deadline, retry)
         self._last_admit = now
+        self.predictor.admitted()
         if self.mode == "best-effort":
             return Decision("best_effort", tier, priority, pred, deadline, retry)
         return Decision("admit", tier, priority, pred, deadline, retry)  # off: admitted, the miss still noted

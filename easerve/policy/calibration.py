@@ -15,14 +15,17 @@ its raw prediction by exp(the fast one):
   overload cannot keep refusing requests once no admitted request reports back.
 - which one a prediction takes: a request predicted to wait in a queue takes the fast one; a
   request predicted to wait in none (`uncongested=True`) takes the lesser of the two while
-  admission has refused nothing for `quiet_s`. The lasting bias is what requests like it got;
+  admission refuses under `overload_share` of its decisions (a moving share, `share_alpha` the
+  weight of the newest). The lasting bias is what requests like it got;
   the fast average, a few requests' worth (alpha 0.3), swings by 20-40 % at a light load with
   no change in it (0.83-1.41 at 0.7x of the SLO capacity in bench/admission.py's run at
   f51ad98), and a request near its limit with no queue ahead is refused only when both say it
-  misses. Once admission refuses, the stack is turning load away, and "no queue" may be what
-  the raw model fails to see (an instance just restarted after a kill reports empty queues and
-  runs slow at first): every request takes the fast factor again. (Without that condition, the
-  10-minute chaos soak at b4db402 kept 0.597 of its fault-free goodput under faults.)
+  misses. Once admission refuses a share of the load, the stack is turning load away, and "no
+  queue" may be what the raw model fails to see (an instance just restarted after a kill reports
+  empty queues and runs slow at first): every request takes the fast factor again. (Without that
+  condition, the 10-minute chaos soak at b4db402 kept 0.597 of its fault-free goodput under
+  faults; with "nothing refused for 5 s" in its place, 4657aab, 0.905, but one refusal at a light
+  load then switched the fast factor on for everyone and the refusals that followed kept it on.)
 - a request refused for the correction alone (`refused`: its raw prediction met the limit) is
   scored against a shadow estimate of what it would have taken, its raw prediction times the
   lasting bias: the fast average moves toward the slow one as if it had come back so. The
@@ -63,16 +66,20 @@ class Calibration:
     slow_alpha: float = 0.1     # ... in the slow one
     half_life_s: float = 3.0    # relaxation of the fast average toward the slow one without samples
     max_factor: float = 8.0
-    quiet_s: float = 5.0        # seconds without a refusal before a request in no queue takes the lesser factor
-    _refused_at: float = float("-inf")
+    share_alpha: float = 0.05   # weight of the newest admission decision in the refused share
+    overload_share: float = 0.1  # refused share from which every request takes the fast factor
+    _refusing: float = 0.0
     _ttft: _LogRatio = field(default_factory=_LogRatio)
     _tpot: _LogRatio = field(default_factory=_LogRatio)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.alpha <= 1.0 and 0.0 < self.slow_alpha <= 1.0):
             raise ValueError(f"calibration alpha and slow_alpha must be in (0, 1], got {self.alpha}, {self.slow_alpha}")
-        if self.half_life_s <= 0.0 or self.max_factor < 1.0 or self.quiet_s < 0.0:
-            raise ValueError("calibration half_life_s must be > 0, max_factor >= 1 and quiet_s >= 0")
+        if self.half_life_s <= 0.0 or self.max_factor < 1.0:
+            raise ValueError("calibration half_life_s must be > 0 and max_factor >= 1")
+        if not (0.0 < self.share_alpha <= 1.0 and 0.0 < self.overload_share <= 1.0):
+            raise ValueError(f"calibration share_alpha and overload_share must be in (0, 1], got "
+                             f"{self.share_alpha}, {self.overload_share}")
 
     def ttft_factor(self, uncongested: bool = False) -> float:
         """The factor of a TTFT prediction; `uncongested`: the request is predicted to wait in no
@@ -92,11 +99,15 @@ class Calibration:
                      probe: bool = False) -> None:
         self._observe(self._tpot, raw_predicted_s, actual_s, uncongested, probe)
 
+    def admitted(self) -> None:
+        """Admission let a request in (the refused share, see the module docstring)."""
+        self._refusing -= self.share_alpha * self._refusing
+
     def refused(self, by_correction: bool = True) -> None:
-        """A request was refused (see `quiet_s`). `by_correction`: only the TTFT correction refused
-        it (its raw prediction fit); then its shadow sample, its raw prediction x the lasting bias,
-        pulls the fast average by `alpha`."""
-        self._refused_at = self.clock.now()
+        """A request was refused (the refused share). `by_correction`: only the TTFT correction
+        refused it (its raw prediction fit); then its shadow sample, its raw prediction x the
+        lasting bias, pulls the fast average by `alpha`."""
+        self._refusing += self.share_alpha * (1.0 - self._refusing)
         r = self._ttft
         if by_correction and r.samples:
             current = self._relaxed(r)
@@ -110,8 +121,8 @@ class Calibration:
 
     def _factor(self, r: _LogRatio, uncongested: bool = False) -> float:
         bound = math.log(self.max_factor)
-        quiet = self.clock.now() - self._refused_at >= self.quiet_s
-        log = min(self._relaxed(r), r.base) if uncongested and quiet and r.samples else self._relaxed(r)
+        calm = self._refusing < self.overload_share
+        log = min(self._relaxed(r), r.base) if uncongested and calm and r.samples else self._relaxed(r)
         return math.exp(min(bound, max(-bound, log)))
 
     def _observe(self, r: _LogRatio, raw_predicted_s: float, actual_s: float, uncongested: bool,

@@ -22,7 +22,7 @@ where least-loaded placement sends the request):
   that wait is spread over its tokens.
 With a `Calibration`, both predictions are then scaled by its factors (what recent requests
 got over what was predicted for them; a request predicted to wait in no queue takes the lesser
-of the fast and the lasting one while nothing is being refused, easerve/policy/calibration.py).
+of the fast and the lasting one while admission refuses little, easerve/policy/calibration.py).
 The queue waits shrink by the age of the snapshot (they drain while the state ages), never
 below zero.
 
@@ -214,6 +214,11 @@ class LatencyPredictor:
         `probe`: admission's probe (easerve/policy/admission.py), taken as the present truth."""
         if self.calibration is not None and not (pred.demoted and actual_s >= pred.ttft_s):
             self.calibration.observe_ttft(pred.remaining_raw_s, actual_s - pred.elapsed_s, pred.queue_s, probe)
+
+    def admitted(self) -> None:
+        """A request was let in: the calibration counts it (its refused share)."""
+        if self.calibration is not None:
+            self.calibration.admitted()
 
     def refused(self, pred: Prediction, ttft_limit_s: float) -> None:
         """`pred`'s request was refused: the calibration notes it, and when its raw TTFT met

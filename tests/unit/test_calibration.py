@@ -130,8 +130,9 @@ def test_after_a_burst_inflated_the_correction_a_light_load_is_refused_under_one
 def test_a_request_waiting_in_no_queue_takes_the_lesser_of_the_fast_factor_and_the_lasting_bias():
     """After first tokens as predicted, three slow ones (1.5x the raw prediction, no queue) lift the fast factor more than
     the lasting bias. A request predicted to wait in no queue is then scaled by the lasting bias
-    (admitted at 0.85 of its limit); one behind a queue by the fast factor (refused). After a
-    refusal every request takes the fast factor for `quiet_s`."""
+    (admitted at 0.85 of its limit); one behind a queue by the fast factor (refused). One
+    refusal among admissions leaves that so; once a tenth of the recent decisions are refusals
+    (three in a row) every request takes the fast factor, until admissions bring the share down."""
     from easerve.policy.admission import Admission, TierLimits
     from easerve.policy.latency import EncodeState, PrefillState
     clock = ManualClock(0.0)
@@ -152,10 +153,17 @@ def test_a_request_waiting_in_no_queue_takes_the_lesser_of_the_fast_factor_and_t
     tier = lambda p: TierLimits(p.raw_ttft_s / 0.85, 10.0)  # noqa: E731
     assert adm.decide(IMAGE, free, tier(p_free), "interactive", clock.now()).action == "admit"
     assert adm.decide(IMAGE, queued, tier(p_queued), "interactive", clock.now()).action == "reject"
-    fast = cal.ttft_factor()                                  # (its shadow pulled it toward the bias)
+    assert predictor.predict(IMAGE, free).ttft_factor == pytest.approx(slow)  # one refusal: no overload
+    for _ in range(2):
+        assert adm.decide(IMAGE, queued, tier(p_queued), "interactive", clock.now()).action == "reject"
+    fast = cal.ttft_factor()                                  # (the shadows pulled it toward the bias)
     assert fast > slow and predictor.predict(IMAGE, free).ttft_factor == pytest.approx(fast)  # refusing: fast for all
-    clock.advance(cal.quiet_s)
-    assert predictor.predict(IMAGE, LiveState(clock.now())).ttft_factor == pytest.approx(slow)
+    admits = 0
+    while predictor.predict(IMAGE, free).ttft_factor != pytest.approx(slow):
+        assert adm.decide(IMAGE, free, TierLimits(2 * p_free.raw_ttft_s, 10.0), "interactive",
+                          clock.now()).action == "admit"  # (a looser tier: the fast factor refuses the other)
+        admits += 1
+    assert admits == 7  # the share, 1 - 0.95 ** 3 after three refusals, under 0.1 after seven admissions
 
 
 def test_a_light_load_whose_latencies_scatter_is_refused_under_one_percent():
