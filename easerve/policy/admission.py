@@ -7,7 +7,8 @@ its tier's limits and its priority class, asks the `LatencyPredictor`, and retur
 so predicted and actual TTFT can be compared); `reject` refuses a predicted miss; `best-effort`
 admits it marked best-effort. A request misses when its predicted TTFT (the time it already
 spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit, or its
-predicted TPOT over the TPOT limit. The prediction knows the request's deadline and whether it
+predicted TPOT over the TPOT limit, each times the prediction's margin (the scatter the
+calibration saw while admission refuses little; easerve/policy/calibration.py). The prediction knows the request's deadline and whether it
 yields (`batch`), so it counts only the queued requests the deadline order puts ahead of it.
 
 A `reject` admission that has admitted nothing for `probe_s` admits the next predicted miss as a
@@ -79,7 +80,7 @@ class Admission:
         pred = self.predictor.predict(req, state, elapsed_s=max(0.0, now - received),
                                       due_s=tier.ttft_s, yields=priority == "batch")
         deadline = received + tier.ttft_s
-        miss = pred.ttft_s > tier.ttft_s or pred.tpot_s > tier.tpot_s
+        miss = pred.ttft_s > tier.ttft_s * pred.ttft_margin or pred.tpot_s > tier.tpot_s * pred.tpot_margin
         if not miss:
             self._last_admit = now
             self.predictor.admitted()

@@ -155,6 +155,8 @@ class Prediction:
     tpot_factor: float = 1.0
     elapsed_s: float = 0.0     # spent before the prediction was made (known, not scaled)
     demoted: bool = False      # predicted behind the whole queue (it yields, or will be overdue): a lower bound
+    ttft_margin: float = 1.0   # a miss is a TTFT over its limit x this (the calibration's scatter)
+    tpot_margin: float = 1.0
 
     @property
     def raw_ttft_s(self) -> float:
@@ -196,9 +198,11 @@ class LatencyPredictor:
         step, dwait = min((self._decode(req, d) for d in state.decode or (DecodeState(0, 0, 1 << 62),)),
                           key=lambda x: x[0] + x[1] / max(1, req.max_tokens - 1))
         tpot = step + dwait / max(1, req.max_tokens - 1)
-        kp = self.calibration.tpot_factor(uncongested=dwait == 0.0) if self.calibration else 1.0
+        cal = self.calibration
+        kp = cal.tpot_factor(uncongested=dwait == 0.0) if cal else 1.0
         return Prediction(spent + kt * (g + queue + enc + pre), kp * tpot, g, queue, enc, pre, dwait, kt, kp, spent,
-                          demoted=behind_all and due_s is not None)
+                          demoted=behind_all and due_s is not None,
+                          ttft_margin=cal.ttft_margin() if cal else 1.0, tpot_margin=cal.tpot_margin() if cal else 1.0)
 
     def _ttft_factor(self, queue_s: float, raw_s: float) -> float:
         """The calibration's TTFT factor for a raw prediction of `raw_s` with `queue_s` of waits

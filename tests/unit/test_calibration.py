@@ -71,6 +71,8 @@ def test_bad_settings_say_what_to_change():
         Calibration(ManualClock(), slow_alpha=2.0)
     with pytest.raises(ValueError, match="half_life_s"):
         Calibration(ManualClock(), half_life_s=0.0)
+    with pytest.raises(ValueError, match="max_margin must be >= 1"):
+        Calibration(ManualClock(), max_margin=0.9)
 
 
 def test_time_spent_before_the_prediction_is_counted_once_and_never_learned_as_a_bias():
@@ -132,11 +134,12 @@ def test_a_request_waiting_in_no_queue_takes_the_lesser_of_the_fast_factor_and_t
     the lasting bias. A request predicted to wait in no queue is then scaled by the lasting bias
     (admitted at 0.85 of its limit); one behind a queue by the fast factor (refused). One
     refusal among admissions leaves that so; once a tenth of the recent decisions are refusals
-    (three in a row) every request takes the fast factor, until admissions bring the share down."""
+    (three in a row) every request takes the fast factor, until admissions bring the share down.
+    (No miss margin here, max_margin 1: the factors alone decide.)"""
     from easerve.policy.admission import Admission, TierLimits
     from easerve.policy.latency import EncodeState, PrefillState
     clock = ManualClock(0.0)
-    cal = Calibration(clock)
+    cal = Calibration(clock, max_margin=1.0)
     predictor = LatencyPredictor(SVC, clock, cal)
     for ratio in [1.0] * 20 + [1.5] * 3:
         p = predictor.predict(IMAGE, LiveState(clock.now()))
@@ -230,3 +233,28 @@ def test_a_bias_learned_in_an_overload_refuses_a_light_load_only_until_its_first
     assert probes[0] is True and not any(probes[1:])  # one probe was enough: then the admitted report back
     refused, probes = _locked_out(probe_s=0.0)       # without probes nothing ever reports back
     assert (refused, probes) == (600, [])
+
+
+def test_a_prediction_within_the_scatter_of_its_limit_is_admitted_until_admission_refuses_a_share():
+    """First tokens in no queue scatter around the lasting bias (log ratio +0.2 and -0.2 in
+    turn): the miss margin becomes exp(0.2), given once `margin_samples` came back. A request
+    predicted at 1.1x its TTFT limit is then admitted while admission refuses little; after three
+    refusals in a row (a tenth of the recent decisions) the margin is 1 and it is refused."""
+    from easerve.policy.admission import Admission, TierLimits
+    clock = ManualClock(0.0)
+    cal = Calibration(clock)
+    predictor = LatencyPredictor(SVC, clock, cal)
+    adm = Admission("reject", predictor, clock, probe_s=0.0)
+    for i in range(40):
+        assert cal.ttft_margin() == (1.0 if i < cal.margin_samples else pytest.approx(math.exp(0.2), rel=0.05))
+        clock.advance(0.5)
+        cal.observe_ttft(1.0, math.exp(0.2 if i % 2 else -0.2))
+    free = LiveState(clock.now())
+    p = predictor.predict(IMAGE, free)
+    assert p.ttft_margin == pytest.approx(math.exp(0.2), rel=0.05) and p.tpot_margin == 1.0  # (no TPOT samples)
+    assert adm.decide(IMAGE, free, TierLimits(p.ttft_s / 1.1, 10.0), "interactive", clock.now()).action == "admit"
+    for _ in range(3):                                   # far over: refused with or without the margin
+        assert adm.decide(IMAGE, free, TierLimits(p.ttft_s / 1.4, 10.0), "interactive", clock.now()).action == "reject"
+    p = predictor.predict(IMAGE, free)
+    assert p.ttft_margin == 1.0
+    assert adm.decide(IMAGE, free, TierLimits(p.ttft_s / 1.1, 10.0), "interactive", clock.now()).action == "reject"

@@ -109,6 +109,7 @@ class GatewayAdmission:
                            "state_age_ms": max(0.0, self.clock.now() - state.taken_at) * 1e3,
                            "predicted_tpot_ms": p.tpot_s * 1e3,
                            "ttft_factor": p.ttft_factor, "tpot_factor": p.tpot_factor,
+                           "ttft_margin": p.ttft_margin, "tpot_margin": p.tpot_margin,
                            "ttft_limit_ms": tier.ttft_s * 1e3, "tpot_limit_ms": tier.tpot_s * 1e3,
                            "retry_after_s": d.retry_after_s, "ttft_ms": None, "tpot_ms": None}
         self.records.append(rec)
