@@ -8,8 +8,9 @@ so predicted and actual TTFT can be compared); `reject` refuses a predicted miss
 admits it marked best-effort. A request misses when its predicted TTFT (the time it already
 spent, `received` to now, plus the predicted rest) is over the tier's TTFT limit, or its
 predicted TPOT over the TPOT limit, each times the prediction's margin (the scatter the
-calibration saw while admission refuses little; easerve/policy/calibration.py). The prediction knows the request's deadline and whether it
-yields (`batch`), so it counts only the queued requests the deadline order puts ahead of it.
+calibration saw while admission refuses little; easerve/policy/calibration.py). The prediction
+knows the request's deadline and whether it yields (`batch`), so it counts only the queued
+requests the deadline order puts ahead of it.
 
 A `reject` admission that has admitted nothing for `probe_s` admits the next predicted miss as a
 probe (`Decision.probe`): the calibration then takes that request's actual latency as the present
@@ -82,20 +83,23 @@ class Admission:
         deadline = received + tier.ttft_s
         miss = pred.ttft_s > tier.ttft_s * pred.ttft_margin or pred.tpot_s > tier.tpot_s * pred.tpot_margin
         if not miss:
-            self._last_admit = now
-            self.predictor.admitted()
+            self._admitted(now)
             return Decision("admit", tier, priority, pred, deadline)
         retry = retry_after_s(pred, tier.ttft_s, tier.tpot_s, req.max_tokens)
         if self.mode == "reject":
             if self.probe_s and now - self._last_admit >= self.probe_s:
-                self._last_admit = now
-                self.predictor.admitted()
+                self._admitted(now)
                 return Decision("admit", tier, priority, pred, deadline, retry, probe=True)
             # no actual will come back: the calibration scores its shadow
             self.predictor.refused(pred, tier.ttft_s)
             return Decision("reject", tier, priority, pred, deadline, retry)
-        self._last_admit = now
-        self.predictor.admitted()
+        self._admitted(now)
         if self.mode == "best-effort":
             return Decision("best_effort", tier, priority, pred, deadline, retry)
         return Decision("admit", tier, priority, pred, deadline, retry)  # off: admitted, the miss still noted
+
+    def _admitted(self, now: float) -> None:
+        """A request goes in (admitted, as a probe, or best-effort): the probe's clock restarts
+        and the calibration counts it."""
+        self._last_admit = now
+        self.predictor.admitted()

@@ -66,7 +66,7 @@ class _LogRatio:
     at: float = 0.0
     samples: int = 0
     spread: float = 0.0  # slow average of the squared deviation of the no-queue samples from `base`
-    calm_samples: int = 0
+    no_queue_samples: int = 0  # how many samples moved `base` and `spread`
 
 
 @dataclass
@@ -145,12 +145,15 @@ class Calibration:
 
     def _factor(self, r: _LogRatio, uncongested: bool = False) -> float:
         bound = math.log(self.max_factor)
-        calm = self._refusing < self.overload_share
-        log = min(self._relaxed(r), r.base) if uncongested and calm and r.samples else self._relaxed(r)
+        log = min(self._relaxed(r), r.base) if uncongested and self._calm() and r.samples else self._relaxed(r)
         return math.exp(min(bound, max(-bound, log)))
 
+    def _calm(self) -> bool:
+        """Admission refuses under `overload_share` of its recent decisions."""
+        return self._refusing < self.overload_share
+
     def _margin(self, r: _LogRatio) -> float:
-        if self._refusing >= self.overload_share or r.calm_samples < self.margin_samples:
+        if not self._calm() or r.no_queue_samples < self.margin_samples:
             return 1.0
         return min(self.max_margin, math.exp(math.sqrt(r.spread)))
 
@@ -162,8 +165,8 @@ class Calibration:
         current = self._relaxed(r)
         r.value = sample if r.samples == 0 or probe else current + self.alpha * (sample - current)
         if uncongested:
-            if r.calm_samples:
+            if r.no_queue_samples:
                 r.spread += self.slow_alpha * ((sample - r.base) ** 2 - r.spread)
             r.base += self.slow_alpha * (sample - r.base)
-            r.calm_samples += 1
+            r.no_queue_samples += 1
         r.at, r.samples = self.clock.now(), r.samples + 1
